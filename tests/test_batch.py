@@ -1,0 +1,74 @@
+"""pack(): the device batch built from a scheduler decision. No model, no jax."""
+
+import numpy as np
+
+from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
+from jaxsched.request import Request, SamplingParams
+from test_scheduler import make_sched
+
+
+def test_pack_mixed_step():
+    s, bm = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
+    a = Request("a", list(range(100, 120)), SamplingParams(temperature=0.5, top_k=3, seed=7), sample_seed=7)
+    b = Request("b", list(range(200, 203)), SamplingParams(logprobs=2, top_p=0.9), sample_seed=11)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.update(out, [1, 2])
+    a_tokens = a.num_tokens
+    c = Request("c", list(range(300, 325)), SamplingParams(min_p=0.1), sample_seed=13)
+    s.add_request(c)
+    out = s.schedule()  # a and b decode one token each; c prefills its whole prompt (2 + 25 <= 32)
+    packer = BatchPacker(32, 8, 16, 8)
+    batch = packer.pack(out, bm)
+    T, S = out.token_bucket, out.seq_bucket
+    assert (batch.num_tokens_bucket, batch.num_seqs_bucket) == (T, S)
+    n_c = out.num_new_tokens[2]
+    assert out.num_new_tokens[:2] == [1, 1] and n_c == 25
+    total = 2 + n_c
+    assert batch.num_seqs[0] == 3
+    np.testing.assert_array_equal(batch.query_start_loc[:4], [0, 1, 2, total])
+    assert (batch.query_start_loc[4:] == total).all()  # padding rows are empty
+    np.testing.assert_array_equal(batch.token_ids[:total], [1, 2] + list(range(300, 325)))
+    assert (batch.token_ids[total:] == 0).all()
+    np.testing.assert_array_equal(batch.positions[:total], [a_tokens - 1, 3] + list(range(25)))
+    np.testing.assert_array_equal(batch.seq_lens[:3], [a_tokens, 4, 25])
+    assert (batch.seq_lens[3:] == 0).all()
+    np.testing.assert_array_equal(batch.logits_indices[:3], [0, 1, total - 1])
+    # slot mapping goes through each request's block table
+    for row, r in enumerate(out.requests):
+        blocks = bm.block_ids(r.request_id)
+        np.testing.assert_array_equal(batch.block_tables[row, : len(blocks)], blocks)
+        assert (batch.block_tables[row, len(blocks):] == 0).all()
+        lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]
+        pos = batch.positions[lo:hi]
+        np.testing.assert_array_equal(batch.slot_mapping[lo:hi], np.asarray(blocks)[pos // 8] * 8 + pos % 8)
+    assert (batch.slot_mapping[total:] == 0).all() and (batch.block_tables[3:] == 0).all()
+    # sampling arrays
+    np.testing.assert_allclose(batch.temperature[:3], [0.5, 1.0, 1.0])
+    np.testing.assert_array_equal(batch.top_k[:3], [3, 0, 0])
+    np.testing.assert_allclose(batch.top_p[:S], [1.0, 0.9] + [1.0] * (S - 2))
+    np.testing.assert_allclose(batch.min_p[:3], [0.0, 0.0, 0.1], rtol=1e-6)
+    np.testing.assert_array_equal(batch.seeds[:3], [7, 11, 13])
+    np.testing.assert_array_equal(batch.sample_index[:3], [1, 1, 0])
+    np.testing.assert_array_equal(batch.num_logprobs[:S], [-1, 2] + [-1] * (S - 2))
+    # every field is a view of the two flat buffers, which rebuild the same descriptor
+    assert (batch.flat_i32.size, batch.flat_f32.size) == flat_sizes(T, S, 16)
+    again = BatchDescriptor.from_flat(batch.flat_i32.copy(), batch.flat_f32.copy(), T, S, 16)
+    np.testing.assert_array_equal(again.block_tables, batch.block_tables)
+    np.testing.assert_array_equal(again.top_p, batch.top_p)
+
+
+def test_pack_reuses_buffers_without_stale_values():
+    s, bm = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
+    packer = BatchPacker(32, 8, 16, 8)
+    for rid in "abcd":
+        s.add_request(Request(rid, [5] * 7, SamplingParams(temperature=0.7)))
+    big = packer.pack(s.schedule(), bm)
+    assert big.num_seqs[0] == 4
+    s2, bm2 = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
+    s2.add_request(Request("z", [9], SamplingParams()))
+    small = packer.pack(s2.schedule(), bm2)
+    assert small.num_seqs[0] == 1
+    assert (small.token_ids[1:] == 0).all() and (small.seq_lens[1:] == 0).all()
+    assert (small.temperature[1:] == 0).all() and (small.block_tables[1:] == 0).all()
