@@ -1,0 +1,23 @@
+"""Writing this step's new K/V into the pool by slot mapping.
+
+The pool is donated to the jitted step, so this scatter updates it in place. Padding tokens carry
+slot 0 and write into the null page, which no real sequence reads unmasked.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
+    """k_cache, v_cache f[L, NB, K, P, H]; k, v f[T, K, H]; slot_mapping i32[T] (block * P + offset).
+
+    Returns the updated (k_cache, v_cache).
+    """
+    P = k_cache.shape[3]
+    block = slot_mapping // P
+    offset = slot_mapping % P
+    # Advanced indices (layer, block, offset) around a slice put T first: the update is [T, K, H].
+    k_cache = k_cache.at[layer, block, :, offset].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, block, :, offset].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache

@@ -1,0 +1,74 @@
+"""Time the attention backends on CPU for decode-only and prefill steps at the demo model's shapes.
+
+Usage: python scripts/bench_attention.py [--backend xla] [--seqs 128] [--ctx 400] [--prefill 2048]
+Prints one line per case: milliseconds per call (one layer) and effective KV GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import paged_attention
+
+
+def build(rng, seqs, q_lens, ctx, NB, K, P, H, N, M):
+    S = len(q_lens)
+    bt = np.zeros((S, M), np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    perm = rng.permutation(NB - 1) + 1
+    used = 0
+    for i in range(seqs):
+        sl = ctx[i] + q_lens[i]
+        nb = -(-sl // P)
+        bt[i, :nb] = perm[used : used + nb]
+        used += nb
+        seq_lens[i] = sl
+        qsl[i + 1] = qsl[i] + q_lens[i]
+    qsl[seqs + 1 :] = qsl[seqs]
+    return bt, seq_lens, qsl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="xla")
+    ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=400)
+    ap.add_argument("--prefill", type=int, default=2048, help="tokens of a prefill-only step")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    L, K, P, H, N, M = 2, 3, 16, 64, 9, 64
+    NB = args.seqs * M + 1
+    kc = jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32))
+    vc = jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32))
+    fn = jax.jit(lambda *a: paged_attention(*a, sm_scale=H**-0.5, backend=args.backend))
+    cases = {
+        f"decode S={args.seqs} ctx={args.ctx}": ([1] * args.seqs, [args.ctx - 1] * args.seqs, args.seqs),
+        f"prefill T={args.prefill} (4 prompts)": ([args.prefill // 4] * 4 + [0] * 4, [0] * 8, 4),
+        f"mixed: 1 chunk of 512 + {args.seqs - 1} decodes": (
+            [512] + [1] * (args.seqs - 1), [256] + [args.ctx - 1] * (args.seqs - 1), args.seqs),
+    }
+    for name, (q_lens, ctx, n) in cases.items():
+        bt, seq_lens, qsl = build(rng, n, q_lens, ctx, NB, K, P, H, N, M)
+        T = max(16, int(2 ** np.ceil(np.log2(max(sum(q_lens), 1)))))
+        q = jnp.asarray(rng.standard_normal((T, N, H), dtype=np.float32))
+        a = (q, kc, vc, jnp.int32(1), jnp.asarray(bt), jnp.asarray(seq_lens), jnp.asarray(qsl),
+             jnp.asarray([n], np.int32))
+        fn(*a).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            r = fn(*a)
+        r.block_until_ready()
+        dt = (time.perf_counter() - t0) / args.repeats
+        kv_bytes = sum(int(s) for s in seq_lens) * K * H * 4 * 2
+        print(f"{name}: {dt * 1e3:.2f} ms/layer, KV {kv_bytes / dt / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
