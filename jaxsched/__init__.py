@@ -1,0 +1,26 @@
+"""jaxsched: an LLM serving engine on JAX. Public API mirrors vLLM's.
+
+Names are imported lazily so that host-only modules (scheduler, block manager) load without jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxsched.engine",
+    "LLMEngine": "jaxsched.engine",
+    "EngineArgs": "jaxsched.config",
+    "SamplingParams": "jaxsched.request",
+    "RequestOutput": "jaxsched.outputs",
+    "CompletionOutput": "jaxsched.outputs",
+    "Logprob": "jaxsched.outputs",
+}
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxsched' has no attribute {name!r}")

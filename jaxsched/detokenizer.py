@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings, on the host.
+
+Decoding the whole output every step is quadratic; decoding one token alone breaks multi-byte
+characters and SentencePiece's leading spaces. So, like vLLM, each request decodes a short window:
+text(ids[prefix:]) minus text(ids[prefix:read]) is the new text, emitted only once it no longer
+ends in an incomplete character. The window starts with a few prompt tokens so the first output
+token decodes with its real left context.
+"""
+
+from __future__ import annotations
+
+from jaxsched.request import SamplingParams
+
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = params.skip_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        # Streaming holds back this many characters: they could be the start of a stop string.
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop_string: str | None = None  # set when a stop string ended the output
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_token(self, token_id: int, last: bool = False) -> str:
+        """Append one generated token; returns the new text (possibly ''), stop strings applied.
+
+        An incomplete character is held back until the next token completes it, unless this is the
+        request's last token: then it is flushed, so the final text equals decoding all its tokens.
+        """
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = len(self.text)
+        self.text += delta
+        if self.stop:
+            self._check_stop(start)
+        return self.text[start:]
+
+    def _check_stop(self, new_from: int) -> None:
+        # a stop string may begin before the new text and end inside it
+        search_from = max(0, new_from - self.holdback)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+            self.stop_string = s
+
+    def stream_text_end(self, finished: bool) -> int:
+        """How much of self.text may be sent to a streaming client now."""
+        if finished or not self.stop:
+            return len(self.text)
+        return max(0, len(self.text) - self.holdback)

@@ -1,0 +1,345 @@
+"""LLMEngine, the synchronous step loop, and LLM, offline generation on top of it.
+
+What runs each step (LLMEngine.step):
+    out     = scheduler.schedule()          who runs, how many tokens each, which buckets
+    batch   = packer.pack(out, blocks)      fixed-shape arrays for the device
+    sampled = runner.execute(batch)         one jitted call: model + sampler
+    got     = scheduler.update(out, ids)    append tokens, stop checks, free finished blocks
+then detokenize, apply stop strings, and report RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxsched.batch import BatchPacker
+from jaxsched.block_manager import BlockManager, cdiv
+from jaxsched.buckets import seq_buckets, token_buckets
+from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from jaxsched.detokenizer import IncrementalDetokenizer
+from jaxsched.models.loader import build_model, load_model_source
+from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxsched.request import Request, RequestStatus, SamplingParams
+from jaxsched.runner import ModelRunner, num_blocks_for_memory
+from jaxsched.sampler import SamplerOutput
+from jaxsched.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+PromptType = str | dict[str, Any]
+
+
+def resolve_configs(args: EngineArgs, model_cfg: ModelConfig, platform: str) -> tuple[str, SchedulerConfig]:
+    """Derive the dtype and the scheduler config from the engine args and the model."""
+    dtype = args.dtype
+    if dtype == "auto":
+        # XLA:CPU runs float32 matmuls faster than bfloat16 ones; accelerators get the checkpoint's
+        # 16-bit dtype (float16 checkpoints run in bfloat16, which has float32's range).
+        dtype = "float32" if platform == "cpu" or model_cfg.dtype in ("float32", "float64") else "bfloat16"
+    max_len = args.max_model_len or model_cfg.max_position_embeddings
+    if max_len > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}); lower max_model_len"
+        )
+    if model_cfg.sliding_window is not None and max_len > model_cfg.sliding_window:
+        raise ValueError(
+            f"the model uses sliding-window attention (window {model_cfg.sliding_window}), which this engine "
+            f"does not implement; set max_model_len <= {model_cfg.sliding_window}"
+        )
+    if args.enable_chunked_prefill:
+        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+    else:
+        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
+        if budget < max_len:
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
+                f"max_model_len ({max_len}) so that any prompt fits in one step"
+            )
+    max_seqs = min(args.max_num_seqs, budget)
+    sched = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        token_buckets=token_buckets(budget),
+        seq_buckets=seq_buckets(max_seqs),
+    )
+    return dtype, sched
+
+
+class _RequestState:
+    """Engine-side extras of a request: detokenizer and logprobs."""
+
+    __slots__ = ("request", "detok", "logprobs", "cumulative_logprob")
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detok = detok
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        import jax
+        from flax import nnx
+
+        args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
+        self.args = args
+        path = args.model
+        if path is None:
+            from jaxsched.models.demo import demo_model_path
+
+            path = str(demo_model_path())
+        self.model_path = path
+        model_cfg, getter, kind = load_model_source(path)
+        platform = jax.devices()[0].platform
+        dtype, sched_cfg = resolve_configs(args, model_cfg, platform)
+        self.model_config = model_cfg
+        self.scheduler_config = sched_cfg
+        self.dtype = dtype
+
+        from jaxsched.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(args.tokenizer or path)
+        t0 = time.perf_counter()
+        model = build_model(model_cfg, dtype, getter, seed=args.seed)
+        logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)
+
+        P = args.block_size
+        M = cdiv(sched_cfg.max_model_len, P)
+        max_useful = sched_cfg.max_num_seqs * M + 1
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
+            num_blocks = num_blocks_for_memory(model_cfg, P, dtype, args.gpu_memory_utilization, weights,
+                                               sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                                               max_useful)
+        self.cache_config = CacheConfig(block_size=P, num_blocks=num_blocks, dtype=dtype)
+        self.block_manager = BlockManager(num_blocks, P)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.packer = BatchPacker(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs, M, P)
+        self.runner = ModelRunner(model, model_cfg, self.cache_config, sched_cfg, args.max_logprobs)
+        self.runner.warm_up()
+        logger.info("KV pool: %d blocks of %d tokens (%d tokens), %s", num_blocks - 1, P, (num_blocks - 1) * P,
+                    dtype)
+
+        eos = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        self._rng = np.random.default_rng(args.seed)
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType | Sequence[int]) -> tuple[list[int], str | None]:
+        """A prompt as token ids (+ its text). Raises ValueError on an empty or malformed prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: pass at least one character or token id")
+            return list(self.tokenizer.encode(prompt)), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = prompt, None
+        else:
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        V = self.model_config.vocab_size
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt_token_ids is empty: pass at least one token id")
+        for t in ids:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
+                raise ValueError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {t!r}")
+        return [int(t) for t in ids], text
+
+    def make_request(self, request_id: str, prompt: PromptType | Sequence[int],
+                     params: SamplingParams | None = None, arrival_time: float | None = None,
+                     priority: int = 0) -> Request:
+        """Validate and build a Request without adding it (so a batch can be checked up front)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
+        ids, text = self.tokenize_prompt(prompt)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                      priority=priority, eos_token_ids=self.eos_token_ids, sample_seed=seed % (2**31 - 1),
+                      prompt=text)
+        self.scheduler.check_fits(req)
+        return req
+
+    def add_request(self, request_id: str, prompt: PromptType | Sequence[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        self.add_request_obj(self.make_request(request_id, prompt, params, arrival_time, priority))
+
+    def add_request_obj(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self._states[req.request_id] = _RequestState(
+            req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for req in out.requests:
+            if not req.first_scheduled_time:
+                req.first_scheduled_time = now
+        batch = self.packer.pack(out, self.block_manager)
+        res = self.runner.execute(batch)
+        got = self.scheduler.update(out, res.sampled)
+        return self._process(out, got, res)
+
+    def _process(self, out: SchedulerOutput, got: list[int], res: SamplerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        stopped = []
+        for i in got:
+            req = out.requests[i]
+            state = self._states[req.request_id]
+            token = req.output_token_ids[-1]
+            if not req.first_token_time:
+                req.first_token_time = now
+            if state.logprobs is not None:
+                state.logprobs.append(self._logprobs_entry(res, i, token, req.sampling_params.logprobs))
+                state.cumulative_logprob += float(res.logprob[i])
+            state.detok.add_token(token, last=req.is_finished)
+            if state.detok.stop_string is not None and not req.is_finished:
+                req.stop_reason = state.detok.stop_string
+                stopped.append(req.request_id)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for i in got:
+            req = out.requests[i]
+            if req.is_finished:
+                req.finished_time = now
+                outputs.append(self._output(self._states.pop(req.request_id)))
+            else:
+                outputs.append(self._output(self._states[req.request_id]))
+        return outputs
+
+    def _logprobs_entry(self, res: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
+        dec = self.tokenizer.convert_ids_to_tokens
+        entry = {token: Logprob(float(res.logprob[i]), int(res.rank[i]), dec(token))}
+        for j in range(k):
+            t = int(res.top_ids[i, j])
+            if t not in entry:
+                entry[t] = Logprob(float(res.top_logprobs[i, j]), j + 1, dec(t))
+        return entry
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        req = state.request
+        reason = req.finish_reason
+        comp = CompletionOutput(
+            index=0, text=state.detok.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=reason.value if reason else None, stop_reason=req.stop_reason)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.finished_time, req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
+                             priority=req.priority)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+
+class LLM:
+    """Offline generation, as vLLM's `LLM`: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or "
+                                 "one per prompt")
+        eng = self.llm_engine
+        # Validate everything before adding anything: a bad prompt leaves no half-added batch.
+        reqs = [eng.make_request(eng.next_request_id(), p, sp) for p, sp in zip(prompts, params)]
+        for req in reqs:
+            eng.add_request_obj(req)
+        return self._run(reqs, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        if not messages:
+            raise ValueError("messages is empty: pass at least one {'role': ..., 'content': ...}")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in convs:
+            if not conv:
+                raise ValueError("messages is empty: pass at least one {'role': ..., 'content': ...}")
+            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        eng = self.llm_engine
+        wanted = {r.request_id: i for i, r in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        with tqdm(total=len(reqs), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished and o.request_id in wanted:
+                        results[wanted[o.request_id]] = o
+                        bar.update(1)
+        return [r for r in results if r is not None]

@@ -1,0 +1,1 @@
+"""Models (Flax NNX) and their loading."""

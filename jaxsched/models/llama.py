@@ -1,0 +1,158 @@
+"""The Llama-family decoder as a Flax NNX module: Llama (incl. Llama 3 rope scaling), Mistral,
+Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, free head_dim), GQA, tied or untied embeddings.
+
+Layer weights are stacked along a leading L axis and the forward pass is one lax.scan over layers:
+the program compiles one layer instead of L, which is what keeps warm-up of every bucket short.
+q/k/v and gate/up are fused into one matmul each (fewer, larger dots run faster on every backend).
+
+forward: (kv pool, batch) -> (logits f32[S, V] at batch.logits_indices, new kv pool)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsched.config import ModelConfig
+from pallas_kernels import paged_attention, write_kv
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def rms_norm(x, weight, eps: float):
+    """HF's LlamaRMSNorm: normalise in float32, scale in the weight's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight * x32.astype(weight.dtype)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse frequencies f32[H/2], with the configured scaling applied."""
+    H = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    sc = dict(cfg.rope_scaling or ())
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return jnp.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def apply_rope(x, cos, sin):
+    """HF's rotate-half convention. x [T, heads, H]; cos, sin [T, H/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers, each weight stacked along axis 0. Linear weights are [in, out]."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        init = nnx.initializers.normal(0.02)
+
+        def w(*shape):
+            return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(dtype))
+
+        self.input_norm = nnx.Param(jnp.ones((L, D), dtype))
+        self.qkv = w(L, D, (N + 2 * K) * H)
+        self.qkv_bias = nnx.Param(jnp.zeros((L, (N + 2 * K) * H), dtype)) if cfg.qkv_bias else None
+        self.q_norm = nnx.Param(jnp.ones((L, H), dtype)) if cfg.qk_norm else None
+        self.k_norm = nnx.Param(jnp.ones((L, H), dtype)) if cfg.qk_norm else None
+        self.o_proj = w(L, N * H, D)
+        self.o_bias = nnx.Param(jnp.zeros((L, D), dtype)) if cfg.o_bias else None
+        self.post_norm = nnx.Param(jnp.ones((L, D), dtype))
+        self.gate_up = w(L, D, 2 * F)
+        self.gate_up_bias = nnx.Param(jnp.zeros((L, 2 * F), dtype)) if cfg.mlp_bias else None
+        self.down = w(L, F, D)
+        self.down_bias = nnx.Param(jnp.zeros((L, D), dtype)) if cfg.mlp_bias else None
+
+    def stacked(self) -> dict:
+        names = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_norm",
+                 "gate_up", "gate_up_bias", "down", "down_bias")
+        return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
+                 attention_backend: str = "xla"):
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        jdt = _DTYPES[dtype]
+        init = nnx.initializers.normal(0.02)
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = nnx.Param(init(rngs.params(), (V, D), jnp.float32).astype(jdt))
+        self.layers = DecoderLayers(cfg, jdt, rngs)
+        self.norm = nnx.Param(jnp.ones((D,), jdt))
+        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
+            init(rngs.params(), (D, V), jnp.float32).astype(jdt))
+
+    def __call__(self, kv, batch):
+        """kv: (k_cache, v_cache) f[L, NB, K, P, H]; batch: a BatchDescriptor of jax arrays."""
+        cfg = self.cfg
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        embed = self.embed[...]
+        T = batch.token_ids.shape[0]
+
+        h = embed[batch.token_ids]  # [T, D]
+        angles = batch.positions.astype(jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, H/2]
+        scale = H**-0.5
+
+        def layer(carry, p):
+            h, k_cache, v_cache, li = carry
+            x = rms_norm(h, p["input_norm"], eps)
+            qkv = x @ p["qkv"]
+            if "qkv_bias" in p:
+                qkv = qkv + p["qkv_bias"]
+            q = qkv[:, : N * H].reshape(T, N, H)
+            k = qkv[:, N * H : (N + K) * H].reshape(T, K, H)
+            v = qkv[:, (N + K) * H :].reshape(T, K, H)
+            if "q_norm" in p:
+                q = rms_norm(q, p["q_norm"], eps)
+                k = rms_norm(k, p["k_norm"], eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
+                                batch.query_start_loc, batch.num_seqs, sm_scale=scale,
+                                backend=self.attention_backend)
+            o = o.reshape(T, N * H) @ p["o_proj"]
+            if "o_bias" in p:
+                o = o + p["o_bias"]
+            h = h + o
+            x = rms_norm(h, p["post_norm"], eps)
+            gu = x @ p["gate_up"]
+            if "gate_up_bias" in p:
+                gu = gu + p["gate_up_bias"]
+            g, u = jnp.split(gu, 2, axis=-1)
+            d = (jax.nn.silu(g) * u) @ p["down"]
+            if "down_bias" in p:
+                d = d + p["down_bias"]
+            return (h + d, k_cache, v_cache, li + 1), None
+
+        k_cache, v_cache = kv
+        (h, k_cache, v_cache, _), _ = jax.lax.scan(
+            layer, (h, k_cache, v_cache, jnp.int32(0)), self.layers.stacked())
+        # The lm_head runs only where a token is sampled: S rows, not T.
+        hs = rms_norm(h[batch.logits_indices], self.norm[...], eps)
+        w = embed.T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.dot(hs, w, preferred_element_type=jnp.float32)
+        return logits, (k_cache, v_cache)

@@ -1,0 +1,51 @@
+"""Result types, named and shaped as vLLM's so code written against vLLM reads them unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # per generated token: {token_id: Logprob} with the sampled token and the top-k alternatives
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() stamps; 0.0 means the event has not happened."""
+
+    arrival_time: float
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = None  # not computed by this engine
+    priority: int = 0
+    extra: dict = field(default_factory=dict)

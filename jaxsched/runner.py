@@ -1,0 +1,151 @@
+"""ModelRunner: the weights and the KV pool on the device, one compiled program per (T, S) bucket,
+and execute(batch) -> sampled tokens.
+
+All compilation happens in warm_up(), ahead of time, one executable per bucket pair; execute()
+only looks an executable up, so a step can never compile. The KV pool is donated to every call and
+updated in place. Per step: two host-to-device copies (the batch's flat buffers) and two
+device-to-host copies (sampled ids + logprobs, packed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsched.batch import BatchDescriptor, flat_sizes
+from jaxsched.block_manager import cdiv
+from jaxsched.buckets import bucket_pairs
+from jaxsched.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxsched.sampler import SamplerOutput, sample
+
+logger = logging.getLogger(__name__)
+
+_JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_JNP[dtype]).itemsize
+
+
+def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str) -> int:
+    """A generous bound on one step's live activations: per-token hidden states of a layer plus the
+    logits and the sampler's sorted copy, with a factor 2 for XLA's temporaries."""
+    itemsize = jnp.dtype(_JNP[dtype]).itemsize
+    per_token = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                 + 3 * cfg.intermediate_size) * itemsize
+    return 2 * (max_tokens * per_token + 4 * max_seqs * cfg.vocab_size * 4)
+
+
+def device_memory() -> tuple[int, int]:
+    """(total, free) bytes of the first device; host memory when the device is a CPU."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total, total - int(stats.get("bytes_in_use", 0))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, free
+
+
+def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, utilization: float,
+                          weights_bytes: int, max_tokens: int, max_seqs: int, max_useful: int) -> int:
+    """vLLM's rule: the pool gets utilization * total memory minus what the process already holds
+    (weights) and the peak activations. On a CPU the same rule runs over host memory, also capped
+    by what is free now. Never more than `max_useful` blocks (null page included)."""
+    total, free = device_memory()
+    budget = min(utilization * total, free) - weights_bytes - activation_bytes(cfg, max_tokens, max_seqs, dtype)
+    n = int(budget // kv_bytes_per_block(cfg, block_size, dtype))
+    if n < 2:
+        raise ValueError(
+            f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "
+            f"weights {weights_bytes / 2**30:.2f} GiB; raise gpu_memory_utilization, lower "
+            "max_num_batched_tokens / max_num_seqs, or set num_gpu_blocks_override"
+        )
+    return min(n, max_useful)
+
+
+def enable_compilation_cache() -> None:
+    """Turn on jax's persistent compilation cache (in the jaxsched cache folder) unless the user
+    chose a folder already, so a second start of the same model and buckets skips compilation."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    from jaxsched.models.demo import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
+class ModelRunner:
+    def __init__(self, model: nnx.Module, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, max_logprobs: int) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.max_logprobs = max_logprobs
+        self.graphdef, self.state = nnx.split(model)
+        cfg = model_config
+        self.max_blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)  # M
+        shape = (cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
+                 cfg.head_dim)  # [L, NB, K, P, H]
+        dt = _JNP[cache_config.dtype]
+        self.kv = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        self._executables: dict[tuple[int, int], object] = {}
+        self.warmup_seconds = 0.0
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.state))
+
+    def _step(self, state, kv, flat_i32, flat_f32, *, T: int, S: int):
+        model = nnx.merge(self.graphdef, state)
+        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq)
+        logits, kv = model(kv, batch)
+        ints, floats = sample(logits, batch, self.max_logprobs)
+        return kv, ints, floats
+
+    def compile(self, T: int, S: int):
+        n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
+        fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,))
+        lowered = fn.lower(self.state, self.kv, jax.ShapeDtypeStruct((n_i32,), jnp.int32),
+                           jax.ShapeDtypeStruct((n_f32,), jnp.float32), T=T, S=S)
+        return lowered.compile()
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        sc = self.scheduler_config
+        return bucket_pairs(sc.token_buckets, sc.seq_buckets)
+
+    def warm_up(self) -> float:
+        """Compile every (T, S) bucket pair. Returns the seconds it took (also logged)."""
+        enable_compilation_cache()
+        t0 = time.perf_counter()
+        pairs = self.bucket_pairs()
+        for T, S in pairs:
+            if (T, S) not in self._executables:
+                self._executables[(T, S)] = self.compile(T, S)
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
+                    list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets),
+                    self.warmup_seconds)
+        return self.warmup_seconds
+
+    def execute(self, batch: BatchDescriptor) -> SamplerOutput:
+        T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
+        exe = self._executables.get((T, S))
+        if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
+            raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
+        self.kv, ints, floats = exe(self.state, self.kv, batch.flat_i32, batch.flat_f32)
+        ints, floats = jax.device_get((ints, floats))
+        return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), S, self.max_logprobs)

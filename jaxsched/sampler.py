@@ -1,0 +1,91 @@
+"""On-device sampling, traced into the same jit as the model.
+
+Greedy rows take the argmax. Sampling rows apply temperature, then top-k / top-p / min-p as one
+threshold per row, then a Gumbel-max draw whose key is derived from (request seed, output index):
+a seeded request gives the same tokens whatever else shares its batch. Each costly part runs under
+lax.cond, so an all-greedy step pays only for the argmax and a step without logprobs for none.
+
+Logprobs are of the model's raw distribution (vLLM's default): the sampled token's logprob and
+rank, and the top `max_logprobs` alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass
+class SamplerOutput:
+    """Host copy of one step's sampling results, rows in batch order (S rows, padding included)."""
+
+    sampled: np.ndarray  # i32[S]
+    logprob: np.ndarray  # f32[S]    logprob of the sampled token (if any row asked)
+    rank: np.ndarray  # i32[S]       1 = the most likely token
+    top_ids: np.ndarray  # i32[S, k] top-k alternatives, k = max_logprobs
+    top_logprobs: np.ndarray  # f32[S, k]
+
+    @classmethod
+    def unpack(cls, ints: np.ndarray, floats: np.ndarray, S: int, k: int) -> SamplerOutput:
+        return cls(sampled=ints[:S], rank=ints[S : 2 * S], top_ids=ints[2 * S :].reshape(S, k),
+                   logprob=floats[:S], top_logprobs=floats[S:].reshape(S, k))
+
+
+def _filter(x, top_k, top_p, min_p):
+    """Mask logits outside top-k, top-p and min-p to -inf. x f32[S, V] (temperature applied)."""
+    S, V = x.shape
+    srt = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
+    srt_k = jnp.where(jnp.arange(V)[None, :] < k[:, None], srt, -jnp.inf)
+    probs = jax.nn.softmax(srt_k, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
+    n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    # min_p keeps p >= min_p * p_max, i.e. x >= x_max + log(min_p)
+    mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + jnp.log(jnp.maximum(min_p, 1e-38))[:, None], -jnp.inf)
+    thr = jnp.maximum(jnp.maximum(kth, pth), mth)
+    return jnp.where(x >= thr, x, -jnp.inf)
+
+
+def sample(logits, batch, max_logprobs: int):
+    """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
+    S, V = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    do_sample = batch.temperature > 0
+
+    def draw(_):
+        t = jnp.where(do_sample, batch.temperature, 1.0)
+        x = logits / t[:, None]
+        need_filter = jnp.any(do_sample & ((batch.top_k > 0) | (batch.top_p < 1.0) | (batch.min_p > 0)))
+        x = jax.lax.cond(need_filter, _filter, lambda x, *_: x, x, batch.top_k, batch.top_p, batch.min_p)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
+        g = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+        return jnp.where(do_sample, jnp.argmax(x + g, axis=-1).astype(jnp.int32), greedy)
+
+    sampled = jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
+
+    k = max_logprobs
+
+    def with_logprobs(_):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, sampled[:, None], axis=-1)
+        rank = (jnp.sum(logits > chosen, axis=-1) + 1).astype(jnp.int32)
+        slp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
+        if k:
+            top_lp, top_ids = jax.lax.top_k(lp, k)
+        else:
+            top_lp, top_ids = jnp.zeros((S, 0), jnp.float32), jnp.zeros((S, 0), jnp.int32)
+        return slp, rank, top_ids.astype(jnp.int32), top_lp
+
+    def without(_):
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S,), jnp.int32), jnp.zeros((S, k), jnp.int32),
+                jnp.zeros((S, k), jnp.float32))
+
+    slp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), with_logprobs, without, None)
+    ints = jnp.concatenate([sampled, rank, top_ids.reshape(-1)])
+    floats = jnp.concatenate([slp, top_lp.reshape(-1)])
+    return ints, floats

@@ -1,0 +1,136 @@
+"""Offline throughput benchmark: N requests of random prompt token ids, greedy, ignore_eos.
+
+Prompt lengths are uniform in [16, 512] and output lengths uniform in [16, 256] (both inclusive),
+as in the issue. Prints output tokens/s, total tokens/s, warm-up time, peak memory, and the model
+FLOP/s achieved as a fraction of a float32 matmul peak measured on this machine in the same run.
+
+  python scripts/bench_offline.py                    # the demo model, float32, N=128
+  python scripts/bench_offline.py --num-requests 32 --model /path/to/hf-folder --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import time
+
+import numpy as np
+
+
+def matmul_peak_gflops(dtype: str = "float32", n: int = 2048, repeats: int = 10) -> float:
+    """Best-of-3 GFLOP/s of an n x n x n matmul: the ceiling any model step can reach here."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            r = f(a, b)
+        r.block_until_ready()
+        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def model_flops(cfg, prompt_lens: np.ndarray, output_lens: np.ndarray) -> dict[str, float]:
+    """Useful FLOPs of the workload: every token fed through the weights once (prompt + output - 1),
+    causal attention over each token's context, and the lm_head once per sampled token."""
+    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    N, K, H, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    weights = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+    fed = prompt_lens + output_lens - 1
+    matmul = 2.0 * weights * fed.sum()
+    # token at position i attends to i + 1 keys: QK^T and PV, 2 FLOPs per MAC, N heads of H dims
+    ctx_sum = (fed * (fed + 1) / 2).sum()
+    attention = 4.0 * N * H * L * ctx_sum
+    lm_head = 2.0 * D * V * output_lens.sum()
+    return {"matmul": matmul, "attention": attention, "lm_head": lm_head,
+            "total": matmul + attention + lm_head}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf; default: the demo model")
+    ap.add_argument("--num-requests", "-n", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra engine argument (value parsed as JSON when possible)")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+
+    from jaxsched import LLM, SamplingParams
+
+    extra = {}
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        try:
+            extra[k] = json.loads(v)
+        except json.JSONDecodeError:
+            extra[k] = v
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
+    init_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
+    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
+    V = engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(0, V, p).tolist()} for p in prompt_lens]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(o)) for o in output_lens]
+
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == int(output_lens.sum()), "every request must produce exactly max_tokens tokens"
+    n_total = n_out + int(prompt_lens.sum())
+    flops = model_flops(engine.model_config, prompt_lens, output_lens)
+    peak = matmul_peak_gflops(args.dtype)
+    achieved = flops["total"] / elapsed / 1e9
+    res = {
+        "requests": n,
+        "elapsed_s": round(elapsed, 2),
+        "output_tokens_per_s": round(n_out / elapsed, 1),
+        "total_tokens_per_s": round(n_total / elapsed, 1),
+        "warmup_s": round(engine.runner.warmup_seconds, 1),
+        "init_s": round(init_s, 1),
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "model_tflop": round(flops["total"] / 1e12, 2),
+        "model_tflop_matmul_attention_lmhead": [round(flops[k] / 1e12, 2) for k in ("matmul", "attention", "lm_head")],
+        "achieved_gflops": round(achieved, 1),
+        "matmul_peak_gflops": round(peak, 1),
+        "fraction_of_peak": round(achieved / peak, 3),
+        "preemptions": engine.scheduler.num_preemptions,
+        "kv_blocks": engine.cache_config.num_blocks - 1,
+    }
+    print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s")
+    print(f"output tokens/s     {res['output_tokens_per_s']}")
+    print(f"total tokens/s      {res['total_tokens_per_s']}")
+    print(f"warm-up             {res['warmup_s']} s (engine start {res['init_s']} s)")
+    print(f"peak memory (RSS)   {res['peak_rss_gib']} GiB")
+    print(f"model FLOP/s        {achieved:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
+          f"{args.dtype} matmul peak {peak:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
+    if args.json:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

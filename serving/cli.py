@@ -1,0 +1,92 @@
+"""The `jaxsched` command line.
+
+  jaxsched generate [MODEL] --prompt "..." [engine flags]   offline generation (chat template by default)
+
+Engine flags carry vLLM's names (--max-model-len, --max-num-seqs, ...); no MODEL means the demo model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import typing
+
+from jaxsched.config import EngineArgs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+    """One flag per EngineArgs field, typed from its annotation, so the CLI never drifts from the API."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        t = hints[f.name]
+        base = next((a for a in typing.get_args(t) if a is not type(None)), t)
+        if base is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=base, default=f.default,
+                                help=f"default: {f.default}")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxsched import LLM, SamplingParams
+
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
+                            seed=ns.sampling_seed)
+    prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    t0 = time.perf_counter()
+    if ns.no_chat:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    for p, o in zip(prompts, outs):
+        print(f">>> {p}\n{o.outputs[0].text}\n")
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"[{n} tokens in {dt:.2f} s; warm-up {llm.llm_engine.runner.warmup_seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxsched", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation for prompts given as flags or on stdin")
+    gen.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for several (default: read stdin)")
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_flags(gen)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        if ns.command == "generate":
+            return cmd_generate(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

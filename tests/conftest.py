@@ -1,0 +1,51 @@
+"""Shared fixtures: the tiny tokenizer and tiny random checkpoints, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tiny  # noqa: E402
+
+MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+# The user's cache, where the demo model is downloaded once and reused by later runs.
+from jaxsched.models.demo import cache_dir  # noqa: E402
+
+USER_CACHE = cache_dir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Keep compiled programs and converted tokenizers of a test run out of the user's cache."""
+    old = os.environ.get("JAXSCHED_CACHE")
+    os.environ["JAXSCHED_CACHE"] = str(tmp_path_factory.mktemp("jaxsched-cache"))
+    yield
+    if old is None:
+        del os.environ["JAXSCHED_CACHE"]
+    else:
+        os.environ["JAXSCHED_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("tokenizer"))
+    tiny.build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    """One tiny random checkpoint per architecture family, saved as a HF folder."""
+    root = tmp_path_factory.mktemp("models")
+    return {k: tiny.build_model(str(root / k), k, tokenizer_dir, seed=i) for i, k in enumerate(MODEL_KINDS)}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]

