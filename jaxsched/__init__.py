@@ -16,7 +16,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxsched.outputs",
     "Logprob": "jaxsched.outputs",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -159,7 +159,7 @@ class BatchPacker:
             b.temperature[i] = sp.temperature
             b.top_p[i] = sp.top_p
             b.min_p[i] = sp.min_p
-            b.top_k[i] = sp.top_k if sp.top_k > 0 else 0
+            b.top_k[i] = max(0, sp.top_k)
             b.seeds[i] = r.sample_seed
             b.sample_index[i] = r.num_output_tokens
             b.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16")
+_ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+_PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,23 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
+    # "auto": the Pallas kernel on a GPU, the XLA path on a CPU; "pallas" on a CPU runs the kernel
+    # in interpret mode (slow; for tests)
+    attention_backend: str = "auto"
+    # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
+    # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would
+    # cost more than the copy (long contexts, n > 1)
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    swap_threshold: float = 0.8  # above this KV usage no new request is admitted
+    # "fcfs", "priority", or a SchedulerPolicy instance (see jaxsched/policy.py)
+    scheduling_policy: Any = "fcfs"
+    enable_prefix_caching: bool = True
+    max_num_queued_requests: int | None = None  # None: unbounded
+    max_paddings: int = 32  # padded tokens per step the scheduler tries to stay within
+    # largest prefill chunk one request gets per step while others wait for prefill; 0: no cap
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -60,6 +79,31 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if not 0.0 < self.swap_threshold <= 1.0:
+            raise ValueError(f"swap_threshold must be in (0, 1], got {self.swap_threshold!r}")
+        if isinstance(self.scheduling_policy, str) and self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs', 'priority' or a SchedulerPolicy instance, got "
+                f"{self.scheduling_policy!r}"
+            )
+        if self.max_num_queued_requests is not None:
+            _check_positive("max_num_queued_requests", self.max_num_queued_requests)
+        if not isinstance(self.max_paddings, int) or self.max_paddings < 0:
+            raise ValueError(f"max_paddings must be a non-negative integer, got {self.max_paddings!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold!r}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (this release runs on one device), got {self.tensor_parallel_size!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -80,7 +80,7 @@ def resolve_configs(args: EngineArgs, model_cfg: ModelConfig, platform: str) -> 
 class _RequestState:
     """Engine-side extras of a request: detokenizer and logprobs."""
 
-    __slots__ = ("request", "detok", "logprobs", "cumulative_logprob")
+    __slots__ = ("cumulative_logprob", "detok", "logprobs", "request")
 
     def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
         self.request = request
@@ -102,7 +102,7 @@ class LLMEngine:
 
             path = str(demo_model_path())
         self.model_path = path
-        model_cfg, getter, kind = load_model_source(path)
+        model_cfg, getter, _kind = load_model_source(path)
         platform = jax.devices()[0].platform
         dtype, sched_cfg = resolve_configs(args, model_cfg, platform)
         self.model_config = model_cfg
@@ -113,7 +113,11 @@ class LLMEngine:
 
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         t0 = time.perf_counter()
-        model = build_model(model_cfg, dtype, getter, seed=args.seed)
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "pallas" if platform == "gpu" else "xla"
+        self.attention_backend = backend
+        model = build_model(model_cfg, dtype, getter, attention_backend=backend, seed=args.seed)
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)
 
         P = args.block_size
@@ -160,7 +164,7 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             ids, text = prompt, None
         else:
-            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")  # noqa: TRY004 - vLLM's bad-input error
         V = self.model_config.vocab_size
         ids = list(ids)
         if not ids:
@@ -176,7 +180,8 @@ class LLMEngine:
         """Validate and build a Request without adding it (so a batch can be checked up front)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
         ids, text = self.tokenize_prompt(prompt)

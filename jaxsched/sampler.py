@@ -36,7 +36,7 @@ class SamplerOutput:
 
 def _filter(x, top_k, top_p, min_p):
     """Mask logits outside top-k, top-p and min-p to -inf. x f32[S, V] (temperature applied)."""
-    S, V = x.shape
+    _S, V = x.shape
     srt = -jnp.sort(-x, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)

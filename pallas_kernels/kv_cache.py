@@ -6,8 +6,6 @@ slot 0 and write into the null page, which no real sequence reads unmasked.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping):
     """k_cache, v_cache f[L, NB, K, P, H]; k, v f[T, K, H]; slot_mapping i32[T] (block * P + offset).

@@ -10,7 +10,7 @@ gather copies in one piece. The layer index is an argument rather than a slice o
 a slice of a donated buffer inside the layer scan would be copied; indexing inside the gather is not.
 
 Backends:
-  "xla"       the jnp implementation below, tuned for XLA:CPU (two paths, see _xla_attention)
+  "xla"       the jnp implementation in xla_attention.py, tuned for XLA:CPU
   "reference" the plain, obviously-correct version every other backend is tested against
 The Pallas (Triton) kernel is added as backend "pallas" with the same signature.
 
@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tuning
+from pallas_kernels.xla_attention import xla_attention
 
 BACKENDS = ("xla", "reference")
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
@@ -42,7 +42,7 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
     """Check shapes and dtypes before tracing; raise ValueError naming the argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
-    T, N, H = q.shape
+    _T, N, H = q.shape
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, NB, K, P, H], got shape {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
@@ -74,7 +74,7 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
     """Attention of this step's tokens over their sequences' paged KV. See the module docstring."""
     validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
     if backend == "xla":
-        return _xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
+        return xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
                               num_seqs, sm_scale=sm_scale)
     if backend == "reference":
         return reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
@@ -118,138 +118,6 @@ def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, quer
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("tkgc,tkch->tkgh", p, v).reshape(T, N, H)
     return jnp.where(real[:, None, None], o, 0).astype(q.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The XLA path. XLA:CPU runs small batched dots and gathers slowly per call, so work is organised to
-# make each call large and to never materialise a sequence's whole context:
-#   decode rows (one query): all S rows at once, looping over KV chunks with an online softmax;
-#   prefill rows (several queries): split into query tiles of Qb tokens of one sequence, processed
-#     a group of tiles at a time, each tile looping over KV chunks up to its own causal limit.
-# Each path runs under lax.cond only when the step has such rows, and every loop's trip count is
-# the step's real maximum, so padding costs no attention work.
-# ---------------------------------------------------------------------------------------------------
-def _online_softmax_update(carry, s, v_chunk, pv_einsum):
-    """One KV chunk of flash-style attention. s: scores with the chunk axis last (masked)."""
-    m, l, acc = carry
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    corr = jnp.exp(m - m_new)
-    l = l * corr + p.sum(axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum(pv_einsum, p, v_chunk)
-    return m_new, l, acc
-
-
-def _chunk_kv(cache, layer, block_tables_rows, j, bpc):
-    """KV of chunk j (bpc blocks) for each row: f[R, K, bpc * P, H] in float32."""
-    blocks = jax.lax.dynamic_slice_in_dim(block_tables_rows, j * bpc, bpc, axis=1)  # [R, bpc]
-    x = cache[layer, blocks]  # [R, bpc, K, P, H]
-    R, _, K, P, H = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * P, H).astype(jnp.float32)
-
-
-def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scale, bpc):
-    """Single-query attention for every row. q_rows f[S, N, H]; rows with kv_len 0 give zeros."""
-    S, N, H = q_rows.shape
-    _, _, K, P, _ = k_cache.shape
-    G = N // K
-    C = bpc * P
-    M = block_tables.shape[1]
-    # pad the block table so the last chunk's dynamic slice stays in range
-    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % bpc)))
-    qg = q_rows.reshape(S, K, G, H).astype(jnp.float32) * sm_scale
-    n_chunks = (jnp.max(kv_lens) + C - 1) // C
-
-    def body(j, carry):
-        k = _chunk_kv(k_cache, layer, bt, j, bpc)
-        v = _chunk_kv(v_cache, layer, bt, j, bpc)
-        s = jnp.einsum("skgh,skch->skgc", qg, k)
-        pos = j * C + jnp.arange(C)
-        s = jnp.where((pos[None, :] < kv_lens[:, None])[:, None, None, :], s, _NEG_INF)
-        return _online_softmax_update(carry, s, v, "skgc,skch->skgh")
-
-    init = (jnp.full((S, K, G), _NEG_INF, jnp.float32), jnp.zeros((S, K, G), jnp.float32),
-            jnp.zeros((S, K, G, H), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(S, N, H)
-
-
-def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, is_prefill,
-                   out, sm_scale, q_tile, tiles_per_group, bpc):
-    """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence."""
-    T, N, H = q.shape
-    _, _, K, P, _ = k_cache.shape
-    S, M = block_tables.shape
-    G = N // K
-    C = bpc * P
-    Qb, GT = q_tile, tiles_per_group
-    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % bpc)))
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    n_tiles = jnp.where(is_prefill, (q_lens + Qb - 1) // Qb, 0)
-    tile_end = jnp.cumsum(n_tiles)  # [S]
-    total_tiles = tile_end[-1]
-
-    def group(g, out):
-        w = g * GT + jnp.arange(GT)  # tile ids of this group
-        row = jnp.clip(jnp.searchsorted(tile_end, w, side="right"), 0, S - 1).astype(jnp.int32)
-        first = (w - (tile_end[row] - n_tiles[row])) * Qb  # tile's first token within its chunk
-        count = jnp.where(w < total_tiles, jnp.clip(q_lens[row] - first, 0, Qb), 0)
-        tok = query_start_loc[row][:, None] + first[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
-        tok_ok = jnp.arange(Qb)[None, :] < count[:, None]
-        ctx_start = seq_lens[row] - q_lens[row]  # tokens cached before this step's chunk
-        q_pos = ctx_start[:, None] + first[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
-        kv_len = jnp.where(count > 0, ctx_start + first + count, 0)  # causal limit of each tile
-        qt = q[jnp.clip(tok, 0, T - 1)].astype(jnp.float32) * sm_scale  # [GT, Qb, N, H]
-        qt = qt.reshape(GT, Qb, K, G, H).transpose(0, 2, 3, 1, 4).reshape(GT, K, G * Qb, H)
-        rows_bt = bt[row]
-        q_pos_g = jnp.broadcast_to(q_pos[:, None, :], (GT, G, Qb)).reshape(GT, 1, G * Qb, 1)
-
-        def body(j, carry):
-            k = _chunk_kv(k_cache, layer, rows_bt, j, bpc)  # [GT, K, C, H]
-            v = _chunk_kv(v_cache, layer, rows_bt, j, bpc)
-            s = jnp.einsum("tkqh,tkch->tkqc", qt, k)
-            kv_pos = (j * C + jnp.arange(C)).reshape(1, 1, 1, C)
-            s = jnp.where(kv_pos <= q_pos_g, s, _NEG_INF)
-            return _online_softmax_update(carry, s, v, "tkqc,tkch->tkqh")
-
-        init = (jnp.full((GT, K, G * Qb), _NEG_INF, jnp.float32), jnp.zeros((GT, K, G * Qb), jnp.float32),
-                jnp.zeros((GT, K, G * Qb, H), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, (jnp.max(kv_len) + C - 1) // C, body, init)
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        o = o.reshape(GT, K, G, Qb, H).transpose(0, 3, 1, 2, 4).reshape(GT * Qb, N, H)
-        dest = jnp.where(tok_ok, tok, T).reshape(-1)  # T is out of range: dropped
-        return out.at[dest].set(o.astype(out.dtype), mode="drop")
-
-    return jax.lax.fori_loop(0, (total_tiles + GT - 1) // GT, group, out)
-
-
-def _xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                   *, sm_scale: float):
-    T, N, H = q.shape
-    S = block_tables.shape[0]
-    cfg = tuning.xla_cpu_config(k_cache.shape[3])
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    real_row = jnp.arange(S) < num_seqs[0]
-    is_decode = real_row & (q_lens == 1)
-    is_prefill = real_row & (q_lens > 1)
-    starts = query_start_loc[:-1]
-
-    def decode(out):
-        q_rows = q[jnp.clip(starts, 0, T - 1)]
-        o = _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, jnp.where(is_decode, seq_lens, 0),
-                         sm_scale, cfg.decode_kv_blocks)
-        return out.at[jnp.where(is_decode, starts, T)].set(o.astype(out.dtype), mode="drop")
-
-    def prefill(out):
-        return _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
-                              is_prefill, out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group,
-                              cfg.prefill_kv_blocks)
-
-    out = jnp.zeros_like(q)
-    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
-    out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
-    return out
 
 
 paged_attention_jit = functools.partial(jax.jit, static_argnames=("sm_scale", "backend"))(paged_attention)

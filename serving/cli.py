@@ -29,6 +29,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
             continue
         t = hints[f.name]
         base = next((a for a in typing.get_args(t) if a is not type(None)), t)
+        if base is typing.Any:  # e.g. scheduling_policy: a name on the command line
+            base = str
         if base is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
         else:

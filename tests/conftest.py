@@ -9,13 +9,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import tiny  # noqa: E402
+import tiny
 
 MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
 
 # The user's cache, where the demo model is downloaded once and reused by later runs.
-from jaxsched.models.demo import cache_dir  # noqa: E402
+from jaxsched.models.demo import cache_dir
 
 USER_CACHE = cache_dir()
 

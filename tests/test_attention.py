@@ -123,7 +123,7 @@ def test_write_kv_by_slot_mapping():
 def test_validation_names_the_argument(bad, match):
     rng = np.random.default_rng(0)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [2, 1], [0, 3], N=4, K=2, H=16, P=8, S=4, T=16)
-    a = dict(q=q, k_cache=k, v_cache=v, layer=0, block_tables=bt, seq_lens=sl, query_start_loc=qsl, num_seqs=ns)
+    a = {"q": q, "k_cache": k, "v_cache": v, "layer": 0, "block_tables": bt, "seq_lens": sl, "query_start_loc": qsl, "num_seqs": ns}
     with pytest.raises(ValueError, match=match):
         paged_attention(**bad(a), sm_scale=1.0)
     with pytest.raises(ValueError, match="backend must be one of"):

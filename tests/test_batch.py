@@ -1,10 +1,10 @@
 """pack(): the device batch built from a scheduler decision. No model, no jax."""
 
 import numpy as np
+from test_scheduler import make_sched
 
 from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.request import Request, SamplingParams
-from test_scheduler import make_sched
 
 
 def test_pack_mixed_step():

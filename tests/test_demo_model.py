@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import USER_CACHE
+
 from jaxsched import LLM, SamplingParams
 from jaxsched.models.demo import demo_model_path
 

@@ -13,11 +13,11 @@ import jax.monitoring
 import numpy as np
 import pytest
 import torch
-
-from jaxsched import LLM, EngineArgs, SamplingParams
 from test_parity import SENTENCES, hf_model
 
-ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32, block_size=8)
+from jaxsched import LLM, EngineArgs, SamplingParams
+
+ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,8 @@ HOST_ONLY = ["jaxsched/scheduler.py", "jaxsched/block_manager.py", "jaxsched/req
 def test_host_modules_do_not_import_jax():
     root = os.path.dirname(os.path.dirname(__file__))
     for rel in HOST_ONLY:
-        tree = ast.parse(open(os.path.join(root, rel)).read())
+        with open(os.path.join(root, rel)) as f:
+            tree = ast.parse(f.read())
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

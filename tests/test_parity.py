@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from conftest import MODEL_KINDS
 from flax import nnx
 
-from conftest import MODEL_KINDS
 from jaxsched import LLM, SamplingParams
 from jaxsched.batch import BatchDescriptor, BatchPacker
 from jaxsched.block_manager import BlockManager, cdiv
 from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
 from jaxsched.models.loader import build_model, load_model_source
-from jaxsched.request import Request, SamplingParams as SP
+from jaxsched.request import Request
+from jaxsched.request import SamplingParams as SP
 from jaxsched.scheduler import Scheduler
 
 SENTENCES = [
@@ -98,11 +99,11 @@ def test_logits_match_transformers(kind, model_dirs, tokenizer_dir):
 
 # (kind, engine args): each family once, the hard settings spread across them.
 GENERATE_CASES = [
-    ("llama", dict(max_num_batched_tokens=128)),  # ample budget and pool: continuous batching
-    ("llama3", dict(max_num_batched_tokens=16)),  # chunked prefill with a small token budget
-    ("mistral", dict(max_num_batched_tokens=64, num_gpu_blocks_override=9)),  # preemption, small pool
-    ("qwen2", dict(max_num_batched_tokens=16, num_gpu_blocks_override=11)),  # chunked + preemption
-    ("qwen3", dict(max_num_batched_tokens=24, num_gpu_blocks_override=10)),  # chunked + preemption
+    ("llama", {"max_num_batched_tokens": 128}),  # ample budget and pool: continuous batching
+    ("llama3", {"max_num_batched_tokens": 16}),  # chunked prefill with a small token budget
+    ("mistral", {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 9}),  # preemption, small pool
+    ("qwen2", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}),  # chunked + preemption
+    ("qwen3", {"max_num_batched_tokens": 24, "num_gpu_blocks_override": 10}),  # chunked + preemption
 ]
 
 

@@ -66,7 +66,7 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
 def test_sampling_follows_the_softmax_and_the_filters():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
     n = 4000
-    base = dict(temperature=1.0, seeds=np.arange(n))
+    base = {"temperature": 1.0, "seeds": np.arange(n)}
     freq = np.bincount(run(logits, make_batch(n, **base)).sampled, minlength=4) / n
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
     hot = np.bincount(run(logits, make_batch(n, **{**base, "temperature": 2.0})).sampled, minlength=4) / n

@@ -39,7 +39,7 @@ def scheduled(out) -> dict[str, int]:
 
 
 def test_continuous_batching_fcfs():
-    s, bm = make_sched()
+    s, _bm = make_sched()
     for rid in "abc":
         s.add_request(make_req(rid))
     out = step(s)
@@ -129,7 +129,7 @@ def test_stop_conditions_and_finish_reasons():
 
 
 def test_max_model_len_ends_a_request():
-    s, bm = make_sched(max_model_len=16)
+    s, _bm = make_sched(max_model_len=16)
     r = make_req("a", n_prompt=12, max_tokens=None)
     s.add_request(r)
     while s.has_unfinished_requests():

@@ -42,9 +42,9 @@ def hf_config(kind: str, vocab_size: int, **overrides):
     """A tiny transformers config of one architecture family, float32."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                  "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False}
     if kind == "llama":
         cfg = tf.LlamaConfig(**{**common, "num_key_value_heads": 4}, rope_theta=10000.0)
     elif kind == "llama3":  # Llama 3 rope scaling, tied embeddings
@@ -68,7 +68,6 @@ def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, **
     """Save a random transformers model (safetensors) plus the tiny tokenizer into `folder`."""
     import torch
     import transformers as tf
-
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
