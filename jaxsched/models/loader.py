@@ -105,7 +105,7 @@ def safetensors_getter(folder: str) -> Callable[[str], np.ndarray]:
     where: dict[str, str] = {}
     for fn in files:
         with safe_open(fn, framework="flax") as f:
-            for k in f:
+            for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 where[k] = fn
 
     def get(name: str) -> np.ndarray:
