@@ -183,3 +183,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    # with "auto": swap a victim with at least this many computed tokens (recompute would cost more
+    # than copying its blocks); the engine derives it from the model's size
+    swap_min_tokens: int = 1024
+    num_host_blocks: int = 0  # the swap pool (swap_space); 0 disables swapping
+    swap_threshold: float = 1.0  # no new admissions above this KV usage
+    max_paddings: int = 32
+    long_prefill_token_threshold: int = 0  # 0: no cap
+    max_num_queued_requests: int | None = None

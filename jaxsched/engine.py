@@ -26,8 +26,9 @@ from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfi
 from jaxsched.detokenizer import IncrementalDetokenizer
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxsched.penalties import check_penalty_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
-from jaxsched.runner import ModelRunner, num_blocks_for_memory
+from jaxsched.runner import ModelRunner, kv_bytes_per_block, num_blocks_for_memory
 from jaxsched.sampler import SamplerOutput
 from jaxsched.scheduler import Scheduler, SchedulerOutput
 
@@ -73,8 +74,33 @@ def resolve_configs(args: EngineArgs, model_cfg: ModelConfig, platform: str) -> 
         enable_chunked_prefill=args.enable_chunked_prefill,
         token_buckets=token_buckets(budget),
         seq_buckets=seq_buckets(max_seqs),
+        preemption_mode=args.preemption_mode,
+        swap_threshold=args.swap_threshold,
+        max_paddings=args.max_paddings,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_queued_requests=args.max_num_queued_requests,
     )
     return dtype, sched
+
+
+def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
+    """Context length from which swapping a victim out and back costs less than recomputing it.
+
+    Recompute costs about 2 * params FLOPs per token (plus attention, ignored: it only favours
+    swapping further); a swap copies each token's K/V out and back over the host link, plus a
+    fixed cost per swap (two copy calls and the scheduling around them). Rates are coarse
+    per-platform figures; the decision only needs their order of magnitude.
+    """
+    flops, link_bw, overhead_s = (2e14, 2e10, 2e-3) if platform == "gpu" else (1e11, 5e9, 2e-3)
+    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    qkvo = D * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim * 2
+    params = L * (qkvo + 3 * D * F) + V * D
+    recompute = 2 * params / flops
+    itemsize = 2 if dtype == "bfloat16" else 4
+    copy = 2 * 2 * L * cfg.num_kv_heads * cfg.head_dim * itemsize / link_bw
+    if recompute <= copy:
+        return 1 << 30  # never worth it: always recompute
+    return max(1, int(overhead_s / (recompute - copy)) + 1)
 
 
 class _RequestState:
@@ -87,6 +113,23 @@ class _RequestState:
         self.detok = detok
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+
+
+class _Group:
+    """An n > 1 request: its samples run as sibling Requests; outputs are reported together."""
+
+    __slots__ = ("child_ids", "children", "completions", "parent")
+
+    def __init__(self, parent: Request, children: list[Request]) -> None:
+        self.parent = parent
+        self.children = children
+        self.child_ids = [c.request_id for c in children]
+        self.completions: list[CompletionOutput | None] = [None] * len(children)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
+    return (seed + index * 0x9E3779B1) % (2**31 - 1)
 
 
 class LLMEngine:
@@ -131,13 +174,20 @@ class LLMEngine:
                                                sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                                                max_useful)
         self.cache_config = CacheConfig(block_size=P, num_blocks=num_blocks, dtype=dtype)
-        self.block_manager = BlockManager(num_blocks, P)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        num_host_blocks = 0
+        if args.preemption_mode != "recompute" and args.swap_space > 0:
+            per_block = kv_bytes_per_block(model_cfg, P, dtype)
+            num_host_blocks = min(int(args.swap_space * 2**30 // per_block), 2 * max_useful)
+        sched_cfg = dataclasses.replace(sched_cfg, num_host_blocks=num_host_blocks,
+                                        swap_min_tokens=swap_min_tokens(model_cfg, dtype, platform))
+        self.scheduler_config = sched_cfg
+        self.block_manager = BlockManager(num_blocks, P, enable_prefix_caching=args.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, policy=args.scheduling_policy)
         self.packer = BatchPacker(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs, M, P)
         self.runner = ModelRunner(model, model_cfg, self.cache_config, sched_cfg, args.max_logprobs)
         self.runner.warm_up()
-        logger.info("KV pool: %d blocks of %d tokens (%d tokens), %s", num_blocks - 1, P, (num_blocks - 1) * P,
-                    dtype)
+        logger.info("KV pool: %d blocks of %d tokens (%d tokens), %s; swap pool: %d blocks", num_blocks - 1, P,
+                    (num_blocks - 1) * P, dtype, num_host_blocks)
 
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -145,6 +195,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._rng = np.random.default_rng(args.seed)
         self._states: dict[str, _RequestState] = {}
+        self._groups: dict[str, _Group] = {}  # parent request id -> its samples
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------
@@ -182,9 +233,13 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")  # noqa: TRY004 - bad input is a ValueError
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
         ids, text = self.tokenize_prompt(prompt)
+        check_penalty_capacity(params, ids, self.eos_token_ids, self.scheduler_config.max_model_len,
+                               self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
@@ -199,14 +254,41 @@ class LLMEngine:
         self.add_request_obj(self.make_request(request_id, prompt, params, arrival_time, priority))
 
     def add_request_obj(self, req: Request) -> None:
+        """Queue a request made by make_request. With n > 1 its samples become sibling requests
+        ("{i}_{request_id}", as vLLM names them) that share the prompt's KV blocks."""
+        n = req.sampling_params.n
+        if n == 1:
+            self._add_one(req)
+            return
+        rid = req.request_id
+        if rid in self._groups or rid in self.scheduler.requests:
+            raise ValueError(f"request_id {rid!r} is already in flight; use a unique id")
+        children = [dataclasses.replace(req, request_id=f"{i}_{rid}", sample_seed=sample_seed(req.sample_seed, i),
+                                        group_id=rid, group_size=n, output_token_ids=[], block_hashes=[])
+                    for i in range(n)]
+        added: list[str] = []
+        try:
+            for child in children:
+                self._add_one(child)
+                added.append(child.request_id)
+        except Exception:
+            self.abort_request(added)  # all samples or none
+            raise
+        self._groups[rid] = _Group(req, children)
+
+    def _add_one(self, req: Request) -> None:
         self.scheduler.add_request(req)
         self._states[req.request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        expanded = []
         for rid in ids:
+            group = self._groups.pop(rid, None)
+            expanded.extend(group.child_ids if group else [rid])
+        self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
+        for rid in expanded:
             self._states.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -214,6 +296,26 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
+
+    def get_stats(self) -> dict[str, float]:
+        """Scheduler and KV-pool figures, named as vLLM's metrics (without the prefix)."""
+        s = self.scheduler.stats()
+        kv = self.block_manager.stats()
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "num_requests_swapped": s.num_swapped,
+            "kv_cache_usage_perc": kv.usage,
+            "num_preemptions": s.num_preemptions,
+            "num_swap_outs": s.num_swap_outs,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prefix_cache_hit_rate": kv.prefix_hit_rate,
+            "num_steps": s.num_steps,
+            "num_scheduled_tokens": s.num_tokens,
+            "num_padded_tokens": s.num_padding,
+            "last_step_padded_tokens": s.last_padding,
+        }
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -224,6 +326,8 @@ class LLMEngine:
         for req in out.requests:
             if not req.first_scheduled_time:
                 req.first_scheduled_time = now
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         batch = self.packer.pack(out, self.block_manager)
         res = self.runner.execute(batch)
         got = self.scheduler.update(out, res.sampled)
@@ -248,14 +352,44 @@ class LLMEngine:
                 stopped.append(req.request_id)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        groups: dict[str, None] = {}
         for i in got:
             req = out.requests[i]
             if req.is_finished:
                 req.finished_time = now
-                outputs.append(self._output(self._states.pop(req.request_id)))
+                o = self._output(self._states.pop(req.request_id))
             else:
-                outputs.append(self._output(self._states[req.request_id]))
+                o = self._output(self._states[req.request_id])
+            if req.group_id is None:
+                outputs.append(o)
+            elif req.group_id in self._groups:
+                group = self._groups[req.group_id]
+                group.completions[group.child_ids.index(req.request_id)] = o.outputs[0]
+                groups[req.group_id] = None
+        for gid in groups:
+            outputs.append(self._group_output(gid))
         return outputs
+
+    def _group_output(self, gid: str) -> RequestOutput:
+        group = self._groups[gid]
+        parent = group.parent
+        comps = []
+        for i, c in enumerate(group.completions):
+            if c is None:  # a sample with no token yet
+                c = CompletionOutput(index=i, text="", token_ids=[])
+            c.index = i
+            comps.append(c)
+        finished = all(c.finish_reason is not None for c in comps)
+        if finished:
+            del self._groups[gid]
+        kids = group.children
+        metrics = RequestMetrics(parent.arrival_time,
+                                 min((c.first_scheduled_time for c in kids if c.first_scheduled_time), default=0.0),
+                                 min((c.first_token_time for c in kids if c.first_token_time), default=0.0),
+                                 max(c.finished_time for c in kids) if finished else 0.0,
+                                 sum(c.num_preemptions for c in kids))
+        return RequestOutput(gid, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
+                             priority=parent.priority)
 
     def _logprobs_entry(self, res: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
         dec = self.tokenizer.convert_ids_to_tokens
@@ -298,7 +432,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -309,9 +443,14 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or "
                                  "one per prompt")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
         eng = self.llm_engine
         # Validate everything before adding anything: a bad prompt leaves no half-added batch.
-        reqs = [eng.make_request(eng.next_request_id(), p, sp) for p, sp in zip(prompts, params)]
+        reqs = [eng.make_request(eng.next_request_id(), p, sp, priority=pr)
+                for p, sp, pr in zip(prompts, params, priority)]
         for req in reqs:
             eng.add_request_obj(req)
         return self._run(reqs, use_tqdm)

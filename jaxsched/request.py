@@ -62,6 +62,13 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Penalties, as vLLM applies them on device (see jaxsched/sampler.py): presence and frequency
+    # subtract over the output tokens so far; repetition divides positive / multiplies negative
+    # logits of every prompt or output token (1 = off); min_tokens masks EOS and stop_token_ids.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list-like fields to tuples so the object stays hashable and immutable.
@@ -72,8 +79,8 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.n != 1:
-            raise ValueError(f"n must be 1 in this release (parallel sampling comes later), got {self.n}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer (the number of samples), got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -94,10 +101,27 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0.0 < rp < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {rp!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler must see this request's token history (or mask its stop tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
 
 
 @dataclass(eq=False)
@@ -120,6 +144,15 @@ class Request:
     num_preemptions: int = 0
     # arrival order, set by the scheduler: the tie-breaker of every ordering
     seq_no: int = 0
+    # the scheduler's step count when the request arrived (priority aging counts steps, not seconds)
+    arrival_step: int = 0
+    # parallel sampling: the samples of one n > 1 request are sibling Requests of one group
+    group_id: str | None = None
+    group_size: int = 1
+    # prefix caching: chain hashes of the full blocks hashed so far, and the chain's root (requests
+    # with different salts never share blocks)
+    block_hashes: list[int] = field(default_factory=list)
+    cache_salt: int = 0
     # metrics (time.monotonic() stamps, 0.0 = not yet)
     first_scheduled_time: float = 0.0
     first_token_time: float = 0.0

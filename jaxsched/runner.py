@@ -27,6 +27,17 @@ from jaxsched.sampler import SamplerOutput, sample
 logger = logging.getLogger(__name__)
 
 _JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SWAP_CHUNKS = (8, 32, 128)  # blocks per swap copy call
+
+
+def _chunked(pairs: list[tuple[int, int]]):
+    """Split block pairs into chunks of the compiled sizes: (pairs, padded size) each."""
+    i = 0
+    while i < len(pairs):
+        rest = len(pairs) - i
+        C = next((c for c in SWAP_CHUNKS if c >= rest), SWAP_CHUNKS[-1])
+        yield pairs[i : i + C], C
+        i += C
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
@@ -104,6 +115,12 @@ class ModelRunner:
         self.kv = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
         self._executables: dict[tuple[int, int], object] = {}
         self.warmup_seconds = 0.0
+        # The swap pool: host memory laid out like the device pool, f[L, NBh, K, P, H] each.
+        nh = scheduler_config.num_host_blocks
+        host_shape = (cfg.num_layers, nh, cfg.num_kv_heads, cache_config.block_size, cfg.head_dim)
+        self.host_kv = (np.zeros(host_shape, dt), np.zeros(host_shape, dt)) if nh else None
+        self._swap_out_exe: dict[int, object] = {}
+        self._swap_in_exe: dict[int, object] = {}
 
     @property
     def weights_bytes(self) -> int:
@@ -123,6 +140,52 @@ class ModelRunner:
                            jax.ShapeDtypeStruct((n_f32,), jnp.float32), T=T, S=S)
         return lowered.compile()
 
+    # -- swapping ------------------------------------------------------------------------------
+    # Block copies run in chunks of a few fixed sizes (compiled at warm-up like the step), each
+    # chunk one device call for all layers: no host round trip per block.
+    @staticmethod
+    def _gather_blocks(kv, ids):  # ids i32[C] -> (f[L, C, K, P, H], f[L, C, K, P, H])
+        return kv[0][:, ids], kv[1][:, ids]
+
+    @staticmethod
+    def _scatter_blocks(kv, ids, k, v):  # padding ids point at the null page, which takes zeros
+        return kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)
+
+    def _swap_chunks(self) -> tuple[int, ...]:
+        return SWAP_CHUNKS if self.host_kv is not None else ()
+
+    def _compile_swaps(self) -> None:
+        L, _, K, P, H = self.kv[0].shape
+        for C in self._swap_chunks():
+            if C in self._swap_out_exe:
+                continue
+            ids = jax.ShapeDtypeStruct((C,), jnp.int32)
+            data = jax.ShapeDtypeStruct((L, C, K, P, H), self.kv[0].dtype)
+            self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
+            self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
+                self.kv, ids, data, data).compile()
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """Copy (device block, host block) pairs out, then (host block, device block) pairs in.
+        Out goes first: a block freed by a swap-out may be the destination of a swap-in."""
+        for pairs_chunk, C in _chunked(blocks_to_swap_out):
+            dev = np.zeros(C, np.int32)
+            dev[: len(pairs_chunk)] = [d for d, _ in pairs_chunk]
+            k, v = jax.device_get(self._swap_out_exe[C](self.kv, dev))
+            host = [h for _, h in pairs_chunk]
+            self.host_kv[0][:, host] = k[:, : len(host)]
+            self.host_kv[1][:, host] = v[:, : len(host)]
+        for pairs_chunk, C in _chunked(blocks_to_swap_in):
+            dev = np.zeros(C, np.int32)
+            dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
+            host = [h for h, _ in pairs_chunk]
+            shape = (self.host_kv[0].shape[0], C, *self.host_kv[0].shape[2:])
+            k = np.zeros(shape, self.host_kv[0].dtype)
+            v = np.zeros(shape, self.host_kv[0].dtype)
+            k[:, : len(host)] = self.host_kv[0][:, host]
+            v[:, : len(host)] = self.host_kv[1][:, host]
+            self.kv = self._swap_in_exe[C](self.kv, dev, k, v)
+
     def bucket_pairs(self) -> list[tuple[int, int]]:
         sc = self.scheduler_config
         return bucket_pairs(sc.token_buckets, sc.seq_buckets)
@@ -135,6 +198,7 @@ class ModelRunner:
         for T, S in pairs:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
+        self._compile_swaps()
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets),

@@ -3,9 +3,20 @@
 The scheduler follows vLLM v1's counter model: every step each running request gets the new tokens
 it lacks (one while decoding, a chunk while prefilling), within a token budget
 (max_num_batched_tokens) and a sequence cap (max_num_seqs). Requests join and leave the running
-batch at every step (continuous batching). When the block pool runs dry, the latest arrival among
-the running requests is preempted by recompute: its blocks are freed and it goes back to the front
-of the waiting queue with num_computed_tokens = 0, to be prefilled again (prompt + outputs so far).
+batch at every step (continuous batching). Three queues: waiting (not started, or preempted by
+recompute), running, swapped (preempted by swap: KV parked in host memory).
+
+One step, in order:
+  0. priority preemption: with a policy that allows it, a waiting request that outranks the
+     lowest-ranked running one takes its place when the batch or the pool is full;
+  1. running requests, in policy order, get their tokens; when the pool runs dry the lowest-ranked
+     running request is preempted (by swap or recompute, see _preempt);
+  2. unless step 1 preempted, swapped requests come back and then waiting ones are admitted
+     (taking prefix-cache hits), in policy order, while the budget, the cap, the pool and
+     swap_threshold allow;
+  3. prefill chunks are trimmed so the step's token count fits its bucket with at most
+     max_paddings padded tokens, and the blocks that are full after the step are registered in
+     the prefix cache.
 
 A decision depends only on the queues, the block manager and the config, so a recorded trace of
 adds, aborts and sampled tokens replays to the same decisions.
@@ -14,14 +25,18 @@ adds, aborts and sampled tokens replays to the same decisions.
 from __future__ import annotations
 
 import bisect
-import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from jaxsched.block_manager import BlockManager, cdiv
+from jaxsched.block_manager import BlockManager, SwapPool, cdiv
 from jaxsched.buckets import round_up
 from jaxsched.config import SchedulerConfig
+from jaxsched.policy import SchedulerPolicy, make_policy
 from jaxsched.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_num_queued_requests already: retry later (HTTP 503)."""
 
 
 @dataclass
@@ -30,11 +45,16 @@ class SchedulerOutput:
 
     requests: list[Request]  # scheduled, in batch order
     num_new_tokens: list[int]  # tokens each gets this step
-    preempted: list[str] = field(default_factory=list)  # request ids preempted by recompute
+    preempted: list[str] = field(default_factory=list)  # preempted by recompute this step
+    swapped_out: list[str] = field(default_factory=list)  # preempted by swap this step
+    swapped_in: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
     num_tokens: int = 0  # real tokens this step
     token_bucket: int = 0  # T
     seq_bucket: int = 0  # S
+    num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted this step
 
     @property
     def num_seqs(self) -> int:
@@ -44,37 +64,72 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests
 
+    @property
+    def num_padding(self) -> int:
+        return self.token_bucket - self.num_tokens
+
 
 @dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
-    num_preemptions: int  # since start
+    num_swapped: int
+    num_preemptions: int  # since start, swap and recompute
+    num_swap_outs: int
+    num_steps: int
+    num_tokens: int  # real tokens scheduled, since start
+    num_padding: int  # padded tokens, since start
+    last_padding: int  # padded tokens of the last step
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 policy: str | SchedulerPolicy = "fcfs") -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: collections.deque[Request] = collections.deque()
-        # Kept sorted by arrival (seq_no): iteration serves the oldest first and the preemption
-        # victim, the latest arrival, is always at the end.
+        self.policy = make_policy(policy)
+        # Built-in policies give a static key, so queues stay sorted by insertion; a user policy
+        # without one re-orders the queues with prioritize() every step.
+        self._key: Callable[[Request], object] | None = getattr(self.policy, "sort_key", None)
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.swap_pool = SwapPool(config.num_host_blocks)
         self.requests: dict[str, Request] = {}
+        self._group_leader: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._next_seq_no = 0
+        self.step_count = 0
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_tokens = 0
+        self.num_padding = 0
+        self.last_padding = 0
 
     # -- queue management ----------------------------------------------------------------------
+    def _insert(self, queue: list[Request], req: Request) -> None:
+        if self._key is not None:
+            bisect.insort(queue, req, key=self._key)
+        else:
+            queue.append(req)
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight; use a unique id")
         self.check_fits(request)
+        cap = self.config.max_num_queued_requests
+        if cap is not None and len(self.waiting) >= cap:
+            raise QueueFullError(
+                f"the waiting queue is full ({cap} requests, max_num_queued_requests): retry later"
+            )
         request.seq_no = self._next_seq_no
         self._next_seq_no += 1
+        request.arrival_step = self.step_count
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.group_id is not None:
+            self._group_leader.setdefault(request.group_id, request)
+        self._insert(self.waiting, request)
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never be scheduled instead of letting it wait forever."""
@@ -85,13 +140,18 @@ class Scheduler:
                 f"prompt is {n_prompt} tokens but max_model_len is {cfg.max_model_len}: the prompt must "
                 f"be shorter than max_model_len (shorten it or raise max_model_len)"
             )
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and n_prompt + max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
+                f"max_model_len ({cfg.max_model_len}): lower max_tokens to at most {cfg.max_model_len - n_prompt}"
+            )
         if not cfg.enable_chunked_prefill and n_prompt > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"prompt is {n_prompt} tokens but max_num_batched_tokens is {cfg.max_num_batched_tokens} "
                 "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens"
             )
-        max_tokens = request.sampling_params.max_tokens or cfg.max_model_len
-        final_len = min(n_prompt + max_tokens, cfg.max_model_len)
+        final_len = n_prompt + max_tokens if max_tokens is not None else cfg.max_model_len
         bm = self.block_manager
         if cdiv(final_len, bm.block_size) > bm.num_usable_blocks:
             raise ValueError(
@@ -105,87 +165,219 @@ class Scheduler:
         ids = {rid for rid in request_ids if rid in self.requests}
         if not ids:
             return
-        self.waiting = collections.deque(r for r in self.waiting if r.request_id not in ids)
+        self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
+        self.swapped = [r for r in self.swapped if r.request_id not in ids]
         for rid in ids:
             self._finish(self.requests[rid], status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.block_manager.free(request.request_id)
-        del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
+        rid = request.request_id
+        self.block_manager.free(rid)
+        self.swap_pool.release(rid)
+        del self.requests[rid]
+        if request.group_id is not None and self._group_leader.get(request.group_id) is request:
+            del self._group_leader[request.group_id]
+        self._finished_ids.append(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
+        return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), self.num_preemptions,
+                              self.num_swap_outs, self.step_count, self.num_tokens, self.num_padding,
+                              self.last_padding)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         bm = self.block_manager
+        if self._key is None:
+            self.waiting = list(self.policy.prioritize(self.waiting))
+            self.running = list(self.policy.prioritize(self.running))
+            self.swapped = list(self.policy.prioritize(self.swapped))
+        out = SchedulerOutput(requests=[], num_new_tokens=[])
+        sched, num_new = out.requests, out.num_new_tokens
         budget = cfg.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_new: list[int] = []
-        preempted: list[str] = []
 
-        # 1. Running requests, oldest first. Each gets what it lacks, up to the budget.
+        # 0. A waiting request that outranks the lowest-ranked running one may take its place.
+        if self.waiting and self.running and getattr(self.policy, "preempts_for_priority", False):
+            self._preempt_for_priority(out)
+
+        # 1. Running requests, in policy order; preempt from the end when the pool runs dry.
+        memory_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             while not bm.allocate_slots(req, n):
-                victim = self.running.pop()  # the latest arrival
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                memory_preempted = True
                 if victim is req:
                     break
             else:
-                scheduled.append(req)
+                sched.append(req)
                 num_new.append(n)
                 budget -= n
                 i += 1
 
-        # 2. Waiting requests, in order, while nothing had to be preempted this step.
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                req = self.waiting[0]
-                n = req.num_tokens - req.num_computed_tokens
-                if n > budget and not cfg.enable_chunked_prefill:
-                    break
-                n = min(n, budget)
-                if not bm.allocate_slots(req, n):
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                bisect.insort(self.running, req, key=lambda r: r.seq_no)
-                scheduled.append(req)
-                num_new.append(n)
-                budget -= n
+        # 2. Swapped, then waiting requests; none in a step that had to preempt for memory.
+        if not memory_preempted:
+            budget = self._admit(out, budget)
 
+        # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
-        out = SchedulerOutput(
-            requests=scheduled,
-            num_new_tokens=num_new,
-            preempted=preempted,
-            finished_ids=self._finished_ids,
-            num_tokens=total,
-            token_bucket=round_up(cfg.token_buckets, total) if scheduled else 0,
-            seq_bucket=round_up(cfg.seq_buckets, len(scheduled)) if scheduled else 0,
-        )
+        if sched:
+            total = self._fit_bucket(sched, num_new, total)
+            for req in sched:
+                bm.register(req)
+            out.num_tokens = total
+            out.token_bucket = round_up(cfg.token_buckets, total)
+            out.seq_bucket = round_up(cfg.seq_buckets, len(sched))
+        out.finished_ids = self._finished_ids
         self._finished_ids = []
+        self.step_count += 1
+        self.num_tokens += total
+        self.last_padding = out.num_padding
+        self.num_padding += self.last_padding
         return out
 
-    def _preempt(self, req: Request) -> None:
-        """Preemption by recompute: drop the KV, prefill prompt + outputs again later."""
-        self.block_manager.free(req.request_id)
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap else n
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """A sibling of an n > 1 request waits until the first sibling has computed the prompt's
+        full blocks, then takes them from the prefix cache instead of computing them again."""
+        if req.group_id is None:
+            return False
+        leader = self._group_leader.get(req.group_id)
+        if leader is None or leader is req:
+            return False
+        P = self.block_manager.block_size
+        return leader.num_computed_tokens < (leader.num_prompt_tokens - 1) // P * P
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring back swapped requests and admit waiting ones, in policy order."""
+        cfg = self.config
+        bm = self.block_manager
+        key = self._key
+        j = 0  # first waiting request not skipped this step
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while j < len(self.waiting) and self._waits_for_leader(self.waiting[j]):
+                j += 1
+            cand_w = self.waiting[j] if j < len(self.waiting) else None
+            cand_s = self.swapped[0] if self.swapped else None
+            if cand_s is None and cand_w is None:
+                break
+            use_swapped = cand_s is not None and (cand_w is None or key is None or key(cand_s) <= key(cand_w))
+            if use_swapped:
+                req = cand_s
+                n = self._chunk(req, budget)
+                if not bm.allocate_slots(req, n):
+                    break
+                host = self.swap_pool.release(req.request_id)
+                out.blocks_to_swap_in.extend(zip(host, bm.block_ids(req.request_id)))
+                out.swapped_in.append(req.request_id)
+                self.swapped.pop(0)
+            else:
+                req = cand_w
+                # Above swap_threshold only running requests grow: admitting more would force
+                # preemptions a few steps later.
+                if self.running and bm.usage > cfg.swap_threshold:
+                    break
+                hits = bm.lookup(req)
+                hit_tokens = len(hits) * bm.block_size
+                n = req.num_tokens - hit_tokens
+                if n > budget and not cfg.enable_chunked_prefill:
+                    break
+                n = min(n, budget, cfg.long_prefill_token_threshold or n)
+                if not bm.allocate_slots(req, n, hits):
+                    break
+                bm.prefix_queries += req.num_tokens
+                bm.prefix_hits += hit_tokens
+                req.num_computed_tokens = hit_tokens
+                out.num_cached_tokens += hit_tokens
+                self.waiting.pop(j)
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        cfg = self.config
+        bm = self.block_manager
+        key = self._key
+        best = self.waiting[0]
+        while self.running:
+            worst = self.running[-1]
+            if key(worst) <= key(best):
+                return
+            seq_full = len(self.running) >= cfg.max_num_seqs
+            need = cdiv(min(best.num_tokens, cfg.max_num_batched_tokens), bm.block_size)
+            if not (seq_full or need > bm.num_free_blocks or bm.usage > cfg.swap_threshold):
+                return
+            self.running.pop()
+            self._preempt(worst, out)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Give a running request's blocks back. By swap: its computed KV is copied to host blocks
+        (the copy runs at the start of this step, before anything overwrites the freed blocks) and
+        it resumes where it stopped. By recompute: its KV is dropped and prompt + outputs so far
+        are prefilled again (prefix-cache hits may shorten that). "auto" swaps when recomputing
+        would cost more than the copy: siblings of an n > 1 request, long contexts."""
+        cfg = self.config
+        bm = self.block_manager
+        rid = req.request_id
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        mode = cfg.preemption_mode
+        swap = mode == "swap" or (
+            mode == "auto" and (req.group_size > 1 or req.num_computed_tokens >= cfg.swap_min_tokens))
+        if swap and req.num_computed_tokens > 0:
+            n = cdiv(req.num_computed_tokens, bm.block_size)
+            host = self.swap_pool.allocate(rid, n)
+            if host is not None:  # else the host pool is full: fall back to recompute
+                out.blocks_to_swap_out.extend(zip(bm.block_ids(rid)[:n], host))
+                bm.free(rid)
+                req.status = RequestStatus.SWAPPED
+                self._insert(self.swapped, req)
+                out.swapped_out.append(rid)
+                self.num_swap_outs += 1
+                return
+        bm.free(rid)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._insert(self.waiting, req)
+        out.preempted.append(rid)
+
+    def _fit_bucket(self, sched: list[Request], num_new: list[int], total: int) -> int:
+        """Trim prefill chunks (latest first, each keeps >= 1 token) so the step lands exactly on
+        the bucket below when rounding up would pad more than max_paddings tokens. The trimmed
+        tokens simply run next step."""
+        cfg = self.config
+        buckets = cfg.token_buckets
+        k = bisect.bisect_left(buckets, total)
+        if buckets[k] - total <= cfg.max_paddings or k == 0:
+            return total
+        excess = total - buckets[k - 1]
+        if sum(n - 1 for n in num_new) < excess:
+            return total
+        bm = self.block_manager
+        for j in range(len(sched) - 1, -1, -1):
+            cut = min(excess, num_new[j] - 1)
+            if cut > 0:
+                num_new[j] -= cut
+                excess -= cut
+                bm.set_slots(sched[j], sched[j].num_computed_tokens + num_new[j])
+                if excess == 0:
+                    break
+        return buckets[k - 1]
 
     def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[int]:
         """Apply a step's results. Returns the batch indices of requests that got a new token.
@@ -223,3 +415,19 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return got_token
+
+    def check_invariants(self) -> None:
+        """Queues are disjoint and consistent with statuses and the pools. For tests."""
+        cfg = self.config
+        ids = [r.request_id for q in (self.waiting, self.running, self.swapped) for r in q]
+        assert len(ids) == len(set(ids)), "a request is in two queues"
+        assert set(ids) == set(self.requests), "queues and the request table disagree"
+        assert len(self.running) <= cfg.max_num_seqs, "running exceeds max_num_seqs"
+        for r in self.waiting:
+            assert r.status == RequestStatus.WAITING and r.request_id not in self.block_manager.req_blocks
+        for r in self.swapped:
+            assert r.status == RequestStatus.SWAPPED and r.request_id in self.swap_pool.req_blocks
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+        self.block_manager.check_invariants()
+        self.swap_pool.check_invariants()
