@@ -126,13 +126,10 @@ class BlockManager:
         """Cache the request's blocks that are full once this step's tokens are written. A block
         written this step may be hit by a request scheduled later in the same step: the forward
         pass writes every new token's K/V before any attention reads."""
-        if not self.uses_cache(request):
-            return
         rid = request.request_id
-        P = self.block_size
-        num_full = self.req_slots.get(rid, 0) // P
+        num_full = self.req_slots.get(rid, 0) // self.block_size
         done = self.req_num_registered.get(rid, 0)
-        if num_full <= done:
+        if num_full <= done or not self.uses_cache(request):
             return
         blocks = self.req_blocks[rid]
         hashes = self.block_hashes(request, num_full)
@@ -150,6 +147,11 @@ class BlockManager:
         (and no change) if the pool has too few free blocks."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
+        if blocks is not None and not computed_blocks:  # the common case: a decode within its last block
+            slots = request.num_computed_tokens + num_new_tokens
+            if slots <= len(blocks) * self.block_size:
+                self.req_slots[rid] = slots
+                return True
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         have = (len(blocks) if blocks else 0) + len(computed_blocks)
         need = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - have)

@@ -64,7 +64,8 @@ class PriorityPolicy:
         return (request.priority + request.arrival_step / self.aging_steps, request.seq_no)
 
     def starvation_bound(self, priority_gap: int) -> int:
-        """Steps after which no later arrival outranks a request `priority_gap` levels below it."""
+        """Requests arriving more than this many steps after a request `priority_gap` levels
+        below them no longer outrank it: only a finite set of arrivals can ever overtake it."""
         return priority_gap * self.aging_steps
 
     def prioritize(self, requests: Sequence[Request]) -> list[Request]:

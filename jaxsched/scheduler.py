@@ -207,10 +207,12 @@ class Scheduler:
 
         # 1. Running requests, in policy order; preempt from the end when the pool runs dry.
         memory_preempted = False
+        cap = cfg.long_prefill_token_threshold or budget
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk(req, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens, budget, cap)
             while not bm.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
