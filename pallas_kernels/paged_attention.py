@@ -12,7 +12,9 @@ a slice of a donated buffer inside the layer scan would be copied; indexing insi
 Backends:
   "xla"       the jnp implementation in xla_attention.py, tuned for XLA:CPU
   "reference" the plain, obviously-correct version every other backend is tested against
-The Pallas (Triton) kernel is added as backend "pallas" with the same signature.
+  "pallas"    the Pallas kernels with the Triton lowering in pallas_attention.py (NVIDIA GPUs; on
+              CPU they run in interpret mode, slowly: for tests). Extra rules: head_dim a power of
+              two >= 16, block size in pallas_attention.PAGE_SIZES (see validate_pallas).
 
 Arguments (glossary of DESIGN.md):
   q                f[T, N, H]   queries of this step's new tokens, rope applied
@@ -32,9 +34,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.xla_attention import xla_attention
 
-BACKENDS = ("xla", "reference")
+BACKENDS = ("xla", "reference", "pallas")
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
 
@@ -73,6 +76,10 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
                     *, sm_scale: float, backend: str = "xla"):
     """Attention of this step's tokens over their sequences' paged KV. See the module docstring."""
     validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    if backend == "pallas":
+        validate_pallas(q, k_cache, block_tables)
+        return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
+                                num_seqs, sm_scale=sm_scale)
     if backend == "xla":
         return xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
                               num_seqs, sm_scale=sm_scale)

@@ -18,3 +18,50 @@ def xla_cpu_config(block_size: int) -> XlaCpuConfig:
     kv_blocks = max(1, 64 // block_size)
     return XlaCpuConfig(decode_kv_blocks=kv_blocks, prefill_q_tile=32, prefill_tiles_per_group=4,
                         prefill_kv_blocks=max(1, 128 // block_size))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The "pallas" backend (Triton on NVIDIA GPUs). Every size here is a power of two: Triton tensors
+# must be, and its dot needs at least 16 rows, 16 columns and a reduction of 16.
+# These are starting points from the usual flash-attention shapes, NOT yet measured on the H200:
+# scripts/gpu_check.py times them; put the measured choice and its figure here when it has run.
+# ---------------------------------------------------------------------------------------------------
+_GPU_PROGRAMS_TARGET = 512  # ~4 programs per SM of an H100/H200 (132 SMs): enough to hide latency
+
+
+@dataclass(frozen=True)
+class PallasConfig:
+    q_tile: int  # Qb: query tokens of one sequence per prefill program; Qb * Gp rows per dot
+    prefill_kv_pages: int  # pages per KV chunk of the prefill loop (chunk = pages * P tokens)
+    prefill_warps: int
+    prefill_stages: int
+    decode_kv_pages: int  # pages per KV chunk of the decode loop
+    decode_splits: int  # NS: KV ranges of one decode row run by separate programs (split-K)
+    decode_warps: int
+    decode_stages: int
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pallas_config(T: int, S: int, N: int, K: int, H: int, P: int, M: int) -> PallasConfig:
+    """Tile sizes for one (T, S) bucket of a model: a function of static shapes only."""
+    Gp = next_pow2(N // K)  # query heads per KV head, padded to a power of two
+    # Prefill: 64 (token, head) rows per program is the usual flash-attention tile for H <= 128; it
+    # halves for H = 256 to keep the [rows, H] float32 accumulator in registers.
+    rows = 64 if H <= 128 else 32
+    # never more tokens than the step has (down to a power of two), but always 16 rows for the dot
+    q_tile = max(1, min(rows // Gp, 1 << (max(T, 1).bit_length() - 1)), 16 // Gp)
+    kv_tokens = 64 if H <= 128 else 32
+    pages = max(1, kv_tokens // P, 16 // P)
+    # Decode: a program streams one row's K and V of one KV head and does little math on them, so
+    # with few rows the GPU idles unless each row's KV is split over several programs. Split until
+    # S * K * NS programs reach the target, never into more ranges than the longest row has chunks.
+    max_chunks = max(1, -(-M // pages))
+    splits = 1
+    while S * K * splits < _GPU_PROGRAMS_TARGET and splits * 2 <= min(16, max_chunks):
+        splits *= 2
+    return PallasConfig(q_tile=q_tile, prefill_kv_pages=pages, prefill_warps=4 if q_tile * Gp <= 64 else 8,
+                        prefill_stages=2, decode_kv_pages=pages, decode_splits=splits, decode_warps=4,
+                        decode_stages=2)
