@@ -33,6 +33,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
+    # dtype of the KV pool: "auto" = the model's dtype; "bfloat16" halves the pool's memory and
+    # the bytes decode attention reads (at a small precision cost) with the "xla" backend
+    kv_cache_dtype: str = "auto"
     # "auto": the Pallas kernel on a GPU, the XLA path on a CPU; "pallas" on a CPU runs the kernel
     # in interpret mode (slow; for tests)
     attention_backend: str = "auto"
@@ -79,6 +82,8 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:

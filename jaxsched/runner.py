@@ -73,13 +73,14 @@ def device_memory() -> tuple[int, int]:
 
 
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, utilization: float,
-                          weights_bytes: int, max_tokens: int, max_seqs: int, max_useful: int) -> int:
+                          weights_bytes: int, max_tokens: int, max_seqs: int, max_useful: int,
+                          kv_dtype: str | None = None) -> int:
     """vLLM's rule: the pool gets utilization * total memory minus what the process already holds
     (weights) and the peak activations. On a CPU the same rule runs over host memory, also capped
     by what is free now. Never more than `max_useful` blocks (null page included)."""
     total, free = device_memory()
     budget = min(utilization * total, free) - weights_bytes - activation_bytes(cfg, max_tokens, max_seqs, dtype)
-    n = int(budget // kv_bytes_per_block(cfg, block_size, dtype))
+    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype or dtype))
     if n < 2:
         raise ValueError(
             f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "

@@ -68,8 +68,9 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
                     ("query_start_loc", query_start_loc), ("num_seqs", num_seqs)):
         if a.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    floats = (jnp.float32, jnp.bfloat16, jnp.float16)
+    if q.dtype not in floats or k_cache.dtype not in floats:
+        raise ValueError(f"q ({q.dtype}) and k_cache ({k_cache.dtype}) must be float32, bfloat16 or float16")
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,

@@ -74,6 +74,9 @@ def validate_pallas(q, k_cache, block_tables) -> None:
     reason = unsupported_reason(q.shape[-1], k_cache.shape[3], q.dtype)
     if reason:
         raise ValueError(reason)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype} for attention backend "
+                         "'pallas' (kv_cache_dtype='auto'), or use attention_backend='xla'")
     if block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must have at least one column (M >= 1), got shape {block_tables.shape}")
 
