@@ -10,12 +10,14 @@ an all-null block table.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from jaxsched.block_manager import BlockManager
+from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables
 from jaxsched.scheduler import SchedulerOutput
 
 # Field name -> (dtype, shape as a function of (T, S, M)). Order is the layout of the flat buffers.
@@ -32,28 +34,38 @@ _I32_FIELDS: dict[str, object] = {
     "seeds": lambda T, S, M: (S,),  # i32[S]         per-request sampling seed
     "sample_index": lambda T, S, M: (S,),  # i32[S]  output index of the token sampled this step
     "num_logprobs": lambda T, S, M: (S,),  # i32[S]  -1 = no logprobs
+    # penalties (jaxsched/penalties.py): each penalised row's distinct tokens; W = PENALTY_CAPACITY
+    "penalty_num": lambda T, S, M: (S,),  # i32[S]   valid entries of the row's table; 0 = no penalties
+    "penalty_ids": lambda T, S, M: (S, PENALTY_CAPACITY),  # i32[S, W] distinct prompt/output token ids
 }
 _F32_FIELDS: dict[str, object] = {
     "temperature": lambda T, S, M: (S,),  # f32[S]   0 = greedy
     "top_p": lambda T, S, M: (S,),  # f32[S]
     "min_p": lambda T, S, M: (S,),  # f32[S]
+    "presence_penalty": lambda T, S, M: (S,),  # f32[S]
+    "frequency_penalty": lambda T, S, M: (S,),  # f32[S]
+    "repetition_penalty": lambda T, S, M: (S,),  # f32[S]
+    "penalty_counts": lambda T, S, M: (S, PENALTY_CAPACITY),  # f32[S, W] output count; -1 = masked
 }
 
 
-def _layout(fields_: dict[str, object], T: int, S: int, M: int) -> list[tuple[str, int, tuple[int, ...]]]:
+@functools.cache
+def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+    """(name, start, stop, shape) of each field of the "i32" or "f32" buffer; cached per bucket
+    because pack() runs every step."""
+    fields_ = _I32_FIELDS if which == "i32" else _F32_FIELDS
     out, offset = [], 0
     for name, shape_fn in fields_.items():
         shape = shape_fn(T, S, M)
-        out.append((name, offset, shape))
-        offset += int(np.prod(shape))
-    return out
+        size = int(np.prod(shape))
+        out.append((name, offset, offset + size, shape))
+        offset += size
+    return tuple(out)
 
 
 def flat_sizes(T: int, S: int, M: int) -> tuple[int, int]:
     """Lengths of the int32 and float32 flat buffers for a (T, S) bucket."""
-    i = _layout(_I32_FIELDS, T, S, M)[-1]
-    f = _layout(_F32_FIELDS, T, S, M)[-1]
-    return i[1] + int(np.prod(i[2])), f[1] + int(np.prod(f[2]))
+    return _layout("i32", T, S, M)[-1][2], _layout("f32", T, S, M)[-1][2]
 
 
 @dataclass
@@ -75,9 +87,15 @@ class BatchDescriptor:
     seeds: object  # i32[S]
     sample_index: object  # i32[S]
     num_logprobs: object  # i32[S]
+    penalty_num: object  # i32[S]
+    penalty_ids: object  # i32[S, W]
     temperature: object  # f32[S]
     top_p: object  # f32[S]
     min_p: object  # f32[S]
+    presence_penalty: object  # f32[S]
+    frequency_penalty: object  # f32[S]
+    repetition_penalty: object  # f32[S]
+    penalty_counts: object  # f32[S, W]
     flat_i32: object = None  # the int32 buffer every int field views (host only)
     flat_f32: object = None  # the float32 buffer every float field views (host only)
 
@@ -93,10 +111,10 @@ class BatchDescriptor:
     def from_flat(cls, flat_i32, flat_f32, T: int, S: int, M: int) -> BatchDescriptor:
         """Rebuild the descriptor from the flat buffers (numpy or jax arrays alike)."""
         kw = {}
-        for name, off, shape in _layout(_I32_FIELDS, T, S, M):
-            kw[name] = flat_i32[off : off + int(np.prod(shape))].reshape(shape)
-        for name, off, shape in _layout(_F32_FIELDS, T, S, M):
-            kw[name] = flat_f32[off : off + int(np.prod(shape))].reshape(shape)
+        for name, start, stop, shape in _layout("i32", T, S, M):
+            kw[name] = flat_i32[start:stop].reshape(shape)
+        for name, start, stop, shape in _layout("f32", T, S, M):
+            kw[name] = flat_f32[start:stop].reshape(shape)
         return cls(**kw, flat_i32=flat_i32, flat_f32=flat_f32)
 
 
@@ -115,6 +133,8 @@ class BatchPacker:
         n_i32, n_f32 = flat_sizes(max_tokens, max_seqs, max_blocks_per_seq)
         self._i32 = np.zeros(n_i32, np.int32)
         self._f32 = np.zeros(n_f32, np.float32)
+        self.max_seqs = max_seqs
+        self.penalties = PenaltyTables()
 
     def pack(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
@@ -147,22 +167,38 @@ class BatchPacker:
         pos = b.positions
         pos[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - qsl[:n], lens)
 
+        # Block tables: every request's block list flattened once, scattered into [S, M] at once.
         bt = b.block_tables
-        for i, r in enumerate(reqs):
-            blocks = block_manager.block_ids(r.request_id)
-            bt[i, : len(blocks)] = blocks
+        req_blocks = block_manager.req_blocks
+        tables = [req_blocks.get(r.request_id, ()) for r in reqs]
+        n_blocks = np.fromiter(map(len, tables), np.int32, n)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(n_blocks.sum()))
+        b_rows = np.repeat(np.arange(n, dtype=np.int32), n_blocks)
+        b_cols = np.arange(flat.size, dtype=np.int32) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+        bt[b_rows, b_cols] = flat
         p = pos[:total]
         b.slot_mapping[:total] = bt[rows, p // P] * P + p % P
 
-        for i, r in enumerate(reqs):
-            sp = r.sampling_params
-            b.temperature[i] = sp.temperature
-            b.top_p[i] = sp.top_p
-            b.min_p[i] = sp.min_p
-            b.top_k[i] = max(0, sp.top_k)
-            b.seeds[i] = r.sample_seed
-            b.sample_index[i] = r.num_output_tokens
-            b.num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
+        # Sampling arrays: one column per field from one pass over the requests.
+        params = [r.sampling_params for r in reqs]
+        b.temperature[:n] = [sp.temperature for sp in params]
+        b.top_p[:n] = [sp.top_p for sp in params]
+        b.min_p[:n] = [sp.min_p for sp in params]
+        b.top_k[:n] = [sp.top_k for sp in params]
+        np.maximum(b.top_k[:n], 0, out=b.top_k[:n])  # -1 and 0 both mean off
+        b.seeds[:n] = [r.sample_seed for r in reqs]
+        b.sample_index[:n] = [len(r.output_token_ids) for r in reqs]
+        b.num_logprobs[:n] = [-1 if sp.logprobs is None else sp.logprobs for sp in params]
         b.top_p[n:] = 1.0
         b.num_logprobs[n:] = -1
+
+        self.penalties.forget(out.finished_ids)
+        for i, sp in enumerate(params):
+            if sp.uses_penalties:
+                r = reqs[i]
+                b.presence_penalty[i] = sp.presence_penalty
+                b.frequency_penalty[i] = sp.frequency_penalty
+                b.repetition_penalty[i] = sp.repetition_penalty
+                b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i])
+        self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
         return b

@@ -19,6 +19,7 @@ plain dict keeps insertion order, which is exactly that queue.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,17 +168,18 @@ class BlockManager:
             blocks.append(b)
         if computed_blocks:
             self.req_num_registered[rid] = len(computed_blocks)
-        free_queue, ref_cnt = self.free_queue, self.ref_cnt
-        for _ in range(need):
-            b = next(iter(free_queue))
-            del free_queue[b]
-            h = self.block_hash[b]
-            if h is not None:  # evict: the least recently freed cached block goes first
-                self.block_hash[b] = None
-                if self.cached.get(h) == b:
-                    del self.cached[h]
-            ref_cnt[b] = 1
-            blocks.append(b)
+        if need:
+            free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
+            taken = list(itertools.islice(free_queue, need))  # the queue's front: least recently freed
+            for b in taken:
+                del free_queue[b]
+                h = block_hash[b]
+                if h is not None:  # evict the cached prefix this block held
+                    block_hash[b] = None
+                    if self.cached.get(h) == b:
+                        del self.cached[h]
+                ref_cnt[b] = 1
+            blocks.extend(taken)
         self.req_slots[rid] = num_computed + num_new_tokens
         return True
 

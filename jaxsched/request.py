@@ -112,6 +112,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        object.__setattr__(self, "_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                           or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -120,8 +122,7 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         """Whether the sampler must see this request's token history (or mask its stop tokens)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0)
+        return self._uses_penalties  # set in __post_init__: the batch packer asks at every step
 
 
 @dataclass(eq=False)
