@@ -1,4 +1,4 @@
-# The two commands of the README's quick start. Both create .venv on first use.
+# The commands of the README's quick start. Each creates .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,6 +23,10 @@ test: $(VENV)/.test
 # Offline generation on the demo model (fetched once into ~/.cache/jaxsched).
 generate: $(VENV)/.base
 	$(VENV)/bin/jaxsched generate --max-model-len 2048 --max-num-seqs 8 --prompt "$(PROMPT)"
+
+# The OpenAI-compatible server on the demo model, on http://127.0.0.1:8000 (see README: Server).
+serve: $(VENV)/.base
+	$(VENV)/bin/jaxsched serve --max-model-len 2048 --max-num-seqs 8
 
 bench: $(VENV)/.base
 	$(PY) scripts/bench_offline.py

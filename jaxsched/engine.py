@@ -103,6 +103,12 @@ def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
     return max(1, int(overhead_s / (recompute - copy)) + 1)
 
 
+def _jnp_dtype(dtype: str):
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+
+
 class _RequestState:
     """Engine-side extras of a request: detokenizer and logprobs."""
 
@@ -159,7 +165,20 @@ class LLMEngine:
         backend = args.attention_backend
         if backend == "auto":
             backend = "pallas" if platform == "gpu" else "xla"
+            if backend == "pallas":
+                from pallas_kernels.pallas_attention import unsupported_reason
+
+                why = unsupported_reason(model_cfg.head_dim, args.block_size, _jnp_dtype(dtype))
+                if why is not None:
+                    logger.warning("attention_backend auto: using 'xla' because %s", why)
+                    backend = "xla"
         self.attention_backend = backend
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        if kv_dtype != dtype and backend == "pallas":
+            raise ValueError(
+                f"kv_cache_dtype {kv_dtype!r} differs from the model dtype {dtype!r}, which only "
+                "attention_backend='xla' supports; use kv_cache_dtype='auto' or attention_backend='xla'"
+            )
         model = build_model(model_cfg, dtype, getter, attention_backend=backend, seed=args.seed)
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)
 
@@ -172,14 +191,14 @@ class LLMEngine:
             weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
             num_blocks = num_blocks_for_memory(model_cfg, P, dtype, args.gpu_memory_utilization, weights,
                                                sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
-                                               max_useful)
-        self.cache_config = CacheConfig(block_size=P, num_blocks=num_blocks, dtype=dtype)
+                                               max_useful, kv_dtype=kv_dtype)
+        self.cache_config = CacheConfig(block_size=P, num_blocks=num_blocks, dtype=kv_dtype)
         num_host_blocks = 0
         if args.preemption_mode != "recompute" and args.swap_space > 0:
-            per_block = kv_bytes_per_block(model_cfg, P, dtype)
+            per_block = kv_bytes_per_block(model_cfg, P, kv_dtype)
             num_host_blocks = min(int(args.swap_space * 2**30 // per_block), 2 * max_useful)
         sched_cfg = dataclasses.replace(sched_cfg, num_host_blocks=num_host_blocks,
-                                        swap_min_tokens=swap_min_tokens(model_cfg, dtype, platform))
+                                        swap_min_tokens=swap_min_tokens(model_cfg, kv_dtype, platform))
         self.scheduler_config = sched_cfg
         self.block_manager = BlockManager(num_blocks, P, enable_prefix_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, policy=args.scheduling_policy)
@@ -187,7 +206,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_cfg, self.cache_config, sched_cfg, args.max_logprobs)
         self.runner.warm_up()
         logger.info("KV pool: %d blocks of %d tokens (%d tokens), %s; swap pool: %d blocks", num_blocks - 1, P,
-                    (num_blocks - 1) * P, dtype, num_host_blocks)
+                    (num_blocks - 1) * P, kv_dtype, num_host_blocks)
 
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -5,8 +5,17 @@ threshold per row, then a Gumbel-max draw whose key is derived from (request see
 a seeded request gives the same tokens whatever else shares its batch. Each costly part runs under
 lax.cond, so an all-greedy step pays only for the argmax and a step without logprobs for none.
 
+Penalties come first, as in vLLM, and apply to greedy and sampled rows alike: repetition_penalty
+divides positive and multiplies non-positive logits of every token seen in the prompt or the output;
+frequency_penalty * count and presence_penalty * (count > 0) are subtracted over the output tokens;
+min_tokens sets EOS and stop_token_ids to -inf until that many tokens were generated. The history
+arrives as a per-row table of at most W = PENALTY_CAPACITY distinct token ids with their output
+counts (jaxsched/penalties.py says why, and how a request that could outgrow it is refused up front):
+a gather and a scatter of [S, W] entries, no [S, V] array crosses to the device. The whole stage
+sits under lax.cond, so a step where no row is penalised pays nothing for it.
+
 Logprobs are of the model's raw distribution (vLLM's default): the sampled token's logprob and
-rank, and the top `max_logprobs` alternatives.
+rank, and the top `max_logprobs` alternatives, before penalties and temperature.
 """
 
 from __future__ import annotations
@@ -51,9 +60,29 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(x >= thr, x, -jnp.inf)
 
 
+def apply_penalties(logits, batch):
+    """vLLM's repetition, frequency and presence penalties and min_tokens masking, in that order, over
+    each row's token table. logits f32[S, V] -> f32[S, V]."""
+    S, V = logits.shape
+    W = batch.penalty_ids.shape[1]
+    valid = jnp.arange(W)[None, :] < batch.penalty_num[:, None]
+    ids = jnp.where(valid, batch.penalty_ids, V)  # V is out of range: gathered as 0, never scattered
+    rows = jnp.arange(S)[:, None]
+    x = logits.at[rows, ids].get(mode="fill", fill_value=0.0)  # [S, W]
+    count = batch.penalty_counts
+    rep = jnp.where(batch.repetition_penalty > 0, batch.repetition_penalty, 1.0)[:, None]
+    x = jnp.where(x > 0, x / rep, x * rep)
+    seen = jnp.maximum(count, 0.0)
+    x = x - batch.frequency_penalty[:, None] * seen - batch.presence_penalty[:, None] * (seen > 0)
+    x = jnp.where(count < 0, -jnp.inf, x)  # MASKED: min_tokens not reached
+    return logits.at[rows, ids].set(x, mode="drop")
+
+
 def sample(logits, batch, max_logprobs: int):
     """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
     S, V = logits.shape
+    raw = logits
+    logits = jax.lax.cond(jnp.any(batch.penalty_num > 0), lambda x: apply_penalties(x, batch), lambda x: x, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     do_sample = batch.temperature > 0
 
@@ -71,9 +100,9 @@ def sample(logits, batch, max_logprobs: int):
     k = max_logprobs
 
     def with_logprobs(_):
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(logits, sampled[:, None], axis=-1)
-        rank = (jnp.sum(logits > chosen, axis=-1) + 1).astype(jnp.int32)
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(raw, sampled[:, None], axis=-1)
+        rank = (jnp.sum(raw > chosen, axis=-1) + 1).astype(jnp.int32)
         slp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
         if k:
             top_lp, top_ids = jax.lax.top_k(lp, k)

@@ -1,5 +1,6 @@
 """The `jaxsched` command line.
 
+  jaxsched serve [MODEL] [--host H --port P] [engine flags]  the OpenAI-compatible HTTP server
   jaxsched generate [MODEL] --prompt "..." [engine flags]   offline generation (chat template by default)
 
 Engine flags carry vLLM's names (--max-model-len, --max-num-seqs, ...); no MODEL means the demo model.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import typing
@@ -63,6 +65,33 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxsched.engine import LLMEngine
+    from serving.app import build_app
+    from serving.async_engine import AsyncEngine
+
+    log = logging.getLogger("jaxsched.serve")
+    args = engine_args_from(ns)
+    eng = LLMEngine(args)
+    name = ns.served_model_name or ns.model or "demo"
+    sc, cc = eng.scheduler_config, eng.cache_config
+    pairs = eng.runner.bucket_pairs()
+    log.info("serving %s as %r on http://%s:%d | KV pool %d blocks x %d = %d tokens | %d bucket pairs compiled "
+             "(T in %s, S in %s) | warm-up %.1f s", eng.model_path, name, ns.host, ns.port, cc.num_usable_blocks,
+             cc.block_size, cc.num_usable_blocks * cc.block_size, len(pairs), list(sc.token_buckets),
+             list(sc.seq_buckets), eng.runner.warmup_seconds)
+    engine = AsyncEngine(eng, max_num_queued_requests=args.max_num_queued_requests)
+    api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
+    app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes)
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), timeout_keep_alive=30)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxsched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,12 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_flags(gen)
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSCHED_API_KEY, else none)")
+    srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get HTTP 413")
+    add_engine_flags(srv)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "serve":
+            return cmd_serve(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

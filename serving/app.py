@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncEngine.
+
+    POST /v1/completions  POST /v1/chat/completions  GET /v1/models
+    GET /health  GET /metrics  POST /tokenize  POST /detokenize  GET /version
+
+Streaming responses are Server-Sent Events, `data: {chunk}\\n\\n` ending with `data: [DONE]`. When a
+client goes away, its requests are aborted (their KV blocks are free before the next step). Every
+error is OpenAI's {"error": {"message", "type", "param", "code"}} with its HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import jaxsched
+from jaxsched.outputs import RequestOutput
+from serving.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from serving.convert import Converter
+from serving.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    decode_request,
+)
+from serving.streaming import DeltaTracker, EventStream, merge, sse
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+_enc = msgspec.json.Encoder()
+
+
+def error_response(err: RequestError) -> Response:
+    body = _enc.encode(ErrorResponse(ErrorInfo(err.message, err.type, err.param, err.code)))
+    return Response(body, status_code=err.status, media_type="application/json", headers=err.headers)
+
+
+def _json(obj: Any) -> Response:
+    return Response(_enc.encode(obj), media_type="application/json")
+
+
+class _ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/*, as vLLM's --api-key (other routes stay open)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                msg = "missing API key" if not got else "invalid API key"
+                resp = error_response(RequestError(
+                    f"{msg}: send the header 'Authorization: Bearer <key>' with the server's --api-key",
+                    status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int) -> None:
+        llm = engine.engine
+        self.engine = engine
+        self.name = name
+        self.max_request_bytes = max_request_bytes
+        self.max_model_len = llm.scheduler_config.max_model_len
+        self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.args.max_logprobs)
+        self.root = getattr(llm, "model_path", None)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    async def body(self, request: Request) -> bytes:
+        limit = self.max_request_bytes
+        too_big = RequestError(f"the request body is larger than the server's limit of {limit} bytes "
+                               "(--max-request-bytes)", status=413, code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise RequestError(f"the model `{model}` does not exist; this server serves `{self.name}`",
+                               status=404, param="model", code="model_not_found")
+
+    async def submit(self, prompts: list[list[int]], texts: list[str | None], params: list[Any],
+                     rid: str, priority: int) -> list[RequestStream]:
+        """Queue one engine request per prompt; all are accepted or none is."""
+        res = await asyncio.gather(*(
+            self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, sp, request_id=f"{rid}-{i}",
+                                    priority=priority)
+            for i, (ids, text, sp) in enumerate(zip(prompts, texts, params))), return_exceptions=True)
+        errors = [r for r in res if isinstance(r, BaseException)]
+        if errors:
+            for r in res:
+                if isinstance(r, RequestStream):
+                    r.close()
+            e = errors[0]
+            if isinstance(e, EngineOverloadedError):
+                raise RequestError(str(e), status=503, code="server_overloaded", headers={"Retry-After": "1"})
+            if isinstance(e, EngineDeadError):
+                raise RequestError(str(e), status=503, code="engine_dead")
+            if isinstance(e, ValueError):  # the engine's validation: LLMEngine.make_request
+                first = str(e).split(" ", 1)[0]
+                raise RequestError(str(e), param=first if first in ("prompt", "priority", "logprobs") else None)
+            raise e
+        return list(res)
+
+    async def until_disconnect(self, request: Request, work: Any) -> Any:
+        """Run `work`; if the client leaves first, cancel it (which aborts its requests)."""
+        task = asyncio.ensure_future(work)
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return task.result()
+
+    # -- the OpenAI routes ---------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req, unknown = decode_request(await self.body(request), CompletionRequest)
+        _log_unknown(unknown, "/v1/completions")
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise RequestError("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError("best_of is not supported by this server (leave it unset or equal to n)",
+                               param="best_of")
+        prompts = self.conv.completion_prompts(req.prompt)
+        params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids, _ in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        texts = [t for _, t in prompts]
+        streams = await self.submit([ids for ids, _ in prompts], texts, params, rid, req.priority)
+        ctx = _Ctx(rid, int(time.time()), req, [len(ids) for ids, _ in prompts], texts, chat=False)
+        if req.stream:
+            return EventStream(self.stream(ctx, streams))
+        return await self.until_disconnect(request, self.collect(ctx, streams))
+
+    async def chat(self, request: Request) -> Response:
+        req, unknown = decode_request(await self.body(request), ChatCompletionRequest)
+        _log_unknown(unknown, "/v1/chat/completions")
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        ids = self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.submit([ids], [None], [sp], rid, req.priority)
+        ctx = _Ctx(rid, int(time.time()), req, [len(ids)], [None], chat=True)
+        if req.stream:
+            return EventStream(self.stream(ctx, streams))
+        return await self.until_disconnect(request, self.collect(ctx, streams))
+
+    async def collect(self, ctx: _Ctx, streams: list[RequestStream]) -> Response:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+        finally:
+            for s in streams:
+                s.close()
+        req, conv, n = ctx.req, self.conv, ctx.req.n
+        choices: list[Any] = []
+        completion_tokens = 0
+        for i, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                if ctx.chat:
+                    lp = conv.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if c.logprobs else None
+                    choices.append(ChatChoice(i * n + c.index, ChatResponseMessage("assistant", c.text), lp,
+                                              c.finish_reason, c.stop_reason))
+                else:
+                    prefix = (ctx.texts[i] or "") if req.echo else ""
+                    lp = conv.completion_logprobs(c.token_ids, c.logprobs, len(prefix)) if c.logprobs else None
+                    choices.append(CompletionChoice(i * n + c.index, prefix + c.text, lp, c.finish_reason,
+                                                    c.stop_reason))
+        usage = UsageInfo(sum(ctx.prompt_lens), completion_tokens, sum(ctx.prompt_lens) + completion_tokens)
+        if ctx.chat:
+            return _json(ChatCompletionResponse(ctx.rid, "chat.completion", ctx.created, self.name, choices, usage))
+        return _json(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, choices, usage))
+
+    async def stream(self, ctx: _Ctx, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+        req, conv, n = ctx.req, self.conv, ctx.req.n
+        trackers = [DeltaTracker(ctx.stops) for _ in streams]
+        completion_tokens = 0
+        try:
+            if ctx.chat:
+                role = [ChatStreamChoice(j, DeltaMessage(role="assistant", content=""), None, None) for j in range(n)]
+                yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, role))
+            elif req.echo:
+                for i, text in enumerate(ctx.texts):
+                    echo = [CompletionChoice(i * n + j, text or "", None, None) for j in range(n)]
+                    yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, echo))
+            async for i, out in merge(streams):
+                for c in sorted(out.outputs, key=lambda c: c.index):
+                    d = trackers[i].delta(c)
+                    completion_tokens += len(d.token_ids)
+                    if not d.text and not d.finish_reason and not d.logprobs:
+                        continue
+                    idx = i * n + d.index
+                    if ctx.chat:
+                        lp = conv.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0) if d.logprobs else None
+                        ch = ChatStreamChoice(idx, DeltaMessage(content=d.text), lp, d.finish_reason)
+                        yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, [ch]))
+                    else:
+                        lp = conv.completion_logprobs(d.token_ids, d.logprobs, 0) if d.logprobs else None
+                        ch = CompletionChoice(idx, d.text, lp, d.finish_reason, d.stop_reason)
+                        yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, [ch]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                p = sum(ctx.prompt_lens)
+                usage = UsageInfo(p, completion_tokens, p + completion_tokens)
+                if ctx.chat:
+                    yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, [], usage))
+                else:
+                    yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, [], usage))
+        except Exception as e:  # headers are sent: report in-band, as vLLM does
+            logger.exception("stream %s failed", ctx.rid)
+            yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, type(e).__name__)))
+        finally:
+            for s in streams:
+                s.close()
+        yield b"data: [DONE]\n\n"
+
+    # -- the other routes ----------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        card = ModelCard(self.name, "model", int(time.time()), "jaxsched", self.root, self.max_model_len)
+        return _json(ModelList("list", [card]))
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.engine.is_running else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(model_name=self.name),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": jaxsched.__version__})
+
+    async def tokenize(self, request: Request) -> Response:
+        req, _ = decode_request(await self.body(request), TokenizeRequest)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("pass exactly one of prompt (a string) or messages (a chat)", param="prompt")
+        if req.prompt is not None:
+            ids = list(self.conv.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            ids = self.conv.chat_prompt(req.messages, req.add_generation_prompt)
+        return _json(TokenizeResponse(len(ids), self.max_model_len, ids))
+
+    async def detokenize(self, request: Request) -> Response:
+        req, _ = decode_request(await self.body(request), DetokenizeRequest)
+        self.check_model(req.model)
+        for t in req.tokens:
+            if not 0 <= t < self.conv.vocab_size:
+                raise RequestError(f"token ids must be in [0, {self.conv.vocab_size}), got {t}", param="tokens")
+        return _json(DetokenizeResponse(self.conv.tokenizer.decode(req.tokens)))
+
+
+class _Ctx:
+    """What a response needs besides the outputs."""
+
+    def __init__(self, rid: str, created: int, req: Any, prompt_lens: list[int], texts: list[str | None],
+                 chat: bool) -> None:
+        self.rid, self.created, self.req, self.prompt_lens, self.texts, self.chat = (
+            rid, created, req, prompt_lens, texts, chat)
+        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+
+
+def _log_unknown(unknown: list[str], route: str) -> None:
+    if unknown:
+        logger.warning("%s: ignoring unknown fields %s", route, unknown)
+
+
+def _wrap(handler: Any) -> Any:
+    async def endpoint(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except RequestError as e:
+            if e.status >= 500:
+                logger.warning("%s %s: %s", request.method, request.url.path, e.message)
+            return error_response(e)
+        except ClientDisconnect:  # gone while sending its body: nobody reads the reply
+            return Response(status_code=499)
+
+    return endpoint
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(RequestError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code,
+                                       code=code, headers=dict(exc.headers or {})))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(RequestError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
+                                       code="internal_error"))
+
+
+def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_num_queued_requests: int | None = None) -> Starlette:
+    """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
+    /v1/*; beyond `max_num_queued_requests` queued requests new ones get 503 with Retry-After."""
+    name = served_model_name or getattr(engine.engine, "model_path", None) or "jaxsched"
+    if max_num_queued_requests is not None:
+        engine.max_num_queued_requests = max_num_queued_requests
+    s = _Server(engine, name, max_request_bytes)
+    routes = [
+        Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _wrap(s.chat), methods=["POST"]),
+        Route("/v1/models", _wrap(s.models), methods=["GET"]),
+        Route("/health", _wrap(s.health), methods=["GET"]),
+        Route("/metrics", _wrap(s.metrics), methods=["GET"]),
+        Route("/version", _wrap(s.version), methods=["GET"]),
+        Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),
+    ]
+    middleware = [Middleware(_ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.server = s
+    return app

@@ -1,0 +1,414 @@
+"""AsyncEngine: the LLMEngine step loop on one thread, per-request streams on the asyncio side.
+
+    engine = AsyncEngine(LLMEngine(model=...))          # starts the engine thread
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=32), request_id="r1"):
+        print(out.outputs[0].text)                       # the text so far
+    await engine.abort("r1")
+
+Outputs are CUMULATIVE, as vLLM's generate() yields by default: each RequestOutput holds all the text
+and tokens so far. That is what lets a stream coalesce: a consumer slower than the engine gets only
+the newest output and loses nothing. DeltaTracker turns them into deltas for streaming (holding back
+text that could still be the start of a stop string).
+
+Threads. LLMEngine is not thread-safe, so only the engine thread touches it: adds, aborts and calls
+from the asyncio side go through a thread-safe command queue and are applied between steps. Results
+come back with loop.call_soon_threadsafe, one call per event loop per step. An idle engine sleeps on
+a threading.Event. A step that raises fails the requests it touched (their streams raise
+EngineStepError) and the loop carries on with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Self
+
+from jaxsched.outputs import RequestOutput
+from jaxsched.request import RequestStatus, SamplingParams
+from serving.metrics import EngineMetrics
+from serving.streaming import DeltaTracker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "DeltaTracker", "EngineDeadError", "EngineOverloadedError", "EngineStats",
+           "EngineStepError", "RequestStream"]
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests are queued than max_num_queued_requests allows; retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (never started, or shut down)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in it; the request was aborted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use
+    num_preemptions: int = 0  # since start
+
+
+_ACCEPTED = object()  # posted once the engine thread has validated and queued a request
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative RequestOutputs. Closing it early aborts the
+    request (its KV blocks are freed before the next step)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._accepted: asyncio.Future[None] = loop.create_future()
+
+    def _put(self, item: Any) -> None:  # on the event loop
+        if item is _ACCEPTED:
+            if not self._accepted.done():
+                self._accepted.set_result(None)
+        elif isinstance(item, BaseException) and not self._accepted.done():
+            self._accepted.set_exception(item)
+        else:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()  # cumulative: the newest output supersedes the others
+        if isinstance(item, BaseException):
+            self._done()
+            raise item
+        if item.finished:
+            self._done()
+        return item
+
+    def _done(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._release()
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished."""
+        if not self.finished:
+            self.engine._submit(("abort", self.request_id))
+            self._done()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _Live:
+    """Engine-thread state of an accepted request."""
+
+    stream: RequestStream
+    arrival_time: float
+    last: RequestOutput | None = None
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_num_queued_requests: int | None = None, start: bool = True) -> None:
+        self.engine = engine  # an LLMEngine; touched only by the engine thread once started
+        self.max_num_queued_requests = max_num_queued_requests
+        self.metrics = EngineMetrics()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._in_flight = 0  # streams not finished yet (asyncio side)
+        self._stats = EngineStats()
+        if start:
+            self.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, **kwargs: Any) -> AsyncEngine:
+        from jaxsched.engine import LLMEngine
+
+        return cls(LLMEngine(args), max_num_queued_requests=args.max_num_queued_requests, **kwargs)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._publish_stats()
+            self._thread = threading.Thread(target=self._run, name="jaxsched-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineDeadError."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the asyncio side ----------------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted (or being accepted) that are not in the running batch."""
+        with self._lock:
+            return max(0, self._in_flight - self._stats.num_running)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it. Raises ValueError for
+        bad input (as LLMEngine.make_request), EngineOverloadedError when the queue is full."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running (it was shut down or never started)")
+        limit = self.max_num_queued_requests
+        if limit is not None and self.num_queued >= limit:
+            raise EngineOverloadedError(f"{self.num_queued} requests are queued (max_num_queued_requests is "
+                                        f"{limit}); retry later")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = RequestStream(self, rid, asyncio.get_running_loop())
+        with self._lock:
+            self._in_flight += 1
+        self._submit(("add", rid, prompt, sampling_params, priority, time.monotonic(), stream))
+        try:
+            await stream._accepted
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            stream._done()
+            raise
+        return stream
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Cumulative RequestOutputs of one request; leaving the loop early aborts it."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with an output whose finish_reason is "abort"."""
+        self._submit(("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(llm_engine) on the engine thread between two steps (to inspect its state safely)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running (it was shut down or never started)")
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(("call", fn, fut))
+        return await fut
+
+    def _submit(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wakeup.set()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            try:
+                self._apply_commands()
+                if not eng.has_unfinished_requests():
+                    self._publish_stats()
+                    self._flush()  # replies to the commands just applied, before sleeping
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    outs = eng.step()
+                except Exception as e:
+                    logger.exception("engine step failed; failing the requests it touched")
+                    self._fail_step(e)
+                    outs = []
+                self._emit(outs)
+                if not outs and time.perf_counter() - t0 < 2e-4:
+                    self._wakeup.wait(1e-3)  # nothing could be scheduled: do not spin
+                    self._wakeup.clear()
+            except Exception:  # a bug in this loop must not kill the thread: log it and go on
+                logger.exception("engine loop error")
+            finally:
+                self._flush()
+        dead = EngineDeadError("the engine was shut down")
+        if self._live:
+            self.engine.abort_request(list(self._live))  # the LLMEngine may be reused
+        for live in self._live.values():
+            self._post(live.stream, dead)
+        self._live.clear()
+        while not self._commands.empty():  # commands that came in while stopping
+            cmd = self._commands.get_nowait()
+            if cmd[0] == "add":
+                self._post(cmd[-1], dead)
+            elif cmd[0] == "call":
+                cmd[2].get_loop().call_soon_threadsafe(_resolve, cmd[2], None, dead)
+        self._flush()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                self._add(*cmd[1:])
+            elif kind == "abort":
+                self._abort(cmd[1])
+            else:
+                fn, fut = cmd[1], cmd[2]
+                try:
+                    res, exc = fn(self.engine), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller's await
+                    res, exc = None, e
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, res, exc)
+
+    def _add(self, rid: str, prompt: Any, params: SamplingParams | None, priority: int, arrival: float,
+             stream: RequestStream) -> None:
+        try:
+            if rid in self._live:
+                raise ValueError(f"request_id {rid!r} is already in flight; use a unique id")
+            eng = self.engine
+            eng.add_request_obj(eng.make_request(rid, prompt, params, arrival_time=arrival, priority=priority))
+        except Exception as e:  # noqa: BLE001 - bad input: the caller's add_request raises it
+            if type(e).__name__ == "QueueFullError":  # the scheduler's own max_num_queued_requests
+                e = EngineOverloadedError(str(e))
+            self._post(stream, e)
+            return
+        self._live[rid] = _Live(stream, arrival)
+        self._post(stream, _ACCEPTED)
+
+    def _abort(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        self.engine.abort_request(rid)
+        self._post(live.stream, _aborted(rid, live.last))
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for o in outs:
+            live = self._live.get(o.request_id)
+            if live is None:  # added to the LLMEngine directly, or aborted meanwhile
+                continue
+            self._observe(live, o, now)
+            live.last = o
+            self._post(live.stream, o)
+            if o.finished:
+                del self._live[o.request_id]
+        self._publish_stats()
+
+    def _observe(self, live: _Live, o: RequestOutput, now: float) -> None:
+        n = self.metrics.observe(o, live.arrival_time, live.num_tokens, live.last_token_time, now)
+        if n > live.num_tokens:
+            live.num_tokens, live.last_token_time = n, now
+
+    def _fail_step(self, exc: Exception) -> None:
+        """Fail the requests a failed step may have touched: all but those still only waiting."""
+        eng = self.engine
+        untouched: dict[str, bool] = {}
+        try:
+            for r in eng.scheduler.requests.values():
+                key = getattr(r, "group_id", None) or r.request_id
+                waiting = r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED)
+                untouched[key] = untouched.get(key, True) and waiting
+        except Exception:  # noqa: BLE001 - cannot tell who was touched: fail everything in flight
+            untouched = {}
+        err = EngineStepError(f"an engine step failed ({type(exc).__name__}: {exc}); the request was aborted")
+        for rid in [rid for rid in self._live if not untouched.get(rid, False)]:
+            live = self._live.pop(rid)
+            try:
+                eng.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", rid)
+            self._post(live.stream, err)
+
+    def _publish_stats(self) -> None:
+        eng, m = self.engine, self.metrics
+        sched = eng.scheduler
+        usage = float(eng.block_manager.stats().usage)
+        stats = EngineStats(
+            num_running=len(getattr(sched, "running", ())),
+            num_waiting=len(getattr(sched, "waiting", ())),
+            num_swapped=len(getattr(sched, "swapped", ())),
+            kv_cache_usage=usage,
+            num_preemptions=int(getattr(sched, "num_preemptions", 0)),
+        )
+        with self._lock:
+            self._stats = stats
+        m.num_requests_running.set(stats.num_running)
+        m.num_requests_waiting.set(stats.num_waiting)
+        m.num_requests_swapped.set(stats.num_swapped)
+        m.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        m.num_preemptions.set_total(stats.num_preemptions)
+
+    def _post(self, stream: RequestStream, item: Any) -> None:
+        self._outbox.setdefault(stream.loop, []).append((stream, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody listens, free the requests
+                for stream, _ in items:
+                    if self._live.pop(stream.request_id, None) is not None:
+                        self.engine.abort_request(stream.request_id)
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _resolve(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)
+
+
+def _aborted(rid: str, last: RequestOutput | None) -> RequestOutput:
+    if last is None:
+        return RequestOutput(rid, None, [], [], True)
+    comps = [c if c.finish_reason else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
+    return dataclasses.replace(last, outputs=comps, finished=True)

@@ -1,0 +1,217 @@
+"""OpenAI requests to engine inputs, engine outputs to OpenAI responses: the server's pure functions.
+
+Everything here runs on the event loop with the server's own copy of the tokenizer (the engine
+thread decodes with the engine's; a fast tokenizer shared across threads can fail with "Already
+borrowed"). Errors are RequestErrors naming the parameter to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from typing import Any
+
+from jaxsched.outputs import Logprob
+from jaxsched.request import SamplingParams
+from serving.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionLogprobs,
+    CompletionRequest,
+    RequestError,
+    TopLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128  # samples per request: each is a sequence in the batch
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Llama 3, Qwen, SmolLM...): character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class Converter:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
+        try:
+            self.tokenizer = copy.deepcopy(tokenizer)
+        except Exception:  # noqa: BLE001 - one that cannot be copied is shared; it is only read here
+            self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self._token_text: dict[int, str] = {}
+
+    # -- prompts -------------------------------------------------------------------------------
+    def _check_ids(self, ids: list[Any], param: str) -> list[int]:
+        if not ids:
+            raise RequestError(f"{param} is empty: pass at least one token", param=param)
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {t!r}", param=param)
+        return ids
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        ids = list(self.tokenizer.encode(text))
+        if not ids:
+            raise RequestError(f"{param} is empty: pass at least one character", param=param)
+        return ids
+
+    def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+        """(token ids, text) of each prompt of a /v1/completions request."""
+        if isinstance(prompt, str):
+            return [(self.encode(prompt), prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [(self.encode(p), p) for p in prompt]
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [(self._check_ids(prompt, "prompt"), None)]
+            if all(isinstance(p, list) for p in prompt):
+                return [(self._check_ids(p, "prompt"), None) for p in prompt]
+        raise RequestError("prompt must be a non-empty string, a list of strings, a list of token ids or a list "
+                           "of token-id lists", param="prompt")
+
+    @staticmethod
+    def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        if not messages:
+            raise RequestError("messages is empty: pass at least one {'role': ..., 'content': ...}",
+                               param="messages")
+        conv = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise RequestError(f"only content parts of type 'text' (with a 'text' field) are supported, "
+                                           f"got type {part.type!r}", param="messages")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            conv.append({"role": m.role, "content": content or ""})
+        return conv
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    kwargs: dict[str, Any] | None = None) -> list[int]:
+        conv = self.conversation(messages)
+        try:
+            ids = self.tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                                     **(kwargs or {}))
+        except Exception as e:  # template errors (role order, missing template) are the request's
+            raise RequestError(f"could not apply the chat template: {e}", param="messages") from e
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return self._check_ids(list(ids), "messages")
+
+    # -- sampling parameters -------------------------------------------------------------------
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                        max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if prompt_len >= self.max_model_len:
+            raise RequestError(f"the prompt is {prompt_len} tokens but max_model_len is {self.max_model_len}: "
+                               "shorten the prompt to fewer tokens than max_model_len", param=param,
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+        elif isinstance(max_tokens, int) and prompt_len + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
+                code="context_length_exceeded")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+        if req.logit_bias:
+            raise RequestError("logit_bias is not supported by this server", param="logit_bias")
+        if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
+            raise RequestError(f"logprobs must be between 0 and {self.max_logprobs} (the server's max_logprobs), "
+                               f"got {logprobs}", param="top_logprobs" if param == "messages" else "logprobs")
+        kw = {
+            "n": req.n, "max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "logprobs": logprobs,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": 0 if req.top_k is None else req.top_k,
+            "min_p": 0.0 if req.min_p is None else req.min_p,
+            "presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids,
+            "skip_special_tokens": req.skip_special_tokens,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+        }
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise RequestError(str(e), param=_param_of(str(e), kw)) from e
+
+    # -- outputs -------------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a piece of a UTF-8 character for some)."""
+        raw = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        m = _BYTE_FALLBACK.fullmatch(raw)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if raw and all(c in _BYTE_LEVEL for c in raw):
+            return bytes(_BYTE_LEVEL[c] for c in raw)
+        return self.tokenizer.decode([token_id]).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text; a token that is not whole UTF-8 is spelled "bytes:\\xe4\\xbd" as OpenAI does,
+        so distinct tokens keep distinct keys in top_logprobs."""
+        s = self._token_text.get(token_id)
+        if s is None:
+            b = self.token_bytes(token_id)
+            try:
+                s = b.decode("utf-8")
+            except UnicodeDecodeError:
+                s = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+            self._token_text[token_id] = s
+        return s
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                            offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        for t, entry in zip(token_ids, logprobs):
+            s = self.token_text(t)
+            out.tokens.append(s)
+            out.token_logprobs.append(entry[t].logprob if t in entry else None)
+            top: dict[str, float] = {}
+            for k, v in entry.items():  # two ids may still spell the same text: keep the likelier
+                key = self.token_text(k)
+                top[key] = max(v.logprob, top.get(key, -float("inf")))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int) -> ChatLogprobs:
+        content = []
+        for t, entry in zip(token_ids, logprobs):
+            s = self.token_text(t)
+            ranked = sorted((lp.rank or 0, k, lp) for k, lp in entry.items() if lp.rank is not None and lp.rank <= top)
+            alts = [TopLogprob(self.token_text(k), lp.logprob, list(self.token_bytes(k))) for _, k, lp in ranked]
+            lp = entry[t].logprob if t in entry else float("nan")
+            content.append(ChatLogprobEntry(s, lp, list(self.token_bytes(t)), alts))
+        return ChatLogprobs(content=content)
+
+
+
+def _param_of(message: str, kw: dict[str, Any]) -> str | None:
+    """SamplingParams errors start with the field's name; map it back to the request's."""
+    first = message.split(" ", 1)[0]
+    return first if first in kw else None

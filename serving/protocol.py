@@ -1,0 +1,275 @@
+"""OpenAI request and response schemas (plus vLLM's extensions), as msgspec Structs.
+
+Requests are decoded in two steps, JSON to builtins and then msgspec.convert to the Struct, so that
+the server can name the fields it ignores. Unknown fields are ignored and logged, as vLLM does:
+clients written for other servers send extras (`user`-like tags, tool fields) that must not break a
+request. Types are strict: "5" is not an int and true is not a number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+from msgspec import Struct
+
+
+class RequestError(Exception):
+    """A client error, rendered as OpenAI's {"error": {...}} with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type_ or _ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+# -- requests ----------------------------------------------------------------------------------
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    JSON null means "the default" for every optional field, as in OpenAI's API (clients send
+    `"n": null`); _null_defaults restores the defaults of the fields whose type is not Optional.
+    """
+
+    _null_defaults: ClassVar[dict[str, Any]] = {
+        "n": 1, "stream": False, "min_tokens": 0, "ignore_eos": False, "priority": 0, "skip_special_tokens": True,
+        "include_stop_str_in_output": False, "echo": False, "add_generation_prompt": True}
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    priority: int | None = 0
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+    def __post_init__(self) -> None:
+        for name, default in self._null_defaults.items():
+            if getattr(self, name, default) is None:
+                setattr(self, name, default)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ---------------------------------------------------------------------------------
+class UsageInfo(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct, omit_defaults=True):
+    id: str
+    object: str  # "text_completion", for whole responses and stream chunks alike
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None  # stream chunks carry it only in the final usage chunk
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprobEntry] | None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    object: str  # "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Struct, omit_defaults=True):
+    id: str
+    object: str  # "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str | None
+    max_model_len: int
+
+
+class ModelList(Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+# -- decoding ----------------------------------------------------------------------------------
+T = TypeVar("T", bound=Struct)
+
+
+def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
+    """Parse a JSON body into `typ`; returns it and the names of the top-level fields it ignored.
+    Raises RequestError (400) saying what was wrong and where."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(raw, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}",
+                           code="invalid_json")
+    known = set(typ.__struct_fields__)
+    unknown = sorted(k for k in raw if k not in known)
+    try:
+        obj = msgspec.convert(raw, typ)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = None
+        if " - at `$." in msg:
+            param = msg.rsplit(" - at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+        elif msg.startswith("Object missing required field `"):
+            param = msg.split("`")[1]
+        raise RequestError(f"invalid request: {msg}", param=param, code="invalid_type") from e
+    return obj, unknown

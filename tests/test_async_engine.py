@@ -1,0 +1,199 @@
+"""AsyncEngine: the step loop on its own thread, driven from asyncio (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from jaxsched import LLM, SamplingParams
+from jaxsched.outputs import CompletionOutput
+from serving.async_engine import (
+    AsyncEngine,
+    DeltaTracker,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+)
+
+ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
+PROMPTS = ["the capital of france is", "hello world , how are you", "one two three", "what is a cat ?"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(llama_dir):
+    llm = LLM(llama_dir, **ENGINE)
+    reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # before the engine thread owns the engine
+    engine = AsyncEngine(llm.llm_engine)
+    yield engine, reference
+    engine.shutdown()
+
+
+def owned_blocks(engine: AsyncEngine) -> dict:
+    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))
+
+
+def test_generate_streams_cumulative_outputs_equal_to_offline(setup):
+    engine, reference = setup
+
+    async def one(i):
+        seen = []
+        async for out in engine.generate(PROMPTS[i], GREEDY, request_id=f"gen-{i}"):
+            seen.append(out)
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    for seen, ref in zip(asyncio.run(main()), reference):
+        final = seen[-1]
+        assert final.finished and all(not o.finished for o in seen[:-1])
+        assert final.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert final.outputs[0].text == ref.outputs[0].text
+        lengths = [len(o.outputs[0].token_ids) for o in seen]
+        assert lengths == sorted(lengths)  # cumulative, never shrinking (possibly coalesced)
+    assert owned_blocks(engine) == {}
+
+
+def test_bad_input_raises_and_the_loop_goes_on(setup):
+    engine, reference = setup
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await engine.add_request("", GREEDY)
+        with pytest.raises(ValueError, match="max_model_len is 96"):
+            await engine.add_request({"prompt_token_ids": [5] * 200}, GREEDY)
+        stream = await engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
+        with pytest.raises(ValueError, match="already in flight"):
+            await engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
+        outs = [o async for o in stream]
+        return outs[-1]
+
+    final = asyncio.run(main())
+    assert final.outputs[0].token_ids == reference[0].outputs[0].token_ids
+
+
+def test_abort_and_early_close_free_the_blocks(setup):
+    engine, _ = setup
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request(PROMPTS[1], long, request_id="to-abort")
+        first = await stream.__anext__()
+        await engine.abort("to-abort")
+        rest = [o async for o in stream]
+        # leaving a generate() loop early aborts too
+        agen = engine.generate(PROMPTS[2], long, request_id="to-close")
+        async for out in agen:
+            break
+        await agen.aclose()
+        return first, rest, out
+
+    first, rest, out = asyncio.run(main())
+    assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < 60 and not out.finished
+    assert owned_blocks(engine) == {}
+
+
+def test_a_failing_step_fails_its_requests_not_the_loop(setup):
+    engine, reference = setup
+
+    def break_next_step(eng):
+        real = eng.runner.execute
+
+        def execute(batch):
+            eng.runner.execute = real
+            raise RuntimeError("device on fire")
+
+        eng.runner.execute = execute
+
+    async def main():
+        await engine.call(break_next_step)
+        with pytest.raises(EngineStepError, match="device on fire"):
+            async for _ in engine.generate(PROMPTS[0], GREEDY):
+                pass
+        return [o async for o in engine.generate(PROMPTS[0], GREEDY)][-1]
+
+    final = asyncio.run(main())
+    assert final.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert owned_blocks(engine) == {}
+
+
+def test_idle_engine_sleeps_instead_of_spinning(setup):
+    engine, _ = setup
+    steps = []
+
+    def count_steps(eng):
+        real = eng.step
+
+        def step():
+            steps.append(1)
+            return real()
+
+        eng.step = step
+        return real
+
+    real = asyncio.run(engine.call(count_steps))
+    clock = time.pthread_getcpuclockid(engine._thread.ident)  # the engine thread's CPU time
+    cpu0 = time.clock_gettime(clock)
+    time.sleep(0.3)
+    try:
+        assert steps == [] and engine.is_running
+        assert time.clock_gettime(clock) - cpu0 < 0.03
+    finally:
+        asyncio.run(engine.call(lambda eng: setattr(eng, "step", real)))
+
+
+def test_queue_limit_and_stats(setup):
+    engine, _ = setup
+    m = engine.metrics
+    before = m.request_success.value(finished_reason="length"), m.generation_tokens.value()
+
+    async def main():
+        engine.max_num_queued_requests = 2
+        try:
+            res = await asyncio.gather(*(engine.add_request(PROMPTS[0], GREEDY) for _ in range(6)),
+                                       return_exceptions=True)
+        finally:
+            engine.max_num_queued_requests = None
+        streams = [r for r in res if not isinstance(r, BaseException)]
+        errors = [r for r in res if isinstance(r, BaseException)]
+        for s in streams:
+            async for _ in s:
+                pass
+        return streams, errors
+
+    streams, errors = asyncio.run(main())
+    assert len(streams) == 2 and len(errors) == 4
+    assert all(isinstance(e, EngineOverloadedError) and "max_num_queued_requests is 2" in str(e) for e in errors)
+    assert m.request_success.value(finished_reason="length") == before[0] + 2
+    assert m.generation_tokens.value() == before[1] + 24
+    assert m.time_to_first_token.count >= 2 and m.inter_token_latency.count >= 22
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    text = m.render(model_name="tiny")
+    assert 'jaxsched:request_success_total{model_name="tiny",finished_reason="length"}' in text
+    assert "# TYPE jaxsched:time_to_first_token_seconds histogram" in text
+
+
+def test_delta_tracker_holds_back_possible_stop_strings():
+    t = DeltaTracker(stop=["END"])
+    steps = [("he", None), ("hello E", None), ("hello EN", None), ("hello ", "stop")]  # "hello END" cut
+    got = [t.delta(CompletionOutput(0, text, list(range(i + 1)), finish_reason=fr)) for i, (text, fr) in
+           enumerate(steps)]
+    assert [d.text for d in got] == ["", "hello", " ", ""]
+    assert [len(d.token_ids) for d in got] == [1, 1, 1, 1] and got[-1].finish_reason == "stop"
+    plain = DeltaTracker()
+    assert plain.delta(CompletionOutput(0, "ab", [1])).text == "ab"
+
+
+def test_an_engine_not_running_refuses_requests(setup):
+    stopped = AsyncEngine(setup[0].engine, start=False)
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="not running"):
+            await stopped.add_request("hello", GREEDY)
+
+    asyncio.run(main())
