@@ -20,6 +20,9 @@ class IncrementalDetokenizer:
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        # As in vLLM, stop strings are not looked for before min_tokens outputs exist.
+        self.min_tokens = params.min_tokens
+        self.num_outputs = 0
         # Streaming holds back this many characters: they could be the start of a stop string.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -38,6 +41,7 @@ class IncrementalDetokenizer:
         request's last token: then it is flushed, so the final text equals decoding all its tokens.
         """
         self.ids.append(token_id)
+        self.num_outputs += 1
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
@@ -46,7 +50,7 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = len(self.text)
         self.text += delta
-        if self.stop:
+        if self.stop and self.num_outputs >= self.min_tokens:
             self._check_stop(start)
         return self.text[start:]
 
