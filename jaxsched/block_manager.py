@@ -5,8 +5,9 @@ decides which block ids a request owns. Block 0 is the null page: never handed o
 tokens and padding rows of a batch can point at it and a kernel never reads or writes outside the
 pool.
 
-Automatic prefix caching. A full block is identified by a hash chain, hash((parent hash, its P
-tokens)), so equal hashes mean equal token prefixes (up to a 64-bit hash collision). A full block
+Automatic prefix caching. A full block is identified by a hash chain, blake2b(parent hash + its P
+tokens), 128 bits: equal hashes mean equal token prefixes, and (unlike Python's hash()) nobody can
+craft a prompt that collides with another user's prefix. A full block
 of a running request is registered under its hash; a later request whose prompt starts with the
 same blocks takes them by reference count instead of computing them again. A freed block keeps its
 KV and its hash while it waits in the free queue, and is evicted (its hash forgotten) only when an
@@ -19,6 +20,8 @@ plain dict keeps insertion order, which is exactly that queue.
 
 from __future__ import annotations
 
+import array
+import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,8 +66,8 @@ class BlockManager:
         self.free_queue: dict[int, None] = dict.fromkeys(range(1, num_blocks))
         self.req_blocks: dict[str, list[int]] = {}
         self.req_slots: dict[str, int] = {}  # token slots each request has claimed
-        self.block_hash: list[int | None] = [None] * num_blocks  # hash a block is cached under
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # hash a block is cached under
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         self.req_num_registered: dict[str, int] = {}  # leading full blocks of a request registered
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -95,15 +98,16 @@ class BlockManager:
         return self.enable_prefix_caching or request.group_size > 1
 
     # -- prefix cache --------------------------------------------------------------------------
-    def block_hashes(self, request: Request, num_full: int) -> list[int]:
+    def block_hashes(self, request: Request, num_full: int) -> list[bytes]:
         """The chain hashes of the request's first num_full full blocks (extended lazily, kept on
         the request so each block is hashed once)."""
         hashes = request.block_hashes
         P = self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else request.cache_salt
-            hashes.append(hash((parent, tuple(request.token_slice(i * P, (i + 1) * P)))))
+            parent = hashes[-1] if hashes else request.cache_salt.to_bytes(16, "little")
+            tokens = array.array("q", request.token_slice(i * P, (i + 1) * P)).tobytes()
+            hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
         return hashes
 
     def lookup(self, request: Request) -> list[int]:
@@ -119,8 +123,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * P
         return hits
 
     def register(self, request: Request) -> None:
@@ -214,7 +216,11 @@ class BlockManager:
     def stats(self) -> KVCacheStats:
         used = self.num_usable_blocks - len(self.free_queue)
         allocated = used * self.block_size
-        used_slots = sum(self.req_slots.values())
+        # waste is each request's unfilled tail; shared (always full) prefix blocks add none
+        P = self.block_size
+        waste = sum(len(self.req_blocks[rid]) * P - slots for rid, slots in self.req_slots.items()
+                    if rid in self.req_blocks)
+        used_slots = allocated - waste
         cached_free = sum(1 for b in self.cached.values() if self.ref_cnt[b] == 0)
         return KVCacheStats(
             num_blocks=self.num_usable_blocks,

@@ -34,7 +34,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
     # dtype of the KV pool: "auto" = the model's dtype; "bfloat16" halves the pool's memory and
-    # the bytes decode attention reads (at a small precision cost) with the "xla" backend
+    # the bytes decode attention reads (at a small precision cost) with the "xla" backend; on a CPU
+    # it is slower, XLA:CPU's bfloat16 gathers being ~10x slower (docs/PERFORMANCE.md)
     kv_cache_dtype: str = "auto"
     # "auto": the Pallas kernel on a GPU, the XLA path on a CPU; "pallas" on a CPU runs the kernel
     # in interpret mode (slow; for tests)

@@ -11,6 +11,7 @@ then detokenize, apply stop strings, and report RequestOutputs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -174,6 +175,9 @@ class LLMEngine:
                     backend = "xla"
         self.attention_backend = backend
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        if kv_dtype == "bfloat16" and platform == "cpu":
+            logger.warning("a bfloat16 KV pool on a CPU makes attention ~10x slower (XLA:CPU's bfloat16 "
+                           "gathers); kv_cache_dtype='float32' is faster here")
         if kv_dtype != dtype and backend == "pallas":
             raise ValueError(
                 f"kv_cache_dtype {kv_dtype!r} differs from the model dtype {dtype!r}, which only "
@@ -276,14 +280,18 @@ class LLMEngine:
         """Queue a request made by make_request. With n > 1 its samples become sibling requests
         ("{i}_{request_id}", as vLLM names them) that share the prompt's KV blocks."""
         n = req.sampling_params.n
-        if n == 1:
-            self._add_one(req)
-            return
         rid = req.request_id
         if rid in self._groups or rid in self.scheduler.requests:
             raise ValueError(f"request_id {rid!r} is already in flight; use a unique id")
+        if n == 1:
+            self._add_one(req)
+            return
+        # With prefix caching off, the samples share blocks only among themselves.
+        salt = req.cache_salt if self.args.enable_prefix_caching else int.from_bytes(
+            hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
         children = [dataclasses.replace(req, request_id=f"{i}_{rid}", sample_seed=sample_seed(req.sample_seed, i),
-                                        group_id=rid, group_size=n, output_token_ids=[], block_hashes=[])
+                                        group_id=rid, group_size=n, output_token_ids=[], block_hashes=[],
+                                        cache_salt=salt)
                     for i in range(n)]
         added: list[str] = []
         try:
@@ -304,6 +312,9 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         expanded = []
         for rid in ids:
+            state = self._states.get(rid)
+            if state is not None and state.request.group_id in self._groups:
+                rid = state.request.group_id  # one sample of an n > 1 request: abort them all
             group = self._groups.pop(rid, None)
             expanded.extend(group.child_ids if group else [rid])
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
@@ -339,18 +350,39 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        now = time.monotonic()
-        for req in out.requests:
-            if not req.first_scheduled_time:
-                req.first_scheduled_time = now
-        if out.blocks_to_swap_out or out.blocks_to_swap_in:
-            self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        batch = self.packer.pack(out, self.block_manager)
-        res = self.runner.execute(batch)
+        try:
+            if out.blocks_to_swap_out or out.blocks_to_swap_in:  # even in a step that runs nothing
+                self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            if out.is_empty:
+                self.packer.penalties.forget(out.finished_ids)
+                return []
+            now = time.monotonic()
+            for req in out.requests:
+                if not req.first_scheduled_time:
+                    req.first_scheduled_time = now
+            batch = self.packer.pack(out, self.block_manager)
+            res = self.runner.execute(batch)
+        except Exception:
+            self._recover_from_failed_step(out)
+            raise
         got = self.scheduler.update(out, res.sampled)
         return self._process(out, got, res)
+
+    def _recover_from_failed_step(self, out: SchedulerOutput) -> None:
+        """After a step failed on the device, no block this step registered in the prefix cache
+        and no host copy this step made can be trusted: forget the cache, and send requests
+        swapped out this step back to waiting, to be recomputed. (The caller fails the requests
+        the step ran.)"""
+        sched = self.scheduler
+        self.block_manager.reset_prefix_cache()
+        for rid in out.swapped_out:
+            req = sched.requests.get(rid)
+            if req is not None and req.status == RequestStatus.SWAPPED:
+                sched.swapped.remove(req)
+                sched.swap_pool.release(rid)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                sched._insert(sched.waiting, req)
 
     def _process(self, out: SchedulerOutput, got: list[int], res: SamplerOutput) -> list[RequestOutput]:
         now = time.monotonic()

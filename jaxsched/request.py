@@ -152,7 +152,7 @@ class Request:
     group_size: int = 1
     # prefix caching: chain hashes of the full blocks hashed so far, and the chain's root (requests
     # with different salts never share blocks)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: int = 0
     # metrics (time.monotonic() stamps, 0.0 = not yet)
     first_scheduled_time: float = 0.0

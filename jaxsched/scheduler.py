@@ -7,13 +7,12 @@ batch at every step (continuous batching). Three queues: waiting (not started, o
 recompute), running, swapped (preempted by swap: KV parked in host memory).
 
 One step, in order:
-  0. priority preemption: with a policy that allows it, a waiting request that outranks the
-     lowest-ranked running one takes its place when the batch or the pool is full;
   1. running requests, in policy order, get their tokens; when the pool runs dry the lowest-ranked
      running request is preempted (by swap or recompute, see _preempt);
   2. unless step 1 preempted, swapped requests come back and then waiting ones are admitted
      (taking prefix-cache hits), in policy order, while the budget, the cap, the pool and
-     swap_threshold allow;
+     swap_threshold allow; with the priority policy a candidate that does not fit preempts the
+     lowest-ranked running request when that one ranks below it;
   3. prefill chunks are trimmed so the step's token count fits its bucket with at most
      max_paddings padded tokens, and the blocks that are full after the step are registered in
      the prefix cache.
@@ -200,10 +199,7 @@ class Scheduler:
         out = SchedulerOutput(requests=[], num_new_tokens=[])
         sched, num_new = out.requests, out.num_new_tokens
         budget = cfg.max_num_batched_tokens
-
-        # 0. A waiting request that outranks the lowest-ranked running one may take its place.
-        if self.waiting and self.running and getattr(self.policy, "preempts_for_priority", False):
-            self._preempt_for_priority(out)
+        self._preempted_now: set[str] = set()
 
         # 1. Running requests, in policy order; preempt from the end when the pool runs dry.
         memory_preempted = False
@@ -263,47 +259,64 @@ class Scheduler:
         return leader.num_computed_tokens < (leader.num_prompt_tokens - 1) // P * P
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Bring back swapped requests and admit waiting ones, in policy order."""
+        """Bring back swapped requests and admit waiting ones, in policy order. With a policy that
+        allows it, a candidate that does not fit (no seat, no blocks, or above swap_threshold)
+        preempts the lowest-ranked running request if that one ranks below it, even one already
+        scheduled this step (vLLM v1's rule); a request preempted this step is not re-admitted."""
         cfg = self.config
         bm = self.block_manager
         key = self._key
+        skip = self._preempted_now
         j = 0  # first waiting request not skipped this step
-        while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            while j < len(self.waiting) and self._waits_for_leader(self.waiting[j]):
+        k = 0  # first swapped request not skipped this step
+        while budget > 0:
+            while j < len(self.waiting) and (self._waits_for_leader(self.waiting[j])
+                                             or self.waiting[j].request_id in skip):
                 j += 1
+            while k < len(self.swapped) and self.swapped[k].request_id in skip:
+                k += 1
             cand_w = self.waiting[j] if j < len(self.waiting) else None
-            cand_s = self.swapped[0] if self.swapped else None
+            cand_s = self.swapped[k] if k < len(self.swapped) else None
             if cand_s is None and cand_w is None:
                 break
             use_swapped = cand_s is not None and (cand_w is None or key is None or key(cand_s) <= key(cand_w))
-            if use_swapped:
-                req = cand_s
-                n = self._chunk(req, budget)
-                if not bm.allocate_slots(req, n):
-                    break
-                host = self.swap_pool.release(req.request_id)
-                out.blocks_to_swap_in.extend(zip(host, bm.block_ids(req.request_id)))
-                out.swapped_in.append(req.request_id)
-                self.swapped.pop(0)
-            else:
-                req = cand_w
+            req = cand_s if use_swapped else cand_w
+            if len(self.running) >= cfg.max_num_seqs:
+                fits = False
+            elif use_swapped:
+                n = min(req.num_tokens - req.num_computed_tokens, budget, cfg.long_prefill_token_threshold or budget)
+                fits = bm.allocate_slots(req, n)
+            elif self.running and bm.usage > cfg.swap_threshold:
                 # Above swap_threshold only running requests grow: admitting more would force
                 # preemptions a few steps later.
-                if self.running and bm.usage > cfg.swap_threshold:
-                    break
+                fits = False
+            else:
                 hits = bm.lookup(req)
                 hit_tokens = len(hits) * bm.block_size
                 n = req.num_tokens - hit_tokens
                 if n > budget and not cfg.enable_chunked_prefill:
+                    fits = False
+                else:
+                    n = min(n, budget, cfg.long_prefill_token_threshold or n)
+                    fits = bm.allocate_slots(req, n, hits)
+            if not fits:
+                freed = self._preempt_lower(req, out)
+                if freed is None:
                     break
-                n = min(n, budget, cfg.long_prefill_token_threshold or n)
-                if not bm.allocate_slots(req, n, hits):
-                    break
-                bm.prefix_queries += req.num_tokens
-                bm.prefix_hits += hit_tokens
+                budget += freed
+                continue
+            if use_swapped:
+                host = self.swap_pool.release(req.request_id)
+                out.blocks_to_swap_in.extend(zip(host, bm.block_ids(req.request_id)))
+                out.swapped_in.append(req.request_id)
+                del self.swapped[k]
+            else:
+                if bm.uses_cache(req):
+                    bm.prefix_queries += req.num_tokens
+                    bm.prefix_hits += hit_tokens
                 req.num_computed_tokens = hit_tokens
                 out.num_cached_tokens += hit_tokens
-                self.waiting.pop(j)
+                del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self._insert(self.running, req)
             out.requests.append(req)
@@ -311,21 +324,26 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        cfg = self.config
-        bm = self.block_manager
+    def _preempt_lower(self, cand: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the lowest-ranked running request for `cand` if the policy allows it and that
+        request ranks below cand. Returns the budget it gave back (its tokens if it was scheduled
+        this step), or None when there is no such request."""
         key = self._key
-        best = self.waiting[0]
-        while self.running:
-            worst = self.running[-1]
-            if key(worst) <= key(best):
-                return
-            seq_full = len(self.running) >= cfg.max_num_seqs
-            need = cdiv(min(best.num_tokens, cfg.max_num_batched_tokens), bm.block_size)
-            if not (seq_full or need > bm.num_free_blocks or bm.usage > cfg.swap_threshold):
-                return
-            self.running.pop()
-            self._preempt(worst, out)
+        if key is None or not self.running or not getattr(self.policy, "preempts_for_priority", False):
+            return None
+        victim = self.running[-1]
+        if key(victim) <= key(cand):
+            return None
+        self.running.pop()
+        freed = 0
+        for i, r in enumerate(out.requests):
+            if r is victim:  # un-schedule it: its KV so far stays valid, this step's tokens were not run
+                freed = out.num_new_tokens[i]
+                del out.requests[i]
+                del out.num_new_tokens[i]
+                break
+        self._preempt(victim, out)
+        return freed
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Give a running request's blocks back. By swap: its computed KV is copied to host blocks
@@ -336,6 +354,7 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         rid = req.request_id
+        self._preempted_now.add(rid)
         self.num_preemptions += 1
         req.num_preemptions += 1
         mode = cfg.preemption_mode
@@ -365,7 +384,7 @@ class Scheduler:
         cfg = self.config
         buckets = cfg.token_buckets
         k = bisect.bisect_left(buckets, total)
-        if buckets[k] - total <= cfg.max_paddings or k == 0:
+        if buckets[k] - total <= cfg.max_paddings or k == 0 or not cfg.enable_chunked_prefill:
             return total
         excess = total - buckets[k - 1]
         if sum(n - 1 for n in num_new) < excess:

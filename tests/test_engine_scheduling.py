@@ -138,3 +138,15 @@ def test_admission_limits(llama_dir):
         eng.add_request("d", p, SamplingParams(max_tokens=95))
     eng.abort_request(["a", "b"])
     assert not eng.has_unfinished_requests() and _free(llm)
+
+
+def test_parallel_sampling_ids_and_aborts(ample):
+    eng = ample.llm_engine
+    p = token_prompts(ample, 1)[0]
+    eng.add_request("g", p, SamplingParams(n=2, max_tokens=5))
+    with pytest.raises(ValueError, match="already in flight"):
+        eng.add_request("g", p, SamplingParams(max_tokens=5))  # n == 1 must not shadow the group
+    eng.step()
+    eng.abort_request("1_g")  # one sample's id aborts the whole request
+    assert not eng.has_unfinished_requests() and not eng._groups
+    assert _free(ample)
