@@ -40,24 +40,24 @@ def _free(llm):
 
 class PreemptedFirst(SchedulerPolicy):
     """A user policy (no sort_key): requests preempted more often go first, so the next victim is
-    always one that was preempted least (the oldest of those): the pain is shared."""
+    always one that was preempted least (the furthest ahead of those): the pain is shared."""
 
     def prioritize(self, requests):
-        return sorted(requests, key=lambda r: (-r.num_preemptions, -r.seq_no))
+        return sorted(requests, key=lambda r: (-r.num_preemptions, r.num_output_tokens, r.seq_no))
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_greedy_outputs_survive_preemption(llama_dir, reference, mode):
     prompts, expected = reference
     # 6 usable blocks of 8 tokens for 8 requests that each grow to 4 blocks, and a policy that
-    # spreads preemptions: nearly every request is preempted, most more than once.
+    # spreads preemptions: every request is preempted at least once.
     llm = LLM(llama_dir, **BASE, num_gpu_blocks_override=7, preemption_mode=mode, enable_prefix_caching=False,
               scheduling_policy=PreemptedFirst())
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     preempted = [o.metrics.num_preemptions for o in outs]
     stats = llm.llm_engine.get_stats()
-    assert sum(p >= 1 for p in preempted) >= 6 and sum(preempted) >= 10, preempted
+    assert min(preempted) >= 1, preempted
     if mode == "swap":
         assert stats["num_swap_outs"] == stats["num_preemptions"] > 0
     else:
