@@ -34,9 +34,8 @@ _I32_FIELDS: dict[str, object] = {
     "seeds": lambda T, S, M: (S,),  # i32[S]         per-request sampling seed
     "sample_index": lambda T, S, M: (S,),  # i32[S]  output index of the token sampled this step
     "num_logprobs": lambda T, S, M: (S,),  # i32[S]  -1 = no logprobs
-    # penalties (jaxsched/penalties.py): each penalised row's distinct tokens; W = PENALTY_CAPACITY
+    # penalties (jaxsched/penalties.py); the [S, W] tables travel separately (see BatchDescriptor)
     "penalty_num": lambda T, S, M: (S,),  # i32[S]   valid entries of the row's table; 0 = no penalties
-    "penalty_ids": lambda T, S, M: (S, PENALTY_CAPACITY),  # i32[S, W] distinct prompt/output token ids
 }
 _F32_FIELDS: dict[str, object] = {
     "temperature": lambda T, S, M: (S,),  # f32[S]   0 = greedy
@@ -45,7 +44,6 @@ _F32_FIELDS: dict[str, object] = {
     "presence_penalty": lambda T, S, M: (S,),  # f32[S]
     "frequency_penalty": lambda T, S, M: (S,),  # f32[S]
     "repetition_penalty": lambda T, S, M: (S,),  # f32[S]
-    "penalty_counts": lambda T, S, M: (S, PENALTY_CAPACITY),  # f32[S, W] output count; -1 = masked
 }
 
 
@@ -88,14 +86,17 @@ class BatchDescriptor:
     sample_index: object  # i32[S]
     num_logprobs: object  # i32[S]
     penalty_num: object  # i32[S]
-    penalty_ids: object  # i32[S, W]
     temperature: object  # f32[S]
     top_p: object  # f32[S]
     min_p: object  # f32[S]
     presence_penalty: object  # f32[S]
     frequency_penalty: object  # f32[S]
     repetition_penalty: object  # f32[S]
-    penalty_counts: object  # f32[S, W]
+    # The penalty tables are not in the flat buffers: W is sized for the longest possible history
+    # (up to max_model_len), so they go to the device only in steps where a request uses them.
+    penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
+    penalty_counts: object = None  # f32[S, W] output count of each; MASKED (-1) = blocked by min_tokens
+    has_penalties: bool = False  # host only: whether any row of this step uses them
     flat_i32: object = None  # the int32 buffer every int field views (host only)
     flat_f32: object = None  # the float32 buffer every float field views (host only)
 
@@ -108,9 +109,14 @@ class BatchDescriptor:
         return int(self.seq_lens.shape[0])
 
     @classmethod
-    def from_flat(cls, flat_i32, flat_f32, T: int, S: int, M: int) -> BatchDescriptor:
-        """Rebuild the descriptor from the flat buffers (numpy or jax arrays alike)."""
-        kw = {}
+    def from_flat(cls, flat_i32, flat_f32, T: int, S: int, M: int, penalty_ids=None,
+                  penalty_counts=None) -> BatchDescriptor:
+        """Rebuild the descriptor from the flat buffers (numpy or jax arrays alike), plus the
+        penalty tables (fresh zero tables of PENALTY_CAPACITY columns when not given)."""
+        if penalty_ids is None:
+            penalty_ids = np.zeros((S, PENALTY_CAPACITY), np.int32)
+            penalty_counts = np.zeros((S, PENALTY_CAPACITY), np.float32)
+        kw = {"penalty_ids": penalty_ids, "penalty_counts": penalty_counts}
         for name, start, stop, shape in _layout("i32", T, S, M):
             kw[name] = flat_i32[start:stop].reshape(shape)
         for name, start, stop, shape in _layout("f32", T, S, M):
@@ -127,19 +133,23 @@ assert [f.name for f in fields(BatchDescriptor)][: len(_I32_FIELDS) + len(_F32_F
 class BatchPacker:
     """Owns the preallocated flat buffers (sized for the largest bucket) and fills them each step."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 penalty_capacity: int = PENALTY_CAPACITY) -> None:
         self.M = max_blocks_per_seq
         self.P = block_size
         n_i32, n_f32 = flat_sizes(max_tokens, max_seqs, max_blocks_per_seq)
         self._i32 = np.zeros(n_i32, np.int32)
         self._f32 = np.zeros(n_f32, np.float32)
         self.max_seqs = max_seqs
-        self.penalties = PenaltyTables()
+        self.penalties = PenaltyTables(penalty_capacity)
+        self._pen_ids = np.zeros((max_seqs, penalty_capacity), np.int32)  # rows past penalty_num are
+        self._pen_counts = np.zeros((max_seqs, penalty_capacity), np.float32)  # never read: no clearing
 
     def pack(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
-        b = BatchDescriptor.from_flat(self._i32[:n_i32], self._f32[:n_f32], T, S, M)
+        b = BatchDescriptor.from_flat(self._i32[:n_i32], self._f32[:n_f32], T, S, M, self._pen_ids[:S],
+                                      self._pen_counts[:S])
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
@@ -200,5 +210,6 @@ class BatchPacker:
                 b.frequency_penalty[i] = sp.frequency_penalty
                 b.repetition_penalty[i] = sp.repetition_penalty
                 b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i])
+                b.has_penalties = True
         self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
         return b

@@ -27,7 +27,7 @@ from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfi
 from jaxsched.detokenizer import IncrementalDetokenizer
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxsched.penalties import check_penalty_capacity
+from jaxsched.penalties import check_penalty_capacity, table_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
 from jaxsched.runner import ModelRunner, kv_bytes_per_block, num_blocks_for_memory
 from jaxsched.sampler import SamplerOutput
@@ -206,8 +206,11 @@ class LLMEngine:
         self.scheduler_config = sched_cfg
         self.block_manager = BlockManager(num_blocks, P, enable_prefix_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, policy=args.scheduling_policy)
-        self.packer = BatchPacker(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs, M, P)
-        self.runner = ModelRunner(model, model_cfg, self.cache_config, sched_cfg, args.max_logprobs)
+        self.penalty_capacity = table_capacity(sched_cfg.max_model_len, model_cfg.vocab_size)
+        self.packer = BatchPacker(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs, M, P,
+                                  self.penalty_capacity)
+        self.runner = ModelRunner(model, model_cfg, self.cache_config, sched_cfg, args.max_logprobs,
+                                  self.penalty_capacity)
         self.runner.warm_up()
         logger.info("KV pool: %d blocks of %d tokens (%d tokens), %s; swap pool: %d blocks", num_blocks - 1, P,
                     (num_blocks - 1) * P, kv_dtype, num_host_blocks)
@@ -262,7 +265,7 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
         ids, text = self.tokenize_prompt(prompt)
         check_penalty_capacity(params, ids, self.eos_token_ids, self.scheduler_config.max_model_len,
-                               self.model_config.vocab_size)
+                               self.model_config.vocab_size, self.penalty_capacity)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,

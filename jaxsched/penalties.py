@@ -4,29 +4,26 @@ vLLM's penalties need, per request, the output-token counts (presence and freque
 the set of prompt-or-output tokens (repetition penalty). Sending that as an [S, V] array each step
 would be the largest copy of the step; keeping counts on the device would need per-request device
 state that survives preemption, swapping, prefix-cache hits and n > 1 forks. So each penalised
-request sends a table of at most PENALTY_CAPACITY (W) distinct token ids with their output counts:
+request sends a table of at most W distinct token ids with their output counts:
 
     penalty_ids    i32[S, W]  distinct token ids; entries past penalty_num are ignored
     penalty_counts f32[S, W]  output count of that token (0 for a prompt-only token);
                               MASKED (-1) = min_tokens not reached: the logit becomes -inf
     penalty_num    i32[S]     valid entries per row; 0 = the row has no penalties
 
-The table is exact while it fits. A request whose table could outgrow W (distinct prompt tokens
-when repetition_penalty != 1, plus one entry per possible output token, plus the stop tokens while
-min_tokens applies) is refused when it is made, by check_penalty_capacity, with a message saying
-what to lower. Rows without penalties have penalty_num 0 (their table space is still part of the
-fixed-shape copy), and a step where no row has any skips the stage on the device (lax.cond).
+An engine sizes W with table_capacity(): max_model_len (+ room for min_tokens' masked stop ids),
+capped by the vocab. A request's distinct prompt + output tokens can never exceed max_model_len,
+so every table fits and the penalties are exact for any max_tokens; check_penalty_capacity only
+refuses the corner case of a request with more stop_token_ids to mask than that room.
+
+The [S, W] tables are not part of the step's flat buffers: the runner sends them only in steps
+where some row uses penalties, and otherwise passes tables already on the device (never read:
+penalty_num is 0). A step with no penalised row also skips the stage on the device (lax.cond).
+So requests without penalties pay nothing for them; a step with some copies 8 * W bytes per row
+(S = 128, max_model_len 2048: 2 MiB), like vLLM's padded output-token history.
 
 The tables are kept per request between steps and only the new output tokens are folded in, so the
 host cost of a step is O(new tokens + W) per penalised request, never a pass over its history.
-
-Costs and limits, measured on the tiny test model on 2 CPU cores: warm-up +5% (26.7 s -> 27.4 s for
-8 bucket pairs, within noise); the step's copy grows by 8 * W bytes per sequence row (2 KiB; 256 KiB
-at S = 128, against 600 KiB per row for an [S, V] table of a 150K vocabulary). The limit users see:
-with W = 256, repetition_penalty on a prompt of more than ~250 distinct tokens, or presence /
-frequency penalties with max_tokens (or, unset, the room left in max_model_len) above ~250, are
-refused with a ValueError (HTTP 400) that says what to lower. Lifting it exactly would take
-device-resident per-request counts (see the first paragraph); raising W costs copy size linearly.
 """
 
 from __future__ import annotations
@@ -37,7 +34,14 @@ import numpy as np
 
 from jaxsched.request import Request, SamplingParams
 
-PENALTY_CAPACITY = 256  # W: distinct tokens a penalised request may carry (see the module docstring)
+PENALTY_CAPACITY = 256  # W when none is given (tests); engines size it with table_capacity()
+_MASK_ROOM = 32  # room for min_tokens' masked EOS / stop token ids beyond the history
+
+
+def table_capacity(max_model_len: int, vocab_size: int) -> int:
+    """W for an engine: a request's distinct prompt + output tokens never exceed max_model_len (nor
+    the vocab), so with this W every table fits, whatever max_tokens is."""
+    return min(vocab_size, max_model_len + _MASK_ROOM)
 MASKED = -1.0  # penalty_counts value for a token masked by min_tokens
 
 

@@ -22,6 +22,7 @@ from jaxsched.batch import BatchDescriptor, flat_sizes
 from jaxsched.block_manager import cdiv
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxsched.penalties import PENALTY_CAPACITY
 from jaxsched.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ def enable_compilation_cache() -> None:
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, max_logprobs: int) -> None:
+                 scheduler_config: SchedulerConfig, max_logprobs: int,
+                 penalty_capacity: int = PENALTY_CAPACITY) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -122,14 +124,17 @@ class ModelRunner:
         self.host_kv = (np.zeros(host_shape, dt), np.zeros(host_shape, dt)) if nh else None
         self._swap_out_exe: dict[int, object] = {}
         self._swap_in_exe: dict[int, object] = {}
+        self.penalty_capacity = penalty_capacity  # W of the penalty tables
+        self._no_penalties: dict[int, tuple] = {}
 
     @property
     def weights_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.state))
 
-    def _step(self, state, kv, flat_i32, flat_f32, *, T: int, S: int):
+    def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
         model = nnx.merge(self.graphdef, state)
-        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq)
+        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, penalty_ids,
+                                          penalty_counts)
         logits, kv = model(kv, batch)
         ints, floats = sample(logits, batch, self.max_logprobs)
         return kv, ints, floats
@@ -137,8 +142,10 @@ class ModelRunner:
     def compile(self, T: int, S: int):
         n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
         fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,))
+        W = self.penalty_capacity
         lowered = fn.lower(self.state, self.kv, jax.ShapeDtypeStruct((n_i32,), jnp.int32),
-                           jax.ShapeDtypeStruct((n_f32,), jnp.float32), T=T, S=S)
+                           jax.ShapeDtypeStruct((n_f32,), jnp.float32), jax.ShapeDtypeStruct((S, W), jnp.int32),
+                           jax.ShapeDtypeStruct((S, W), jnp.float32), T=T, S=S)
         return lowered.compile()
 
     # -- swapping ------------------------------------------------------------------------------
@@ -211,6 +218,13 @@ class ModelRunner:
         exe = self._executables.get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
             raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
-        self.kv, ints, floats = exe(self.state, self.kv, batch.flat_i32, batch.flat_f32)
+        if batch.has_penalties:
+            pen = (batch.penalty_ids, batch.penalty_counts)
+        else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
+            pen = self._no_penalties.get(S)
+            if pen is None:
+                W = self.penalty_capacity
+                pen = self._no_penalties[S] = (jnp.zeros((S, W), jnp.int32), jnp.zeros((S, W), jnp.float32))
+        self.kv, ints, floats = exe(self.state, self.kv, batch.flat_i32, batch.flat_f32, *pen)
         ints, floats = jax.device_get((ints, floats))
         return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), S, self.max_logprobs)

@@ -9,7 +9,7 @@ Penalties come first, as in vLLM, and apply to greedy and sampled rows alike: re
 divides positive and multiplies non-positive logits of every token seen in the prompt or the output;
 frequency_penalty * count and presence_penalty * (count > 0) are subtracted over the output tokens;
 min_tokens sets EOS and stop_token_ids to -inf until that many tokens were generated. The history
-arrives as a per-row table of at most W = PENALTY_CAPACITY distinct token ids with their output
+arrives as a per-row table of at most W (engine: max_model_len) distinct token ids with their output
 counts (jaxsched/penalties.py says why, and how a request that could outgrow it is refused up front):
 a gather and a scatter of [S, W] entries, no [S, V] array crosses to the device. The whole stage
 sits under lax.cond, so a step where no row is penalised pays nothing for it.

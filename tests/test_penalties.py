@@ -13,7 +13,7 @@ from test_parity import SENTENCES, hf_model
 
 from jaxsched import LLM, SamplingParams
 from jaxsched.batch import BatchDescriptor, flat_sizes
-from jaxsched.penalties import MASKED, PENALTY_CAPACITY, PenaltyTables, check_penalty_capacity
+from jaxsched.penalties import MASKED, PenaltyTables, check_penalty_capacity, table_capacity
 from jaxsched.request import Request
 from jaxsched.sampler import SamplerOutput, apply_penalties, sample
 
@@ -56,14 +56,14 @@ def batch_for(reqs: list[Request], tables: PenaltyTables, S: int) -> BatchDescri
 
 
 @jax.jit
-def _penalise(logits, fi, ff):
+def _penalise(logits, fi, ff, pi, pc):
     S = logits.shape[0]
-    return apply_penalties(logits, BatchDescriptor.from_flat(fi, ff, 16, S, 1))
+    return apply_penalties(logits, BatchDescriptor.from_flat(fi, ff, 16, S, 1, pi, pc))
 
 
 @jax.jit
-def _sample(logits, fi, ff):
-    return sample(logits, BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1), 2)
+def _sample(logits, fi, ff, pi, pc):
+    return sample(logits, BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1, pi, pc), 2)
 
 
 def test_device_penalties_match_vllm_formulas():
@@ -83,7 +83,7 @@ def test_device_penalties_match_vllm_formulas():
     ]
     reqs = [make_request(f"r{i}", p, o, **kw) for i, (p, o, kw) in enumerate(cases)]
     b = batch_for(reqs, PenaltyTables(), S)
-    got = np.asarray(_penalise(jnp.asarray(logits), b.flat_i32, b.flat_f32))
+    got = np.asarray(_penalise(jnp.asarray(logits), b.flat_i32, b.flat_f32, b.penalty_ids, b.penalty_counts))
     for i, (p, o, kw) in enumerate(cases):
         sp = reqs[i].sampling_params
         masked = {7, 3, 2} if len(o) < sp.min_tokens else set()
@@ -93,7 +93,7 @@ def test_device_penalties_match_vllm_formulas():
     # greedy rows pick the argmax of the penalised logits; logprobs stay those of the raw logits
     b.num_logprobs[:] = 1
     b.temperature[:] = 0.0
-    ints, floats = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32)
+    ints, floats = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32, b.penalty_ids, b.penalty_counts)
     out = SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), S, 2)
     np.testing.assert_array_equal(out.sampled, got.argmax(-1))
     raw_lp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
@@ -106,11 +106,11 @@ def test_min_tokens_masks_sampled_rows_too():
     reqs = [make_request(f"r{i}", [1], [], temperature=1.0, min_tokens=1) for i in range(8)]
     b = batch_for(reqs, PenaltyTables(), 8)
     b.seeds[:] = np.arange(8)
-    ints, _floats = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32)
+    ints, _floats = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32, b.penalty_ids, b.penalty_counts)
     assert 2 not in np.asarray(ints)[:8].tolist()
     ignore = [make_request(f"x{i}", [1], [], temperature=1.0, min_tokens=1, ignore_eos=True) for i in range(8)]
     b = batch_for(ignore, PenaltyTables(), 8)  # ignore_eos: EOS is not a stop token, so not masked
-    ints, _ = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32)
+    ints, _ = _sample(jnp.asarray(logits), b.flat_i32, b.flat_f32, b.penalty_ids, b.penalty_counts)
     assert set(np.asarray(ints)[:8].tolist()) == {2}
 
 
@@ -148,7 +148,10 @@ def test_capacity_is_checked_when_a_request_is_made():
         check_penalty_capacity(sp, list(range(40)), (2,), max_model_len=96, vocab_size=300, capacity=16)
     # without penalties nothing is tracked, whatever the lengths
     check_penalty_capacity(SamplingParams(max_tokens=None), list(range(90)), (2,), 96, 300, capacity=0)
-    assert PENALTY_CAPACITY >= 96  # so every request of the module's engine fits
+    # an engine's tables hold a whole max_model_len of history (plus room for min_tokens' masks)
+    assert table_capacity(96, 300) >= 96 + 2 and table_capacity(4096, 300) == 300
+    check_penalty_capacity(SamplingParams(repetition_penalty=1.2, presence_penalty=1.0, max_tokens=None),
+                           list(range(90)), (2,), 96, 300, capacity=table_capacity(96, 300))
     with pytest.raises(ValueError, match=r"presence_penalty must be in \[-2, 2\]"):
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(ValueError, match=r"frequency_penalty must be in \[-2, 2\]"):
@@ -227,3 +230,16 @@ def test_penalties_add_no_compilation_after_warm_up(llm):
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert len(outs) == 24 and all(o.finished for o in outs)
     assert compiles == [], f"{len(compiles)} compilation events after warm-up"
+
+
+def test_penalties_over_a_whole_context(llm):
+    """With tables sized for max_model_len, a penalised request may run to the end of the context
+    (this used to be refused once max_tokens passed a fixed 256-entry table)."""
+    tok = llm.get_tokenizer()
+    p = tok.encode(SENTENCES[1])
+    room = llm.llm_engine.scheduler_config.max_model_len - len(p)
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True,
+                                                                 repetition_penalty=1.3, presence_penalty=0.8),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == room and out.finish_reason == "length"
+    assert llm.llm_engine.penalty_capacity >= llm.llm_engine.scheduler_config.max_model_len
