@@ -341,6 +341,7 @@ class LLMEngine:
             "kv_cache_usage_perc": kv.usage,
             "num_preemptions": s.num_preemptions,
             "num_swap_outs": s.num_swap_outs,
+            "num_block_copies": self.scheduler.num_block_copies,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "prefix_cache_hit_rate": kv.prefix_hit_rate,
@@ -354,8 +355,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         try:
-            if out.blocks_to_swap_out or out.blocks_to_swap_in:  # even in a step that runs nothing
-                self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # even in an empty step
+                self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
             if out.is_empty:
                 self.packer.penalties.forget(out.finished_ids)
                 return []

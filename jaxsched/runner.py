@@ -124,6 +124,7 @@ class ModelRunner:
         self.host_kv = (np.zeros(host_shape, dt), np.zeros(host_shape, dt)) if nh else None
         self._swap_out_exe: dict[int, object] = {}
         self._swap_in_exe: dict[int, object] = {}
+        self._copy_exe: dict[int, object] = {}
         self.penalty_capacity = penalty_capacity  # W of the penalty tables
         self._no_penalties: dict[int, tuple] = {}
 
@@ -164,6 +165,11 @@ class ModelRunner:
 
     def _compile_swaps(self) -> None:
         L, _, K, P, H = self.kv[0].shape
+        for C in SWAP_CHUNKS:  # copy-on-write copies, needed with or without a swap pool
+            if C not in self._copy_exe:
+                ids = jax.ShapeDtypeStruct((C,), jnp.int32)
+                self._copy_exe[C] = jax.jit(self._copy_blocks, donate_argnums=(0,)).lower(
+                    self.kv, ids, ids).compile()
         for C in self._swap_chunks():
             if C in self._swap_out_exe:
                 continue
@@ -173,9 +179,16 @@ class ModelRunner:
             self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
                 self.kv, ids, data, data).compile()
 
-    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
-        """Copy (device block, host block) pairs out, then (host block, device block) pairs in.
-        Out goes first: a block freed by a swap-out may be the destination of a swap-in."""
+    @staticmethod
+    def _copy_blocks(kv, src, dst):  # device to device; padding copies the null page onto itself
+        return kv[0].at[:, dst].set(kv[0][:, src]), kv[1].at[:, dst].set(kv[1][:, src])
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
+             blocks_to_copy: list[tuple[int, int]] = ()) -> None:
+        """Copy (device block, host block) pairs out, then device blocks (src, dst) for copy-on-write,
+        then (host block, device block) pairs in. Out goes first: a block it frees may be the
+        destination of a copy or a swap-in; copies go before swap-ins, whose destination may be a
+        copy's source freed later in the same step."""
         for pairs_chunk, C in _chunked(blocks_to_swap_out):
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for d, _ in pairs_chunk]
@@ -183,6 +196,12 @@ class ModelRunner:
             host = [h for _, h in pairs_chunk]
             self.host_kv[0][:, host] = k[:, : len(host)]
             self.host_kv[1][:, host] = v[:, : len(host)]
+        for pairs_chunk, C in _chunked(list(blocks_to_copy)):
+            src = np.zeros(C, np.int32)
+            dst = np.zeros(C, np.int32)
+            src[: len(pairs_chunk)] = [s for s, _ in pairs_chunk]
+            dst[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
+            self.kv = self._copy_exe[C](self.kv, src, dst)
         for pairs_chunk, C in _chunked(blocks_to_swap_in):
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]

@@ -49,6 +49,7 @@ class SchedulerOutput:
     swapped_in: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst): n > 1 tails
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
     num_tokens: int = 0  # real tokens this step
     token_bucket: int = 0  # T
@@ -101,6 +102,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_block_copies = 0  # copy-on-write of n > 1 tails
         self.num_tokens = 0
         self.num_padding = 0
         self.last_padding = 0
@@ -248,15 +250,34 @@ class Scheduler:
         return min(n, cap) if cap else n
 
     def _waits_for_leader(self, req: Request) -> bool:
-        """A sibling of an n > 1 request waits until the first sibling has computed the prompt's
-        full blocks, then takes them from the prefix cache instead of computing them again."""
+        """A sibling of an n > 1 request waits until the first sibling has computed its prompt, then
+        takes the prompt's full blocks from the prefix cache and a copy of the partial last one."""
         if req.group_id is None:
             return False
         leader = self._group_leader.get(req.group_id)
         if leader is None or leader is req:
             return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens - 1
+
+    def _copy_tail(self, req: Request, n_hit_blocks: int, n: int, out: SchedulerOutput) -> int:
+        """Copy-on-write for a sibling of an n > 1 request that took the prompt's full blocks: the
+        prompt's partial last block is copied from the first sibling's (it will diverge there)
+        instead of being computed again. Returns the tokens the copy saves; 0 when not applicable."""
+        leader = self._group_leader.get(req.group_id) if req.group_id is not None else None
+        if leader is None or leader is req or leader.status != RequestStatus.RUNNING or req.num_output_tokens:
+            return 0
         P = self.block_manager.block_size
-        return leader.num_computed_tokens < (leader.num_prompt_tokens - 1) // P * P
+        n_prompt = req.num_prompt_tokens
+        full = (n_prompt - 1) // P
+        tail = n_prompt - 1 - full * P  # prompt tokens in the partial block, the last one excluded
+        if (tail <= 0 or n_hit_blocks != full or n != n_prompt - full * P
+                or leader.num_computed_tokens < n_prompt - 1):
+            return 0
+        src = self.block_manager.block_ids(leader.request_id)[full]
+        dst = self.block_manager.block_ids(req.request_id)[full]
+        out.blocks_to_copy.append((src, dst))
+        self.num_block_copies += 1
+        return tail
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Bring back swapped requests and admit waiting ones, in policy order. With a policy that
@@ -316,6 +337,9 @@ class Scheduler:
                     bm.prefix_hits += hit_tokens
                 req.num_computed_tokens = hit_tokens
                 out.num_cached_tokens += hit_tokens
+                copied = self._copy_tail(req, len(hits), n, out)
+                req.num_computed_tokens += copied
+                n -= copied
                 del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self._insert(self.running, req)

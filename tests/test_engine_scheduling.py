@@ -93,9 +93,11 @@ def test_parallel_sampling(llama_dir):
     seqs = [tuple(c.token_ids) for c in a.outputs]
     assert seqs == [tuple(c.token_ids) for c in b.outputs]  # reproducible
     assert len(set(seqs)) == 3  # distinct
-    # the prompt's full blocks were computed once and shared by the other two samples
+    # the prompt's full blocks were computed once and shared by the other two samples, and its
+    # partial last block copied (copy-on-write) to each of them
     stats = llm.llm_engine.get_stats()
     assert stats["prefix_cache_hits"] >= 2 * 2 * ((len(prompt["prompt_token_ids"]) - 1) // 8) * 8
+    assert (len(prompt["prompt_token_ids"]) - 1) % 8 and stats["num_block_copies"] == 2 * 2
     greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True),
                           use_tqdm=False)[0]
     single = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
@@ -150,3 +152,20 @@ def test_parallel_sampling_ids_and_aborts(ample):
     eng.abort_request("1_g")  # one sample's id aborts the whole request
     assert not eng.has_unfinished_requests() and not eng._groups
     assert _free(ample)
+
+
+def test_copy_on_write_tail_gives_identical_logprobs(ample):
+    """Samples 1.. copy the prompt's partial last block from sample 0 instead of computing it:
+    their logprobs must equal a lone request's (a wrong copy shifts them even when the argmax holds)."""
+    tok = ample.get_tokenizer()
+    ids = tok.encode(" ".join(SENTENCES))[:31]  # 30 tokens before the last: 3 full blocks + 6 copied
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    eng = ample.llm_engine
+    before = eng.scheduler.num_block_copies
+    group = ample.generate({"prompt_token_ids": ids}, SamplingParams(n=3, **params), use_tqdm=False)[0]
+    alone = ample.generate({"prompt_token_ids": ids}, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert eng.scheduler.num_block_copies - before == 2
+    for c in group.outputs:
+        assert c.token_ids == alone.token_ids
+        for got, want, t in zip(c.logprobs, alone.logprobs, alone.token_ids):
+            assert abs(got[t].logprob - want[t].logprob) < 1e-5
