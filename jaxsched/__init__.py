@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "jaxsched.engine",
+    "LLM": "jaxsched.llm",
     "LLMEngine": "jaxsched.engine",
     "EngineArgs": "jaxsched.config",
     "SamplingParams": "jaxsched.request",

@@ -1,4 +1,4 @@
-"""LLMEngine, the synchronous step loop, and LLM, offline generation on top of it.
+"""LLMEngine, the synchronous step loop (LLM, offline generation on top of it, is in llm.py).
 
 What runs each step (LLMEngine.step):
     out     = scheduler.schedule()          who runs, how many tokens each, which buckets
@@ -470,75 +470,3 @@ class LLMEngine:
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
-
-
-class LLM:
-    """Offline generation, as vLLM's `LLM`: `LLM(model=...).generate(prompts, sampling_params)`."""
-
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
-
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
-
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or "
-                                 "one per prompt")
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
-        eng = self.llm_engine
-        # Validate everything before adding anything: a bad prompt leaves no half-added batch.
-        reqs = [eng.make_request(eng.next_request_id(), p, sp, priority=pr)
-                for p, sp, pr in zip(prompts, params, priority)]
-        for req in reqs:
-            eng.add_request_obj(req)
-        return self._run(reqs, use_tqdm)
-
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        if not messages:
-            raise ValueError("messages is empty: pass at least one {'role': ..., 'content': ...}")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        tok = self.get_tokenizer()
-        prompts = []
-        for conv in convs:
-            if not conv:
-                raise ValueError("messages is empty: pass at least one {'role': ..., 'content': ...}")
-            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
-        eng = self.llm_engine
-        wanted = {r.request_id: i for i, r in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
-        with tqdm(total=len(reqs), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    if o.finished and o.request_id in wanted:
-                        results[wanted[o.request_id]] = o
-                        bar.update(1)
-        return [r for r in results if r is not None]

@@ -226,6 +226,10 @@ class ModelRunner:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
         self._compile_swaps()
+        W = self.penalty_capacity
+        for S in self.scheduler_config.seq_buckets:  # device_put, not jnp.zeros: nothing to compile
+            self._no_penalties[S] = (jax.device_put(np.zeros((S, W), np.int32)),
+                                     jax.device_put(np.zeros((S, W), np.float32)))
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets),
@@ -240,10 +244,7 @@ class ModelRunner:
         if batch.has_penalties:
             pen = (batch.penalty_ids, batch.penalty_counts)
         else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
-            pen = self._no_penalties.get(S)
-            if pen is None:
-                W = self.penalty_capacity
-                pen = self._no_penalties[S] = (jnp.zeros((S, W), jnp.int32), jnp.zeros((S, W), jnp.float32))
+            pen = self._no_penalties[S]
         self.kv, ints, floats = exe(self.state, self.kv, batch.flat_i32, batch.flat_f32, *pen)
         ints, floats = jax.device_get((ints, floats))
         return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), S, self.max_logprobs)

@@ -19,6 +19,9 @@ One step, in order:
 
 A decision depends only on the queues, the block manager and the config, so a recorded trace of
 adds, aborts and sampled tokens replays to the same decisions.
+
+(This file is longer than the ~400 lines we aim for: the step's phases share the queues and the
+budget, and read best together; the pools live in block_manager.py and the orderings in policy.py.)
 """
 
 from __future__ import annotations
@@ -243,11 +246,6 @@ class Scheduler:
         self.last_padding = out.num_padding
         self.num_padding += self.last_padding
         return out
-
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap else n
 
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling of an n > 1 request waits until the first sibling has computed its prompt, then

@@ -3,6 +3,9 @@ parallel sampling, priority. Outputs must not depend on how the scheduler got th
 
 from __future__ import annotations
 
+import contextlib
+
+import jax.monitoring
 import pytest
 from test_parity import SENTENCES
 
@@ -31,6 +34,23 @@ def reference(ample):
     return prompts, [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
 
 
+@contextlib.contextmanager
+def no_compilation():
+    """Fails if anything compiles inside: swaps, copies and penalties are all warmed up."""
+    compiles: list[str] = []
+
+    def on_event(name: str, *args, **kwargs) -> None:
+        if name.startswith("/jax/core/compile/"):
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == [], f"{len(compiles)} compilation events after warm-up"
+
+
 def _free(llm):
     eng = llm.llm_engine
     eng.scheduler.check_invariants()
@@ -53,7 +73,8 @@ def test_greedy_outputs_survive_preemption(llama_dir, reference, mode):
     # spreads preemptions: every request is preempted at least once.
     llm = LLM(llama_dir, **BASE, num_gpu_blocks_override=7, preemption_mode=mode, enable_prefix_caching=False,
               scheduling_policy=PreemptedFirst())
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    with no_compilation():
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     preempted = [o.metrics.num_preemptions for o in outs]
     stats = llm.llm_engine.get_stats()
@@ -86,8 +107,9 @@ def test_prefix_caching_on_equals_off(llama_dir, ample):
 def test_parallel_sampling(llama_dir):
     llm = LLM(llama_dir, **BASE, enable_prefix_caching=False)
     prompt = token_prompts(llm, 3, lo=20)[2]
-    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
-    a = llm.generate(prompt, sampled, use_tqdm=False)[0]
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, presence_penalty=0.1)
+    with no_compilation():
+        a = llm.generate(prompt, sampled, use_tqdm=False)[0]
     b = llm.generate(prompt, sampled, use_tqdm=False)[0]
     assert [c.index for c in a.outputs] == [0, 1, 2]
     seqs = [tuple(c.token_ids) for c in a.outputs]
