@@ -1,4 +1,4 @@
-"""The KV block pool's bookkeeping on the host. Plain Python: no jax here.
+"""The KV block pool's bookkeeping on the host. Plain Python, no accelerator library.
 
 The device pool is preallocated once: NB blocks of P token slots each, per layer. This class only
 decides which block ids a request owns. Block 0 is the null page: never handed out, so padding

@@ -104,12 +104,6 @@ def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
     return max(1, int(overhead_s / (recompute - copy)) + 1)
 
 
-def _jnp_dtype(dtype: str):
-    import jax.numpy as jnp
-
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-
-
 class _RequestState:
     """Engine-side extras of a request: detokenizer and logprobs."""
 
@@ -169,7 +163,7 @@ class LLMEngine:
             if backend == "pallas":
                 from pallas_kernels.pallas_attention import unsupported_reason
 
-                why = unsupported_reason(model_cfg.head_dim, args.block_size, _jnp_dtype(dtype))
+                why = unsupported_reason(model_cfg.head_dim, args.block_size, dtype)
                 if why is not None:
                     logger.warning("attention_backend auto: using 'xla' because %s", why)
                     backend = "xla"

@@ -1,4 +1,4 @@
-"""Who runs each step. Plain Python: no jax, no clocks, no randomness, no I/O.
+"""Who runs each step. Plain Python on the host: no accelerator library, no clocks, no randomness, no I/O.
 
 The scheduler follows vLLM v1's counter model: every step each running request gets the new tokens
 it lacks (one while decoding, a chunk while prefilling), within a token budget

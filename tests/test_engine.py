@@ -9,10 +9,10 @@ import shutil
 import subprocess
 import sys
 
-import jax.monitoring
 import numpy as np
 import pytest
 import torch
+from compiles import no_compilation
 from test_parity import SENTENCES, hf_model
 
 from jaxsched import LLM, EngineArgs, SamplingParams
@@ -31,29 +31,19 @@ def prompts_of(llm, n):
 
 
 def test_zero_compilations_after_warm_up(llm):
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if name.startswith("/jax/core/compile/"):
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        eng = llm.llm_engine
-        rng = np.random.default_rng(0)
-        params = []
-        for i in range(60):  # greedy and sampled, logprobs, stops, lengths from 1 to 40 tokens
-            params.append(SamplingParams(
-                temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
-                top_p=float(rng.choice([1.0, 0.9])), max_tokens=int(rng.integers(1, 30)),
-                logprobs=int(rng.choice([0, 2])) if i % 3 == 0 else None, seed=i if i % 2 else None,
-                stop=["the"] if i % 7 == 0 else None, ignore_eos=bool(i % 2)))
+    eng = llm.llm_engine
+    rng = np.random.default_rng(0)
+    params = []
+    for i in range(60):  # greedy and sampled, logprobs, stops, lengths from 1 to 40 tokens
+        params.append(SamplingParams(
+            temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
+            top_p=float(rng.choice([1.0, 0.9])), max_tokens=int(rng.integers(1, 30)),
+            logprobs=int(rng.choice([0, 2])) if i % 3 == 0 else None, seed=i if i % 2 else None,
+            stop=["the"] if i % 7 == 0 else None, ignore_eos=bool(i % 2)))
+    with no_compilation():
         outs = llm.generate(prompts_of(llm, 60), params, use_tqdm=False)
-        assert len(outs) == 60 and all(o.finished for o in outs)
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == [], f"{len(compiles)} compilation events after warm-up"
+    assert len(outs) == 60 and all(o.finished for o in outs)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
 def test_generate_keeps_input_order_and_string_prompts(llm):

@@ -3,10 +3,8 @@ parallel sampling, priority. Outputs must not depend on how the scheduler got th
 
 from __future__ import annotations
 
-import contextlib
-
-import jax.monitoring
 import pytest
+from compiles import no_compilation
 from test_parity import SENTENCES
 
 from jaxsched import LLM, SamplingParams
@@ -32,23 +30,6 @@ def reference(ample):
     prompts = token_prompts(ample, 8, lo=3, span=5)  # short: all eight start in the first step
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     return prompts, [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
-
-
-@contextlib.contextmanager
-def no_compilation():
-    """Fails if anything compiles inside: swaps, copies and penalties are all warmed up."""
-    compiles: list[str] = []
-
-    def on_event(name: str, *args, **kwargs) -> None:
-        if name.startswith("/jax/core/compile/"):
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        yield
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == [], f"{len(compiles)} compilation events after warm-up"
 
 
 def _free(llm):
