@@ -169,9 +169,6 @@ class LLMEngine:
                     backend = "xla"
         self.attention_backend = backend
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        if kv_dtype == "bfloat16" and platform == "cpu":
-            logger.warning("a bfloat16 KV pool on a CPU makes attention ~10x slower (XLA:CPU's bfloat16 "
-                           "gathers); kv_cache_dtype='float32' is faster here")
         if kv_dtype != dtype and backend == "pallas":
             raise ValueError(
                 f"kv_cache_dtype {kv_dtype!r} differs from the model dtype {dtype!r}, which only "

@@ -24,6 +24,7 @@ from jaxsched.buckets import bucket_pairs
 from jaxsched.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxsched.penalties import PENALTY_CAPACITY
 from jaxsched.sampler import SamplerOutput, sample
+from pallas_kernels.kv_cache import pool_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)  # M
         shape = (cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
                  cfg.head_dim)  # [L, NB, K, P, H]
-        dt = _JNP[cache_config.dtype]
+        # the pool's array dtype: a bfloat16 pool is uint16 bits for the XLA backends (kv_cache.py)
+        dt = pool_dtype(cache_config.dtype, getattr(model, "attention_backend", "xla"))
         self.kv = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
         self._executables: dict[tuple[int, int], object] = {}
         self.warmup_seconds = 0.0

@@ -43,6 +43,28 @@ class SamplerOutput:
                    logprob=floats[:S], top_logprobs=floats[S:].reshape(S, k))
 
 
+_ARGMAX_BLOCK = 512
+
+
+def argmax_rows(x):
+    """jnp.argmax(x, axis=-1) as i32[S], first index on ties, computed in two levels: the max of
+    each block of 512 columns, then the argmax inside the winning block. XLA:CPU's one-pass argmax
+    (a variadic reduce) takes 14 ms over [128, 49152] logits; plain max reductions take ~1 ms."""
+    S, V = x.shape
+    B = _ARGMAX_BLOCK
+    if V <= B:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    pad = (-V) % B
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    xb = x.reshape(S, -1, B)
+    # XLA's max reduction drops NaN, which jnp.argmax ranks highest: mark blocks holding one
+    bmax = jnp.where(jnp.isnan(xb).any(axis=-1), jnp.nan, xb.max(axis=-1))
+    blk = jnp.argmax(bmax, axis=-1)  # the first block holding the row's maximum
+    inner = jnp.argmax(jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0], axis=-1)
+    return (blk * B + inner).astype(jnp.int32)
+
+
 def _filter(x, top_k, top_p, min_p):
     """Mask logits outside top-k, top-p and min-p to -inf. x f32[S, V] (temperature applied)."""
     _S, V = x.shape
@@ -83,7 +105,7 @@ def sample(logits, batch, max_logprobs: int):
     S, V = logits.shape
     raw = logits
     logits = jax.lax.cond(jnp.any(batch.penalty_num > 0), lambda x: apply_penalties(x, batch), lambda x: x, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_rows(logits)
     do_sample = batch.temperature > 0
 
     def draw(_):
@@ -93,7 +115,7 @@ def sample(logits, batch, max_logprobs: int):
         x = jax.lax.cond(need_filter, _filter, lambda x, *_: x, x, batch.top_k, batch.top_p, batch.min_p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
         g = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-        return jnp.where(do_sample, jnp.argmax(x + g, axis=-1).astype(jnp.int32), greedy)
+        return jnp.where(do_sample, argmax_rows(x + g), greedy)
 
     sampled = jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
 

@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache import pool_values
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.xla_attention import xla_attention
 
@@ -69,8 +70,9 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
         if a.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
     floats = (jnp.float32, jnp.bfloat16, jnp.float16)
-    if q.dtype not in floats or k_cache.dtype not in floats:
-        raise ValueError(f"q ({q.dtype}) and k_cache ({k_cache.dtype}) must be float32, bfloat16 or float16")
+    if q.dtype not in floats or (k_cache.dtype not in floats and k_cache.dtype != jnp.uint16):
+        raise ValueError(f"q ({q.dtype}) must be float32, bfloat16 or float16 and k_cache ({k_cache.dtype}) one "
+                         "of those or uint16 (bfloat16 bits, see kv_cache.pool_dtype)")
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
@@ -116,8 +118,8 @@ def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, quer
     blocks = block_tables[row]  # [T, M]
     k = k_cache[layer, blocks]  # [T, M, K, P, H]
     v = v_cache[layer, blocks]
-    k = k.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H).astype(jnp.float32)
-    v = v.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H).astype(jnp.float32)
+    k = pool_values(k.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H))
+    v = pool_values(v.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H))
     qg = q.reshape(T, K, G, H).astype(jnp.float32)
     s = jnp.einsum("tkgh,tkch->tkgc", qg, k) * sm_scale
     kv_pos = jnp.arange(M * P)

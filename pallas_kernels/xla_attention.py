@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
+from pallas_kernels.kv_cache import pool_values
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
@@ -38,7 +39,7 @@ def _chunk_kv(cache, layer, block_tables_rows, j, bpc):
     blocks = jax.lax.dynamic_slice_in_dim(block_tables_rows, j * bpc, bpc, axis=1)  # [R, bpc]
     x = cache[layer, blocks]  # [R, bpc, K, P, H]
     R, _, K, P, H = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * P, H).astype(jnp.float32)
+    return pool_values(x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * P, H))
 
 
 def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scale, bpc):
@@ -57,8 +58,8 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scal
         # The gathered pages stay [S, bpc, K, P, H]: contracting in that layout skips the transpose
         # copy to [S, K, C, H] (decode is bound by moving K/V, not by math: ~20 % faster).
         blocks = jax.lax.dynamic_slice_in_dim(bt, j * bpc, bpc, axis=1)  # [S, bpc]
-        k = k_cache[layer, blocks].astype(jnp.float32)
-        v = v_cache[layer, blocks].astype(jnp.float32)
+        k = pool_values(k_cache[layer, blocks])
+        v = pool_values(v_cache[layer, blocks])
         s = jnp.einsum("skgh,sbkph->skgbp", qg, k).reshape(S, K, G, C)
         pos = j * C + jnp.arange(C)
         s = jnp.where((pos[None, :] < kv_lens[:, None])[:, None, None, :], s, _NEG_INF)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention, write_kv
+from pallas_kernels.kv_cache import pool_dtype
 from pallas_kernels.paged_attention import reference_attention
 
 
@@ -95,6 +96,28 @@ def test_bfloat16_inputs():
     got = paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="xla")
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_uint16_pool_holds_bfloat16_bits(backend):
+    """A bfloat16 pool stored as uint16 bits (kv_cache.pool_dtype) writes and attends exactly like a
+    bfloat16 pool: same rounding on write, same values read back."""
+    rng = np.random.default_rng(2)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=8, K=2, H=16, P=8, S=4, T=16)
+    bf_k, bf_v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    u_k, u_v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (bf_k, bf_v))
+    assert pool_dtype("bfloat16", backend) == jnp.uint16 and pool_dtype("bfloat16", "pallas") == jnp.bfloat16
+    want = paged_attention(q, bf_k.astype(jnp.float32), bf_v.astype(jnp.float32), 0, bt, sl, qsl, ns,
+                           sm_scale=0.25, backend=backend)
+    got = paged_attention(q, u_k, u_v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend=backend)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    new = jnp.asarray(rng.standard_normal((2, k.shape[2], k.shape[4])), jnp.float32)
+    slots = jnp.asarray([3, 17], jnp.int32)
+    uk2, _ = write_kv(u_k, u_v, 0, new, new, slots)
+    bk2, _ = write_kv(bf_k, bf_v, 0, new, new, slots)
+    assert uk2.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(uk2, jnp.bfloat16), np.float32),
+                                  np.asarray(bk2, np.float32))
 
 
 def test_write_kv_by_slot_mapping():

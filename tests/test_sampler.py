@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsched.batch import BatchDescriptor, flat_sizes
-from jaxsched.sampler import SamplerOutput, sample
+from jaxsched.sampler import SamplerOutput, argmax_rows, sample
 
 
 def make_batch(S: int, **fields) -> BatchDescriptor:
@@ -30,6 +30,18 @@ def _run(logits, fi, ff):
 def run(logits: np.ndarray, b: BatchDescriptor) -> SamplerOutput:
     ints, floats = _run(jnp.asarray(logits, jnp.float32), b.flat_i32, b.flat_f32)
     return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), logits.shape[0], 3)
+
+
+@pytest.mark.parametrize("V", [7, 512, 1000, 49152])
+def test_two_level_argmax_equals_argmax(V):
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((6, V)).astype(np.float32)
+    x[1, :] = -np.inf  # fully masked row
+    x[2, [V // 3, V - 1]] = 50.0  # a tie: the first index wins
+    x[3, :] = np.round(x[3, :])  # many ties
+    x[4, V // 2] = np.nan  # jnp.argmax treats NaN as the maximum
+    got = np.asarray(jax.jit(argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
 
 
 def test_greedy_is_argmax():
