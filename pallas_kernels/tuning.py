@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class XlaCpuConfig:
     decode_kv_blocks: int  # KV blocks per chunk of the decode loop
+    decode_row_groups: int  # independent decode loops over interleaved rows
     prefill_q_tile: int  # query tokens per prefill tile
     prefill_tiles_per_group: int  # tiles processed together per outer iteration
     prefill_kv_blocks: int  # KV blocks per chunk of a prefill tile's loop
@@ -18,7 +19,7 @@ def xla_cpu_config(block_size: int) -> XlaCpuConfig:
     # fastest with ~32 KV tokens per chunk (13 ms/layer at S=128, ctx 400, against 23 ms with 64:
     # the gathered chunk stays in L2); prefill is flat within 10 % for q tiles 16-128 and groups
     # of 2-8 tiles, and slows past that (tiles of a group loop to the group's longest context).
-    return XlaCpuConfig(decode_kv_blocks=max(1, 32 // block_size), prefill_q_tile=32, prefill_tiles_per_group=4,
+    return XlaCpuConfig(decode_kv_blocks=max(1, 32 // block_size), decode_row_groups=2, prefill_q_tile=32, prefill_tiles_per_group=4,
                         prefill_kv_blocks=max(1, 128 // block_size))
 
 

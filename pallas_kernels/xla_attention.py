@@ -139,8 +139,14 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
 
     def decode(out):
         q_rows = q[jnp.clip(starts, 0, T - 1)]
-        o = _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, jnp.where(is_decode, seq_lens, 0),
-                         sm_scale, cfg.decode_kv_blocks)
+        kv_lens = jnp.where(is_decode, seq_lens, 0)
+        # Rows split into interleaved groups (padding rows sit at the end, so every group gets real
+        # ones), each its own loop: XLA:CPU runs independent loops on separate threads, which keeps
+        # both cores gathering (10 % faster at S=128 on 2 cores than one loop over all rows).
+        n = cfg.decode_row_groups if S % cfg.decode_row_groups == 0 and S >= 16 else 1
+        o = jnp.stack([_decode_rows(q_rows[g::n], k_cache, v_cache, layer, block_tables[g::n], kv_lens[g::n],
+                                    sm_scale, cfg.decode_kv_blocks) for g in range(n)], axis=1)
+        o = o.reshape(q_rows.shape)  # [S // n, n, N, H] -> rows back in order
         return out.at[jnp.where(is_decode, starts, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
