@@ -73,7 +73,7 @@ def resolve_configs(args: EngineArgs, model_cfg: ModelConfig, platform: str) -> 
         max_num_batched_tokens=budget,
         max_model_len=max_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
-        token_buckets=token_buckets(budget),
+        token_buckets=token_buckets(budget, max_seqs),
         seq_buckets=seq_buckets(max_seqs),
         preemption_mode=args.preemption_mode,
         swap_threshold=args.swap_threshold,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxsched.block_manager import BlockManager, SwapPool, cdiv
-from jaxsched.buckets import round_up
+from jaxsched.buckets import round_up, seq_buckets_for
 from jaxsched.config import SchedulerConfig
 from jaxsched.policy import SchedulerPolicy, make_policy
 from jaxsched.request import Request, RequestStatus
@@ -238,7 +238,7 @@ class Scheduler:
                 bm.register(req)
             out.num_tokens = total
             out.token_bucket = round_up(cfg.token_buckets, total)
-            out.seq_bucket = round_up(cfg.seq_buckets, len(sched))
+            out.seq_bucket = round_up(seq_buckets_for(cfg.seq_buckets, out.token_bucket), len(sched))
         out.finished_ids = self._finished_ids
         self._finished_ids = []
         self.step_count += 1

@@ -1,16 +1,19 @@
 import pytest
 
-from jaxsched.buckets import bucket_pairs, make_buckets, round_up, seq_buckets, token_buckets
+from jaxsched.buckets import bucket_pairs, make_buckets, round_up, seq_buckets, seq_buckets_for, token_buckets
 
 
 def test_token_buckets_double_up_to_the_limit():
     assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100) == (16, 32, 64, 100)  # a limit that is not a power of two is kept
     assert token_buckets(8) == (8,)
+    # decode-sized T buckets (up to max_num_seqs) get the 1.5x steps from 32 on
+    assert token_buckets(2048, 128) == (16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 
 
 def test_seq_buckets():
-    assert seq_buckets(128) == (8, 16, 32, 64, 128)
+    assert seq_buckets(128) == (8, 16, 32, 48, 64, 96, 128)
+    assert seq_buckets(16) == (8, 16)
     assert seq_buckets(3) == (3,)
     assert make_buckets(20, 8) == (8, 16, 20)
 
@@ -22,11 +25,25 @@ def test_round_up():
         round_up(b, 101)
 
 
-def test_bucket_pairs_cover_every_reachable_shape():
-    tb, sb = token_buckets(64), seq_buckets(32)
-    pairs = set(bucket_pairs(tb, sb))
-    # every (tokens, seqs) with 1 <= seqs <= tokens <= limits maps to a compiled pair
-    for n_tok in range(1, 65):
-        for n_seq in range(1, min(n_tok, 32) + 1):
-            assert (round_up(tb, n_tok), round_up(sb, n_seq)) in pairs
+@pytest.mark.parametrize("max_tokens,max_seqs", [(64, 32), (512, 128), (300, 100)])
+def test_bucket_pairs_cover_every_reachable_shape(max_tokens, max_seqs):
+    tb, sb = token_buckets(max_tokens, max_seqs), seq_buckets(max_seqs)
+    pairs = bucket_pairs(tb, sb)
+    assert len(pairs) == len(set(pairs))
+    # every (tokens, seqs) with 1 <= seqs <= tokens <= limits maps, by the scheduler's rule, to a
+    # compiled pair
+    for n_tok in range(1, max_tokens + 1):
+        T = round_up(tb, n_tok)
+        for n_seq in range(1, min(n_tok, max_seqs) + 1):
+            assert (T, round_up(seq_buckets_for(sb, T), n_seq)) in pairs
     assert (16, 32) not in pairs  # 32 sequences cannot fit in 16 tokens
+
+
+def test_prefill_sized_steps_use_only_doubling_seq_buckets():
+    sb = seq_buckets(128)
+    assert seq_buckets_for(sb, 96) == sb
+    assert seq_buckets_for(sb, 256) == (8, 16, 32, 64, 128)
+    assert round_up(seq_buckets_for(sb, 96), 80) == 96
+    assert round_up(seq_buckets_for(sb, 256), 80) == 128
+    # 47 programs for the benchmark's limits, against 34 with doubling buckets only
+    assert len(bucket_pairs(token_buckets(2048, 128), sb)) == 47
