@@ -8,6 +8,7 @@ Pool layout (fixed here and nowhere else): k_cache, v_cache are f[L, NB, K, P, H
 KV head being a contiguous [P, H] tile, which is what a GPU kernel loads per program and what a CPU
 gather copies in one piece. The layer index is an argument rather than a slice of the pool because
 a slice of a donated buffer inside the layer scan would be copied; indexing inside the gather is not.
+A bfloat16 pool for the XLA backends is a uint16 array of the same bits (kv_cache.pool_dtype says why).
 
 Backends:
   "xla"       the jnp implementation in xla_attention.py, tuned for XLA:CPU

@@ -1,6 +1,7 @@
 """Time the attention backends on CPU for decode-only and prefill steps at the demo model's shapes.
 
 Usage: python scripts/bench_attention.py [--backend xla] [--seqs 128] [--ctx 400] [--prefill 2048]
+                                        [--kv-cache-dtype float32|bfloat16]
 Prints one line per case: milliseconds per call (one layer) and effective KV GB/s.
 """
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_cache import pool_dtype, to_pool
 from pallas_kernels.paged_attention import paged_attention
 
 
@@ -41,12 +43,14 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=400)
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of a prefill-only step")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     L, K, P, H, N, M = 2, 3, 16, 64, 9, 64
     NB = args.seqs * M + 1
-    kc = jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32))
-    vc = jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32))
+    storage = pool_dtype(args.kv_cache_dtype, args.backend)  # as the engine stores it
+    kc = to_pool(jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32)), storage)
+    vc = to_pool(jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32)), storage)
     fn = jax.jit(lambda *a: paged_attention(*a, sm_scale=H**-0.5, backend=args.backend))
     cases = {
         f"decode S={args.seqs} ctx={args.ctx}": ([1] * args.seqs, [args.ctx - 1] * args.seqs, args.seqs),
@@ -66,7 +70,7 @@ def main() -> None:
             r = fn(*a)
         r.block_until_ready()
         dt = (time.perf_counter() - t0) / args.repeats
-        kv_bytes = sum(int(s) for s in seq_lens) * K * H * 4 * 2
+        kv_bytes = sum(int(s) for s in seq_lens) * K * H * kc.dtype.itemsize * 2
         print(f"{name}: {dt * 1e3:.2f} ms/layer, KV {kv_bytes / dt / 1e9:.1f} GB/s")
 
 
