@@ -116,7 +116,7 @@ class ModelRunner:
         shape = (cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
                  cfg.head_dim)  # [L, NB, K, P, H]
         # the pool's array dtype: a bfloat16 pool is uint16 bits for the XLA backends (kv_cache.py)
-        dt = pool_dtype(cache_config.dtype, getattr(model, "attention_backend", "xla"))
+        dt = pool_dtype(cache_config.dtype, model.attention_backend)
         self.kv = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
         self._executables: dict[tuple[int, int], object] = {}
         self.warmup_seconds = 0.0

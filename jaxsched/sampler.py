@@ -102,20 +102,15 @@ def penalty_updates(logits, batch):
 
 
 def apply_penalties(logits, batch):
-    """penalty_updates applied: logits f32[S, V] -> f32[S, V]."""
-    ids, x = penalty_updates(logits, batch)
-    return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(x, mode="drop")
-
-
-def _with_penalties(logits, batch):
-    """apply_penalties, paying only an [S, W] scatter of dropped entries when no row has penalties.
-    (A lax.cond that returned the logits would copy all [S, V] of them in its identity branch:
-    12 ms per 128-row step on a CPU.)"""
+    """penalty_updates applied: logits f32[S, V] -> f32[S, V]. The updates come out of a lax.cond
+    and are scattered after it, so a step where no row has penalties pays only for an [S, W]
+    scatter of dropped entries (a cond that returned the logits would copy all [S, V] of them in
+    its identity branch: 12 ms per 128-row step on a CPU)."""
     S, V = logits.shape
     W = batch.penalty_ids.shape[1]
 
     def none(_logits):
-        return jnp.full((S, W), V, jnp.int32), jnp.zeros((S, W), jnp.float32)
+        return jnp.full((S, W), V, jnp.int32), jnp.zeros((S, W), logits.dtype)
 
     ids, x = jax.lax.cond(jnp.any(batch.penalty_num > 0), lambda lg: penalty_updates(lg, batch), none, logits)
     return logits.at[jnp.arange(S)[:, None], ids].set(x.astype(logits.dtype), mode="drop")
@@ -125,7 +120,7 @@ def sample(logits, batch, max_logprobs: int):
     """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
     S, V = logits.shape
     raw = logits
-    logits = _with_penalties(logits, batch)
+    logits = apply_penalties(logits, batch)
     greedy = argmax_rows(logits)
     do_sample = batch.temperature > 0
 
