@@ -17,6 +17,11 @@ _ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
+def default_block_size(attention_backend: str) -> int:
+    """Tokens per KV block when EngineArgs.block_size is None (see its comment)."""
+    return 16 if attention_backend == "pallas" else 128
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Arguments of `LLM(...)` / `LLMEngine(...)`, named as vLLM names them."""
@@ -28,14 +33,18 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None  # defaults to 2048 (or max_model_len without chunking)
-    block_size: int = 16
+    # tokens per KV block; None picks per attention backend, as vLLM picks per platform: 16 for
+    # the Pallas kernel (a GPU), 128 for the XLA path (a CPU; vLLM's CPU backend also uses 128),
+    # whose gathers copy a page per index: decode attention 12.8 -> 8.8 ms/layer going from 16 to
+    # 128 (docs/PERFORMANCE.md)
+    block_size: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
     # dtype of the KV pool: "auto" = the model's dtype; "bfloat16" halves the pool's memory and
-    # the bytes decode attention reads (at a small precision cost) with the "xla" backend; on a CPU
-    # it is slower, XLA:CPU's bfloat16 gathers being ~10x slower (docs/PERFORMANCE.md)
+    # the bytes decode attention reads (at a small precision cost); with the "xla" backend the pool
+    # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/kv_cache.py)
     kv_cache_dtype: str = "auto"
     # "auto": the Pallas kernel on a GPU, the XLA path on a CPU; "pallas" on a CPU runs the kernel
     # in interpret mode (slow; for tests)
@@ -58,10 +67,11 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 8:
+        if self.block_size is not None and (
+                not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 8):
             raise ValueError(
                 f"block_size must be a positive multiple of 8 (8, 16, 32, ...), got {self.block_size!r}; "
-                "16 is the usual choice"
+                "16 is the usual choice on a GPU, 128 on a CPU (None picks it)"
             )
         _check_positive("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from jaxsched.batch import BatchPacker
 from jaxsched.block_manager import BlockManager, cdiv
 from jaxsched.buckets import seq_buckets, token_buckets
-from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, default_block_size
 from jaxsched.detokenizer import IncrementalDetokenizer
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -163,7 +163,8 @@ class LLMEngine:
             if backend == "pallas":
                 from pallas_kernels.pallas_attention import unsupported_reason
 
-                why = unsupported_reason(model_cfg.head_dim, args.block_size, dtype)
+                why = unsupported_reason(model_cfg.head_dim, args.block_size or default_block_size("pallas"),
+                                         dtype)
                 if why is not None:
                     logger.warning("attention_backend auto: using 'xla' because %s", why)
                     backend = "xla"
@@ -177,7 +178,7 @@ class LLMEngine:
         model = build_model(model_cfg, dtype, getter, attention_backend=backend, seed=args.seed)
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)
 
-        P = args.block_size
+        P = args.block_size or default_block_size(backend)
         M = cdiv(sched_cfg.max_model_len, P)
         max_useful = sched_cfg.max_num_seqs * M + 1
         if args.num_gpu_blocks_override is not None:

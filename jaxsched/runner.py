@@ -24,7 +24,8 @@ from jaxsched.buckets import bucket_pairs
 from jaxsched.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxsched.penalties import PENALTY_CAPACITY
 from jaxsched.sampler import SamplerOutput, sample
-from pallas_kernels.kv_cache import pool_dtype
+from pallas_kernels import tuning
+from pallas_kernels.kv_cache import pool_dtype, pool_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +114,17 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         cfg = model_config
         self.max_blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)  # M
-        shape = (cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
-                 cfg.head_dim)  # [L, NB, K, P, H]
+        # [L, NB, K, P, H] each, K pages transposed for the "xla" backend (kv_cache.pool_shapes)
+        shapes = pool_shapes(cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
+                             cfg.head_dim, model.attention_backend)
         # the pool's array dtype: a bfloat16 pool is uint16 bits for the XLA backends (kv_cache.py)
         dt = pool_dtype(cache_config.dtype, model.attention_backend)
-        self.kv = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        self.kv = (jnp.zeros(shapes[0], dt), jnp.zeros(shapes[1], dt))
         self._executables: dict[tuple[int, int], object] = {}
         self.warmup_seconds = 0.0
-        # The swap pool: host memory laid out like the device pool, f[L, NBh, K, P, H] each.
+        # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
         nh = scheduler_config.num_host_blocks
-        host_shape = (cfg.num_layers, nh, cfg.num_kv_heads, cache_config.block_size, cfg.head_dim)
-        self.host_kv = (np.zeros(host_shape, dt), np.zeros(host_shape, dt)) if nh else None
+        self.host_kv = tuple(np.zeros((x.shape[0], nh, *x.shape[2:]), dt) for x in self.kv) if nh else None
         self._swap_out_exe: dict[int, object] = {}
         self._swap_in_exe: dict[int, object] = {}
         self._copy_exe: dict[int, object] = {}
@@ -149,7 +150,7 @@ class ModelRunner:
         lowered = fn.lower(self.state, self.kv, jax.ShapeDtypeStruct((n_i32,), jnp.int32),
                            jax.ShapeDtypeStruct((n_f32,), jnp.float32), jax.ShapeDtypeStruct((S, W), jnp.int32),
                            jax.ShapeDtypeStruct((S, W), jnp.float32), T=T, S=S)
-        return lowered.compile()
+        return lowered.compile(compiler_options=tuning.compiler_options(jax.devices()[0].platform))
 
     # -- swapping ------------------------------------------------------------------------------
     # Block copies run in chunks of a few fixed sizes (compiled at warm-up like the step), each
@@ -166,7 +167,6 @@ class ModelRunner:
         return SWAP_CHUNKS if self.host_kv is not None else ()
 
     def _compile_swaps(self) -> None:
-        L, _, K, P, H = self.kv[0].shape
         for C in SWAP_CHUNKS:  # copy-on-write copies, needed with or without a swap pool
             if C not in self._copy_exe:
                 ids = jax.ShapeDtypeStruct((C,), jnp.int32)
@@ -176,10 +176,10 @@ class ModelRunner:
             if C in self._swap_out_exe:
                 continue
             ids = jax.ShapeDtypeStruct((C,), jnp.int32)
-            data = jax.ShapeDtypeStruct((L, C, K, P, H), self.kv[0].dtype)
+            k, v = (jax.ShapeDtypeStruct((x.shape[0], C, *x.shape[2:]), x.dtype) for x in self.kv)
             self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
             self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
-                self.kv, ids, data, data).compile()
+                self.kv, ids, k, v).compile()
 
     @staticmethod
     def _copy_blocks(kv, src, dst):  # device to device; padding copies the null page onto itself
@@ -208,9 +208,7 @@ class ModelRunner:
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
             host = [h for h, _ in pairs_chunk]
-            shape = (self.host_kv[0].shape[0], C, *self.host_kv[0].shape[2:])
-            k = np.zeros(shape, self.host_kv[0].dtype)
-            v = np.zeros(shape, self.host_kv[0].dtype)
+            k, v = (np.zeros((x.shape[0], C, *x.shape[2:]), x.dtype) for x in self.host_kv)
             k[:, : len(host)] = self.host_kv[0][:, host]
             v[:, : len(host)] = self.host_kv[1][:, host]
             self.kv = self._swap_in_exe[C](self.kv, dev, k, v)

@@ -4,9 +4,10 @@ One call serves a whole step: prefill chunks (many query tokens of one sequence,
 chunk and over the cached prefix) and decode tokens (one query per sequence) side by side, with
 grouped-query attention, reading K/V through block tables.
 
-Pool layout (fixed here and nowhere else): k_cache, v_cache are f[L, NB, K, P, H], one page of one
-KV head being a contiguous [P, H] tile, which is what a GPU kernel loads per program and what a CPU
-gather copies in one piece. The layer index is an argument rather than a slice of the pool because
+Pool layout (fixed here and in kv_cache.pool_shapes): k_cache, v_cache are f[L, NB, K, P, H], one
+page of one KV head being a contiguous [P, H] tile, which is what a GPU kernel loads per program and
+what a CPU gather copies in one piece. The "xla" backend keeps K pages transposed, k_cache
+f[L, NB, K, H, P] (kv_cache.k_transposed says why); v_cache is the same for every backend. The layer index is an argument rather than a slice of the pool because
 a slice of a donated buffer inside the layer scan would be copied; indexing inside the gather is not.
 A bfloat16 pool for the XLA backends is a uint16 array of the same bits (kv_cache.pool_dtype says why).
 
@@ -19,7 +20,7 @@ Backends:
 
 Arguments (glossary of DESIGN.md):
   q                f[T, N, H]   queries of this step's new tokens, rope applied
-  k_cache, v_cache f[L, NB, K, P, H]
+  k_cache, v_cache f[L, NB, K, P, H] (k_cache f[L, NB, K, H, P] for "xla")
   layer            i32[]        which layer of the pool
   block_tables     i32[S, M]    blocks of each sequence; unused entries 0 (the null page)
   seq_lens         i32[S]       KV length of each sequence after this step (its new tokens included)
@@ -35,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_cache import pool_values
+from pallas_kernels.kv_cache import k_transposed, pool_shapes, pool_values
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.xla_attention import xla_attention
 
@@ -43,18 +44,21 @@ BACKENDS = ("xla", "reference", "pallas")
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
 
-def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs) -> None:
+def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, backend="xla") -> None:
     """Check shapes and dtypes before tracing; raise ValueError naming the argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
     _T, N, H = q.shape
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [L, NB, K, P, H], got shape {k_cache.shape}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
-    _, _, K, _, Hk = k_cache.shape
+    if v_cache.ndim != 5:
+        raise ValueError(f"v_cache must be [L, NB, K, P, H], got shape {v_cache.shape}")
+    L, NB, K, P, Hk = v_cache.shape
+    k_want = pool_shapes(L, NB, K, P, Hk, backend)[0]
+    if k_cache.shape != k_want:
+        layout = "[L, NB, K, H, P]" if k_transposed(backend) else "[L, NB, K, P, H]"
+        raise ValueError(f"k_cache must be {layout} = {k_want} for backend {backend!r} (v_cache is "
+                         f"{v_cache.shape}), got {k_cache.shape}; kv_cache.pool_shapes gives both shapes")
     if Hk != H:
-        raise ValueError(f"head_dim mismatch: q has H={H}, k_cache has H={Hk}")
+        raise ValueError(f"head_dim mismatch: q has H={H}, the KV pool has H={Hk}")
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
     if block_tables.ndim != 2:
@@ -79,7 +83,9 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
                     *, sm_scale: float, backend: str = "xla"):
     """Attention of this step's tokens over their sequences' paged KV. See the module docstring."""
-    validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, backend)
     if backend == "pallas":
         validate_pallas(q, k_cache, block_tables)
         return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,

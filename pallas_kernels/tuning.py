@@ -8,21 +8,41 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class XlaCpuConfig:
     decode_kv_blocks: int  # KV blocks per chunk of the decode loop
-    decode_row_groups: int  # independent decode loops over interleaved rows
+    decode_row_groups: int  # independent decode loops over rows sorted by context length
     prefill_q_tile: int  # query tokens per prefill tile
     prefill_tiles_per_group: int  # tiles processed together per outer iteration
     prefill_kv_blocks: int  # KV blocks per chunk of a prefill tile's loop
 
 
 def xla_cpu_config(block_size: int) -> XlaCpuConfig:
-    # Measured with scripts/bench_attention.py at the demo model's shapes (2 cores): decode is
-    # fastest with ~32 KV tokens per chunk (13 ms/layer at S=128, ctx 400, against 23 ms with 64:
-    # the gathered chunk stays in L2); prefill is flat within 10 % for q tiles 16-128 and groups
-    # of 2-8 tiles, and slows past that (tiles of a group loop to the group's longest context).
-    # Two decode row groups (one loop per group, one per core here): 11.2 against 12.8 ms/layer with
-    # one; four groups are no faster.
-    return XlaCpuConfig(decode_kv_blocks=max(1, 32 // block_size), decode_row_groups=2, prefill_q_tile=32,
+    # Measured with scripts/bench_attention.py at the demo model's shapes (2 cores). Decode: with
+    # 16-token pages, chunks of 2 pages (13 ms/layer at S=128, ctx 400, against 23 ms with 4: the
+    # gathered chunk stays in L2); with larger pages, one page per chunk: a gather copies a page per
+    # index, so bigger pages gather faster (contexts 64-640: 12.8 ms/layer for 16 x 2, 8.5 for 64,
+    # 8.8 for 128 tokens per page). Prefill is flat within 10 % for q tiles 16-128 and groups of 2-8
+    # tiles, and slows past that (tiles of a group loop to the group's longest context).
+    # Decode rows run as groups of rows sorted by context length, one loop per group (XLA:CPU runs
+    # independent loops on both cores, and each loop stops at its own longest row): at S=128 with
+    # contexts uniform in 64-640, 14.2 ms/layer for two unsorted groups, 13.8 for two sorted ones,
+    # 12.9 for four and 12.8 for eight.
+    return XlaCpuConfig(decode_kv_blocks=max(1, 32 // block_size), decode_row_groups=4, prefill_q_tile=32,
                         prefill_tiles_per_group=4, prefill_kv_blocks=max(1, 128 // block_size))
+
+
+# YNNPACK fusion kinds for the model step on a CPU. jaxlib hands YNNPACK only dots and reductions by
+# default; adding elementwise chains moves the attention loops' exp / select / rescale work into
+# YNNPACK's vectorised kernels: decode attention 12.97 -> 11.89 ms/layer (S=128, contexts 64-640).
+# It is an XLA option per compiled program (passed to compile()), so nothing else in the process
+# is affected.
+_CPU_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type":
+        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE",
+}
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+    """XLA options for compiling the model step on `platform` ("cpu", "gpu", ...)."""
+    return dict(_CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
 
 
 # ---------------------------------------------------------------------------------------------------

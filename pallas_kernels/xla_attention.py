@@ -1,6 +1,7 @@
 """The "xla" attention backend: ragged paged attention in plain jnp, organised for XLA:CPU.
 
-Same arguments and result as pallas_kernels.paged_attention (see its docstring for shapes).
+Same arguments and result as pallas_kernels.paged_attention (see its docstring for shapes), except
+that K pages are stored transposed: k_cache is f[L, NB, K, H, P] (kv_cache.k_transposed says why).
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ def _online_softmax_update(carry, s, v_chunk, pv_einsum):
     return m_new, l, acc
 
 
-def _chunk_kv(cache, layer, block_tables_rows, j, bpc):
-    """KV of chunk j (bpc blocks) for each row: f[R, K, bpc * P, H] in float32."""
+def _chunk_kv(cache, layer, block_tables_rows, j, bpc, pages_transposed=False):
+    """KV of chunk j (bpc blocks) for each row in float32: f[R, K, bpc * P, H], or f[R, K, H, bpc * P]
+    from a pool of transposed pages."""
     blocks = jax.lax.dynamic_slice_in_dim(block_tables_rows, j * bpc, bpc, axis=1)  # [R, bpc]
-    x = cache[layer, blocks]  # [R, bpc, K, P, H]
-    R, _, K, P, H = x.shape
-    return pool_values(x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * P, H))
+    x = cache[layer, blocks]  # [R, bpc, K, P, H] or [R, bpc, K, H, P]
+    R, _, K, A, B = x.shape
+    if pages_transposed:
+        return pool_values(x.transpose(0, 2, 3, 1, 4).reshape(R, K, A, bpc * B))
+    return pool_values(x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * A, B))
 
 
 def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scale, bpc):
     """Single-query attention for every row. q_rows f[S, N, H]; rows with kv_len 0 give zeros."""
     S, N, H = q_rows.shape
-    _, _, K, P, _ = k_cache.shape
+    _, _, K, P, _ = v_cache.shape
     G = N // K
     C = bpc * P
     M = block_tables.shape[1]
@@ -55,12 +59,12 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scal
     n_chunks = (jnp.max(kv_lens) + C - 1) // C
 
     def body(j, carry):
-        # The gathered pages stay [S, bpc, K, P, H]: contracting in that layout skips the transpose
-        # copy to [S, K, C, H] (decode is bound by moving K/V, not by math: ~20 % faster).
+        # The gathered pages stay [S, bpc, K, H, P] / [S, bpc, K, P, H]: contracting in that layout
+        # skips a transpose copy to [S, K, C, H] (decode is bound by moving K/V, not by math).
         blocks = jax.lax.dynamic_slice_in_dim(bt, j * bpc, bpc, axis=1)  # [S, bpc]
         k = pool_values(k_cache[layer, blocks])
         v = pool_values(v_cache[layer, blocks])
-        s = jnp.einsum("skgh,sbkph->skgbp", qg, k).reshape(S, K, G, C)
+        s = jnp.einsum("skgh,sbkhp->skgbp", qg, k).reshape(S, K, G, C)
         pos = j * C + jnp.arange(C)
         s = jnp.where((pos[None, :] < kv_lens[:, None])[:, None, None, :], s, _NEG_INF)
         m, l, acc = carry
@@ -81,7 +85,7 @@ def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_sta
                    out, sm_scale, q_tile, tiles_per_group, bpc):
     """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence."""
     T, N, H = q.shape
-    _, _, K, P, _ = k_cache.shape
+    _, _, K, P, _ = v_cache.shape
     S, M = block_tables.shape
     G = N // K
     C = bpc * P
@@ -108,9 +112,9 @@ def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_sta
         q_pos_g = jnp.broadcast_to(q_pos[:, None, :], (GT, G, Qb)).reshape(GT, 1, G * Qb, 1)
 
         def body(j, carry):
-            k = _chunk_kv(k_cache, layer, rows_bt, j, bpc)  # [GT, K, C, H]
-            v = _chunk_kv(v_cache, layer, rows_bt, j, bpc)
-            s = jnp.einsum("tkqh,tkch->tkqc", qt, k)
+            k = _chunk_kv(k_cache, layer, rows_bt, j, bpc, pages_transposed=True)  # [GT, K, H, C]
+            v = _chunk_kv(v_cache, layer, rows_bt, j, bpc)  # [GT, K, C, H]
+            s = jnp.einsum("tkqh,tkhc->tkqc", qt, k)
             kv_pos = (j * C + jnp.arange(C)).reshape(1, 1, 1, C)
             s = jnp.where(kv_pos <= q_pos_g, s, _NEG_INF)
             return _online_softmax_update(carry, s, v, "tkqc,tkch->tkqh")
@@ -126,11 +130,16 @@ def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_sta
     return jax.lax.fori_loop(0, (total_tiles + GT - 1) // GT, group, out)
 
 
+def _row_groups(S: int, most: int) -> int:
+    """Decode row groups for S rows: the most groups (up to `most`) that divide S into 8+ rows."""
+    return max(n for n in range(1, most + 1) if S % n == 0 and S // n >= 8) if S >= 8 else 1
+
+
 def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
                    *, sm_scale: float):
     T, _N, _H = q.shape
     S = block_tables.shape[0]
-    cfg = tuning.xla_cpu_config(k_cache.shape[3])
+    cfg = tuning.xla_cpu_config(v_cache.shape[3])
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     real_row = jnp.arange(S) < num_seqs[0]
     is_decode = real_row & (q_lens == 1)
@@ -138,16 +147,21 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
     starts = query_start_loc[:-1]
 
     def decode(out):
-        q_rows = q[jnp.clip(starts, 0, T - 1)]
         kv_lens = jnp.where(is_decode, seq_lens, 0)
-        # Rows split into interleaved groups (padding rows sit at the end, so every group gets real
-        # ones), each its own loop: XLA:CPU runs independent loops on separate threads, which keeps
-        # both cores gathering (10 % faster at S=128 on 2 cores than one loop over all rows).
-        n = cfg.decode_row_groups if S % cfg.decode_row_groups == 0 and S >= 16 else 1
-        o = jnp.stack([_decode_rows(q_rows[g::n], k_cache, v_cache, layer, block_tables[g::n], kv_lens[g::n],
-                                    sm_scale, cfg.decode_kv_blocks) for g in range(n)], axis=1)
-        o = o.reshape(q_rows.shape)  # [S // n, n, N, H] -> rows back in order
-        return out.at[jnp.where(is_decode, starts, T)].set(o.astype(out.dtype), mode="drop")
+        # Rows sorted longest first, then cut into n groups of consecutive rows, each its own loop:
+        # a loop runs to its own longest row, so short rows stop costing gathers of padding pages
+        # (rows of a step span ~64-640 tokens here), and XLA:CPU runs independent loops on separate
+        # threads. Padding and prefill rows have kv_len 0, so they sort to the end.
+        n = _row_groups(S, cfg.decode_row_groups)
+        order = jnp.argsort(-kv_lens) if n > 1 else jnp.arange(S)
+        rows = starts[order]
+        q_rows = q[jnp.clip(rows, 0, T - 1)]
+        bt, lens = block_tables[order], kv_lens[order]
+        R = S // n
+        o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
+                                          bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
+                                          cfg.decode_kv_blocks) for g in range(n)])
+        return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
         return _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,

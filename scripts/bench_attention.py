@@ -1,7 +1,7 @@
 """Time the attention backends on CPU for decode-only and prefill steps at the demo model's shapes.
 
 Usage: python scripts/bench_attention.py [--backend xla] [--seqs 128] [--ctx 400] [--prefill 2048]
-                                        [--kv-cache-dtype float32|bfloat16]
+                                        [--kv-cache-dtype float32|bfloat16] [--block-size 128]
 Prints one line per case: milliseconds per call (one layer) and effective KV GB/s.
 """
 
@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_cache import pool_dtype, to_pool
+from jaxsched.config import default_block_size
+from pallas_kernels.kv_cache import pool_dtype, pool_shapes, to_pool
 from pallas_kernels.paged_attention import paged_attention
 
 
@@ -44,13 +45,17 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of a prefill-only step")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per page; default: the engine's")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    L, K, P, H, N, M = 2, 3, 16, 64, 9, 64
+    L, K, H, N = 2, 3, 64, 9
+    P = args.block_size or default_block_size(args.backend)
+    M = -(-1024 // P)
     NB = args.seqs * M + 1
     storage = pool_dtype(args.kv_cache_dtype, args.backend)  # as the engine stores it
-    kc = to_pool(jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32)), storage)
-    vc = to_pool(jnp.asarray(rng.standard_normal((L, NB, K, P, H), dtype=np.float32)), storage)
+    k_shape, v_shape = pool_shapes(L, NB, K, P, H, args.backend)
+    kc = to_pool(jnp.asarray(rng.standard_normal(k_shape, dtype=np.float32)), storage)
+    vc = to_pool(jnp.asarray(rng.standard_normal(v_shape, dtype=np.float32)), storage)
     fn = jax.jit(lambda *a: paged_attention(*a, sm_scale=H**-0.5, backend=args.backend))
     cases = {
         f"decode S={args.seqs} ctx={args.ctx}": ([1] * args.seqs, [args.ctx - 1] * args.seqs, args.seqs),

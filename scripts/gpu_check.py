@@ -152,6 +152,7 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.kv_cache import k_transposed
     from pallas_kernels.paged_attention import paged_attention
 
     N, K, H, P, dtype = (32, 8, 128, 16, jnp.bfloat16) if not dry else (8, 2, 16, 16, jnp.float32)
@@ -178,6 +179,8 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
                 res[backend] = "skipped: time budget spent"
                 continue
             def fn(q, kc, vc, bt, sl, qsl, ns, b=backend):
+                if k_transposed(b):  # this backend's K pool keeps pages as [H, P] (kv_cache.py)
+                    kc = jnp.swapaxes(kc, -1, -2)
                 return paged_attention(q, kc, vc, jnp.int32(0), bt, sl, qsl, ns, sm_scale=H**-0.5, backend=b)
 
             try:

@@ -44,8 +44,13 @@ CASES = {
 }
 
 
+def kT(k):
+    """The "xla" backend's K pool: pages transposed, [L, NB, K, H, P] (kv_cache.k_transposed)."""
+    return jnp.swapaxes(k, -1, -2)
+
+
 # One shape per (N, K, P) so each backend compiles once per head layout, not once per case.
-_xla = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend="xla"))
+_xla = jax.jit(lambda q, k, *a: paged_attention(q, kT(k), *a, sm_scale=0.25, backend="xla"))
 _ref = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend="reference"))
 
 
@@ -62,6 +67,24 @@ def test_xla_matches_reference(case, N, K, P):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     n_real = int(qsl[int(ns[0])])
     assert np.all(np.asarray(got)[n_real:] == 0), "padding tokens must produce zeros"
+
+
+@pytest.mark.parametrize("P", [8, 16])
+def test_xla_sorted_decode_groups_match_reference(P):
+    """Enough decode rows for the xla backend to sort them by length and split them into 4 loops:
+    rows of very different lengths, a prefill row among them and padding rows at the end, so a wrong
+    permutation or a group stopping at the wrong length shows up as a mismatch."""
+    rng = np.random.default_rng(7 + P)
+    n_decode = 26
+    q_lens = [1] * 13 + [9] + [1] * (n_decode - 13)
+    ctx = [int(c) for c in rng.integers(0, 12 * P - 9, len(q_lens))]
+    ctx[3], ctx[20] = 0, 12 * P - 1  # an empty context and the longest allowed
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, N=8, K=2, H=16, P=P, S=32, T=64, NB=400)
+    layer = jnp.int32(0)
+    want = _ref(q, k, v, layer, bt, sl, qsl, ns)
+    got = _xla(q, k, v, layer, bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
 
 
 def test_reference_matches_dense_softmax():
@@ -93,7 +116,7 @@ def test_bfloat16_inputs():
     q, k, v, bt, sl, qsl, ns = args
     want = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 0, bt, sl,
                                qsl, ns, sm_scale=0.25)
-    got = paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="xla")
+    got = paged_attention(q, kT(k), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="xla")
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
@@ -104,7 +127,8 @@ def test_uint16_pool_holds_bfloat16_bits(backend):
     bfloat16 pool: same rounding on write, same values read back."""
     rng = np.random.default_rng(2)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=8, K=2, H=16, P=8, S=4, T=16)
-    bf_k, bf_v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    kt = backend == "xla"
+    bf_k, bf_v = (kT(k) if kt else k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     u_k, u_v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (bf_k, bf_v))
     assert pool_dtype("bfloat16", backend) == jnp.uint16 and pool_dtype("bfloat16", "pallas") == jnp.bfloat16
     want = paged_attention(q, bf_k.astype(jnp.float32), bf_v.astype(jnp.float32), 0, bt, sl, qsl, ns,
@@ -113,8 +137,8 @@ def test_uint16_pool_holds_bfloat16_bits(backend):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     new = jnp.asarray(rng.standard_normal((2, k.shape[2], k.shape[4])), jnp.float32)
     slots = jnp.asarray([3, 17], jnp.int32)
-    uk2, _ = write_kv(u_k, u_v, 0, new, new, slots)
-    bk2, _ = write_kv(bf_k, bf_v, 0, new, new, slots)
+    uk2, _ = write_kv(u_k, u_v, 0, new, new, slots, k_transposed=kt)
+    bk2, _ = write_kv(bf_k, bf_v, 0, new, new, slots, k_transposed=kt)
     assert uk2.dtype == jnp.uint16
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(uk2, jnp.bfloat16), np.float32),
                                   np.asarray(bk2, np.float32))
@@ -133,6 +157,19 @@ def test_write_kv_by_slot_mapping():
     touched = np.zeros((NB, P), bool)
     touched[5, 7] = touched[2, 0] = touched[0, 0] = True
     assert (np.asarray(jnp.abs(kc2[1]).sum((1, 3))) > 0).tolist() == touched.tolist()
+    # the same write into a pool of transposed K pages lands on the same (page, offset, head) slots
+    kt2, vt2 = write_kv(kT(kc), vc, 1, k, -k, slots, k_transposed=True)
+    np.testing.assert_array_equal(kT(kt2), kc2)
+    np.testing.assert_array_equal(vt2, vc2)
+
+
+def test_xla_backend_names_its_k_layout():
+    rng = np.random.default_rng(4)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 3], [5, 0], N=4, K=2, H=16, P=8, S=4, T=8)
+    with pytest.raises(ValueError, match=r"k_cache must be \[L, NB, K, H, P\] = \(2, 96, 2, 16, 8\)"):
+        paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="xla")
+    with pytest.raises(ValueError, match=r"k_cache must be \[L, NB, K, P, H\]"):
+        paged_attention(q, kT(k), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="reference")
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -140,13 +177,13 @@ def test_write_kv_by_slot_mapping():
     (lambda a: {**a, "seq_lens": a["seq_lens"][:2]}, "seq_lens must be"),
     (lambda a: {**a, "query_start_loc": a["query_start_loc"][:3]}, "query_start_loc must be"),
     (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "block_tables must be int32"),
-    (lambda a: {**a, "v_cache": a["v_cache"][:, :, :1]}, "v_cache shape"),
+    (lambda a: {**a, "v_cache": a["v_cache"][:, :, :1]}, r"k_cache must be .* \(v_cache is \(2, 96, 1, 8, 16\)\)"),
     (lambda a: {**a, "q": a["q"][..., :8]}, "head_dim mismatch"),
 ])
 def test_validation_names_the_argument(bad, match):
     rng = np.random.default_rng(0)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [2, 1], [0, 3], N=4, K=2, H=16, P=8, S=4, T=16)
-    a = {"q": q, "k_cache": k, "v_cache": v, "layer": 0, "block_tables": bt, "seq_lens": sl, "query_start_loc": qsl, "num_seqs": ns}
+    a = {"q": q, "k_cache": kT(k), "v_cache": v, "layer": 0, "block_tables": bt, "seq_lens": sl, "query_start_loc": qsl, "num_seqs": ns}
     with pytest.raises(ValueError, match=match):
         paged_attention(**bad(a), sm_scale=1.0)
     with pytest.raises(ValueError, match="backend must be one of"):

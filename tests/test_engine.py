@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 from compiles import no_compilation
-from test_parity import SENTENCES, hf_model
+from test_parity import SENTENCES, hf_greedy, hf_model
 
 from jaxsched import LLM, EngineArgs, SamplingParams
+from jaxsched.config import default_block_size
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 
@@ -105,6 +106,21 @@ def test_engine_argument_errors(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a .gguf file"):
         LLM(str(tmp_path / "missing"))
     assert EngineArgs().max_num_seqs == 128
+
+
+def test_block_size_defaults_per_attention_backend(llama_dir):
+    """block_size=None (the default) picks 128 for the XLA path, 16 for the Pallas kernel."""
+    assert EngineArgs().block_size is None
+    assert default_block_size("xla") == 128 and default_block_size("pallas") == 16
+    llm = LLM(llama_dir, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32, attention_backend="xla")
+    cc = llm.llm_engine.cache_config
+    assert cc.block_size == 128
+    k_pool, v_pool = llm.llm_engine.runner.kv
+    assert v_pool.shape[3] == 128 and k_pool.shape[4] == 128  # P; the xla backend's K pages are [H, P]
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, 200, 126)]  # crosses a page boundary
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(llama_dir), ids, 6)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

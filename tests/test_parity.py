@@ -27,6 +27,7 @@ from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.request import Request
 from jaxsched.request import SamplingParams as SP
 from jaxsched.scheduler import Scheduler
+from pallas_kernels.kv_cache import pool_shapes
 
 SENTENCES = [
     "the capital of france is",
@@ -67,8 +68,8 @@ def test_logits_match_transformers(kind, model_dirs, tokenizer_dir):
     packer = BatchPacker(budget, 4, M, P)
     for i, ids in enumerate(prompts):
         sched.add_request(Request(str(i), ids, SP(max_tokens=6)))
-    kv_shape = (cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim)
-    kv = (jnp.zeros(kv_shape), jnp.zeros(kv_shape))
+    kv = tuple(jnp.zeros(s) for s in pool_shapes(cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim,
+                                                   model.attention_backend))
 
     forward = jax.jit(lambda state, kv, fi, ff, T, S: nnx.merge(graphdef, state)(
         kv, BatchDescriptor.from_flat(fi, ff, T, S, M)), static_argnums=(4, 5))

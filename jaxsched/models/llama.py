@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxsched.config import ModelConfig
 from pallas_kernels import paged_attention, write_kv
+from pallas_kernels.kv_cache import k_transposed
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -130,7 +131,8 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, p["k_norm"], eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping)
+            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping,
+                                        k_transposed=k_transposed(self.attention_backend))
             o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
                                 batch.query_start_loc, batch.num_seqs, sm_scale=scale,
                                 backend=self.attention_backend)
