@@ -121,6 +121,7 @@ class ModelRunner:
         dt = pool_dtype(cache_config.dtype, model.attention_backend)
         self.kv = (jnp.zeros(shapes[0], dt), jnp.zeros(shapes[1], dt))
         self._executables: dict[tuple[int, int], object] = {}
+        self._use_compiler_options = True  # off once jaxlib rejects them (compile())
         self.warmup_seconds = 0.0
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
         nh = scheduler_config.num_host_blocks
@@ -150,13 +151,25 @@ class ModelRunner:
         lowered = fn.lower(self.state, self.kv, jax.ShapeDtypeStruct((n_i32,), jnp.int32),
                            jax.ShapeDtypeStruct((n_f32,), jnp.float32), jax.ShapeDtypeStruct((S, W), jnp.int32),
                            jax.ShapeDtypeStruct((S, W), jnp.float32), T=T, S=S)
-        return lowered.compile(compiler_options=tuning.compiler_options(jax.devices()[0].platform))
+        options = tuning.compiler_options(jax.devices()[0].platform) if self._use_compiler_options else {}
+        if not options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=options)
+        except Exception as e:  # XLA raises a plain XlaRuntimeError for an unknown option
+            if "option" not in str(e):
+                raise
+            # The options are experimental XLA flags; a jaxlib without them must still run (slower).
+            logger.warning("this jaxlib rejects the XLA options %s (%s); compiling without them, which is "
+                           "slower on a CPU (docs/PERFORMANCE.md)", sorted(options), str(e).splitlines()[0][:200])
+            self._use_compiler_options = False
+            return lowered.compile()
 
     # -- swapping ------------------------------------------------------------------------------
     # Block copies run in chunks of a few fixed sizes (compiled at warm-up like the step), each
     # chunk one device call for all layers: no host round trip per block.
     @staticmethod
-    def _gather_blocks(kv, ids):  # ids i32[C] -> (f[L, C, K, P, H], f[L, C, K, P, H])
+    def _gather_blocks(kv, ids):  # ids i32[C] -> both pools' blocks ids, any page layout: [L, C, ...]
         return kv[0][:, ids], kv[1][:, ids]
 
     @staticmethod

@@ -67,11 +67,12 @@ def pool_shapes(L: int, NB: int, K: int, P: int, H: int, backend: str):
     return ((L, NB, K, H, P) if k_transposed(backend) else v), v
 
 
-def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_transposed: bool = False):
+def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_transposed: bool):
     """k_cache f[L, NB, K, P, H] (f[L, NB, K, H, P] when k_transposed), v_cache f[L, NB, K, P, H];
     k, v f[T, K, H]; slot_mapping i32[T] (block * P + offset).
 
-    Returns the updated (k_cache, v_cache).
+    Returns the updated (k_cache, v_cache). k_transposed has no default: with head_dim == block
+    size both layouts have the same shape, so only the caller knows which one it holds.
     """
     P = v_cache.shape[3]
     block = slot_mapping // P

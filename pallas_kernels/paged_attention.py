@@ -7,8 +7,9 @@ grouped-query attention, reading K/V through block tables.
 Pool layout (fixed here and in kv_cache.pool_shapes): k_cache, v_cache are f[L, NB, K, P, H], one
 page of one KV head being a contiguous [P, H] tile, which is what a GPU kernel loads per program and
 what a CPU gather copies in one piece. The "xla" backend keeps K pages transposed, k_cache
-f[L, NB, K, H, P] (kv_cache.k_transposed says why); v_cache is the same for every backend. The layer index is an argument rather than a slice of the pool because
-a slice of a donated buffer inside the layer scan would be copied; indexing inside the gather is not.
+f[L, NB, K, H, P] (kv_cache.k_transposed says why); v_cache is the same for every backend. The
+layer index is an argument rather than a slice of the pool because a slice of a donated buffer
+inside the layer scan would be copied; indexing inside the gather is not.
 A bfloat16 pool for the XLA backends is a uint16 array of the same bits (kv_cache.pool_dtype says why).
 
 Backends:
@@ -18,7 +19,7 @@ Backends:
               CPU they run in interpret mode, slowly: for tests). Extra rules: head_dim a power of
               two >= 16, block size in pallas_attention.PAGE_SIZES (see validate_pallas).
 
-Arguments (glossary of DESIGN.md):
+Arguments (shape glossary in README.md):
   q                f[T, N, H]   queries of this step's new tokens, rope applied
   k_cache, v_cache f[L, NB, K, P, H] (k_cache f[L, NB, K, H, P] for "xla")
   layer            i32[]        which layer of the pool

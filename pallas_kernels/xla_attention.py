@@ -18,11 +18,12 @@ _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than N
 # ---------------------------------------------------------------------------------------------------
 # The XLA path. XLA:CPU runs small batched dots and gathers slowly per call, so work is organised to
 # make each call large and to never materialise a sequence's whole context:
-#   decode rows (one query): all S rows at once, looping over KV chunks with an online softmax;
+#   decode rows (one query): rows sorted by context length and cut into a few groups, each group's
+#     rows at once in its own loop over KV chunks (online softmax), up to the group's longest row;
 #   prefill rows (several queries): split into query tiles of Qb tokens of one sequence, processed
 #     a group of tiles at a time, each tile looping over KV chunks up to its own causal limit.
 # Each path runs under lax.cond only when the step has such rows, and every loop's trip count is
-# the step's real maximum, so padding costs no attention work.
+# a real length of the step, so padding rows cost no attention work.
 # ---------------------------------------------------------------------------------------------------
 def _online_softmax_update(carry, s, v_chunk, pv_einsum):
     """One KV chunk of flash-style attention. s: scores with the chunk axis last (masked)."""

@@ -120,6 +120,7 @@ def main() -> None:
         "fraction_of_peak": round(achieved / peak, 3),
         "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.cache_config.num_blocks - 1,
+        "block_size": engine.cache_config.block_size,
     }
     print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s")
     print(f"output tokens/s     {res['output_tokens_per_s']}")

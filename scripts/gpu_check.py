@@ -15,7 +15,8 @@ of time still leaves the others' figures:
               read (every sequence's K and V once) / time, and its share of the copy bandwidth.
   model    a random-weight Llama-3.2-1B-shaped checkpoint (safetensors, float16 storage, run in
            bf16) with a word-level tokenizer covering its whole vocab.
-  bench    scripts/bench_offline.py on that model once per attention backend: output tokens/s.
+  bench    scripts/bench_offline.py on that model once per attention backend, each at its default
+           block size (16 pallas, 128 xla; its JSON records it): output tokens/s.
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -167,6 +168,7 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
     key = jax.random.PRNGKey(0)
     k_cache = jax.random.normal(key, (1, pages, K, P, H), dtype)
     v_cache = jax.random.normal(jax.random.fold_in(key, 1), (1, pages, K, P, H), dtype)
+    k_cache_t = jnp.swapaxes(k_cache, -1, -2)  # the "xla" backend's K pool: pages [H, P] (kv_cache.py)
     rng = np.random.default_rng(1)
     out = {}
     for name, (rows, T, S) in cases.items():
@@ -179,12 +181,11 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
                 res[backend] = "skipped: time budget spent"
                 continue
             def fn(q, kc, vc, bt, sl, qsl, ns, b=backend):
-                if k_transposed(b):  # this backend's K pool keeps pages as [H, P] (kv_cache.py)
-                    kc = jnp.swapaxes(kc, -1, -2)
                 return paged_attention(q, kc, vc, jnp.int32(0), bt, sl, qsl, ns, sm_scale=H**-0.5, backend=b)
 
+            kc = k_cache_t if k_transposed(backend) else k_cache
             try:
-                dt = time_loop(fn, q, (k_cache, v_cache, bt, sl, qsl, ns), iters, runs)
+                dt = time_loop(fn, q, (kc, v_cache, bt, sl, qsl, ns), iters, runs)
                 res[backend] = {"ms": round(dt * 1e3, 4), "kv_gb_s": round(kv_bytes / dt / 1e9, 1)}
             except Exception as e:  # noqa: BLE001 - one backend's failure must not hide the others' figures
                 res[backend] = f"error: {type(e).__name__}: {str(e)[:300]}"

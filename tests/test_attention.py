@@ -150,7 +150,7 @@ def test_write_kv_by_slot_mapping():
     vc = jnp.zeros((L, NB, K, P, H))
     k = jnp.arange(3 * K * H, dtype=jnp.float32).reshape(3, K, H) + 1
     slots = jnp.asarray([5 * 8 + 7, 2 * 8 + 0, 0], jnp.int32)  # last: a padding token -> null page
-    kc2, vc2 = write_kv(kc, vc, 1, k, -k, slots)
+    kc2, vc2 = write_kv(kc, vc, 1, k, -k, slots, k_transposed=False)
     np.testing.assert_array_equal(kc2[1, 5, :, 7], k[0])
     np.testing.assert_array_equal(vc2[1, 2, :, 0], -k[1])
     assert float(jnp.abs(kc2[0]).sum()) == 0  # other layers untouched

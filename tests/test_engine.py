@@ -218,3 +218,17 @@ def test_host_modules_do_not_import_jax():
     code = "import sys, jaxsched.scheduler, jaxsched.batch; print('jax' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     assert res.stdout.strip() == "False", "importing the scheduler must not load jax"
+
+
+def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch, caplog):
+    """The step's XLA options are experimental flags; a jaxlib that lacks one must still compile."""
+    from pallas_kernels import tuning
+
+    runner = llm.llm_engine.runner
+    monkeypatch.setattr(tuning, "compiler_options", lambda platform: {"xla_cpu_no_such_option_here": "1"})
+    monkeypatch.setattr(runner, "_use_compiler_options", True)
+    T, S = runner.bucket_pairs()[0]
+    with caplog.at_level("WARNING", logger="jaxsched.runner"):
+        exe = runner.compile(T, S)
+    assert exe is not None and runner._use_compiler_options is False
+    assert any("rejects the XLA options" in r.message for r in caplog.records)

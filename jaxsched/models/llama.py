@@ -105,7 +105,8 @@ class LlamaForCausalLM(nnx.Module):
             init(rngs.params(), (D, V), jnp.float32).astype(jdt))
 
     def __call__(self, kv, batch):
-        """kv: (k_cache, v_cache) f[L, NB, K, P, H]; batch: a BatchDescriptor of jax arrays."""
+        """kv: (k_cache, v_cache) as kv_cache.pool_shapes gives them for this model's attention
+        backend (f[L, NB, K, P, H], K pages [H, P] for "xla"); batch: a BatchDescriptor of jax arrays."""
         cfg = self.cfg
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
