@@ -132,8 +132,8 @@ def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_sta
 
 
 def _row_groups(S: int, most: int) -> int:
-    """Decode row groups for S rows: the most groups (up to `most`) that divide S into 8+ rows."""
-    return max(n for n in range(1, most + 1) if S % n == 0 and S // n >= 8) if S >= 8 else 1
+    """Decode row groups for S rows: as many as `most` while each keeps at least 8 rows."""
+    return max(1, min(most, S // 8))
 
 
 def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
@@ -158,10 +158,10 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         rows = starts[order]
         q_rows = q[jnp.clip(rows, 0, T - 1)]
         bt, lens = block_tables[order], kv_lens[order]
-        R = S // n
+        R = -(-S // n)  # rows per group; the last group may be smaller
         o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
                                           bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
-                                          cfg.decode_kv_blocks) for g in range(n)])
+                                          cfg.decode_kv_blocks) for g in range(n) if g * R < S])
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
