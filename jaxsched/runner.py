@@ -43,6 +43,11 @@ def _chunked(pairs: list[tuple[int, int]]):
         i += C
 
 
+def _with_blocks(pool_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A pool's shape [L, NB, ...] (either page layout) with n blocks instead of NB."""
+    return (pool_shape[0], n, *pool_shape[2:])
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_JNP[dtype]).itemsize
 
@@ -125,7 +130,7 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
         nh = scheduler_config.num_host_blocks
-        self.host_kv = tuple(np.zeros((x.shape[0], nh, *x.shape[2:]), dt) for x in self.kv) if nh else None
+        self.host_kv = tuple(np.zeros(_with_blocks(x.shape, nh), dt) for x in self.kv) if nh else None
         self._swap_out_exe: dict[int, object] = {}
         self._swap_in_exe: dict[int, object] = {}
         self._copy_exe: dict[int, object] = {}
@@ -189,7 +194,7 @@ class ModelRunner:
             if C in self._swap_out_exe:
                 continue
             ids = jax.ShapeDtypeStruct((C,), jnp.int32)
-            k, v = (jax.ShapeDtypeStruct((x.shape[0], C, *x.shape[2:]), x.dtype) for x in self.kv)
+            k, v = (jax.ShapeDtypeStruct(_with_blocks(x.shape, C), x.dtype) for x in self.kv)
             self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
             self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
                 self.kv, ids, k, v).compile()
@@ -221,7 +226,7 @@ class ModelRunner:
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
             host = [h for h, _ in pairs_chunk]
-            k, v = (np.zeros((x.shape[0], C, *x.shape[2:]), x.dtype) for x in self.host_kv)
+            k, v = (np.zeros(_with_blocks(x.shape, C), x.dtype) for x in self.host_kv)
             k[:, : len(host)] = self.host_kv[0][:, host]
             v[:, : len(host)] = self.host_kv[1][:, host]
             self.kv = self._swap_in_exe[C](self.kv, dev, k, v)

@@ -158,10 +158,10 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         rows = starts[order]
         q_rows = q[jnp.clip(rows, 0, T - 1)]
         bt, lens = block_tables[order], kv_lens[order]
-        R = -(-S // n)  # rows per group; the last group may be smaller
+        R = -(-S // n)  # rows per group; the last group may be smaller (never empty: n <= S // 8)
         o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
                                           bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
-                                          cfg.decode_kv_blocks) for g in range(n) if g * R < S])
+                                          cfg.decode_kv_blocks) for g in range(n)])
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
