@@ -54,8 +54,37 @@ def model_flops(cfg, prompt_lens: np.ndarray, output_lens: np.ndarray) -> dict[s
             "total": matmul + attention + lm_head}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_llm(args):
+    """The engine under test: the benchmark's settings plus any --engine-arg NAME=VALUE."""
+    from jaxsched import LLM
+
+    extra = {}
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        try:
+            extra[k] = json.loads(v)
+        except json.JSONDecodeError:
+            extra[k] = v
+    return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
+
+
+def workload(args, vocab_size: int):
+    """(prompts, sampling params, prompt lengths, output lengths) of the benchmark for `args`."""
+    from jaxsched import SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
+    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab_size, p).tolist()} for p in prompt_lens]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(o)) for o in output_lens]
+    return prompts, params, prompt_lens, output_lens
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The benchmark's engine and workload options (shared with bench_steps.py)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf; default: the demo model")
     ap.add_argument("--num-requests", "-n", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
@@ -69,32 +98,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="extra engine argument (value parsed as JSON when possible)")
+    return ap
+
+
+def main() -> None:
+    ap = parser(__doc__)
     ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
 
-    from jaxsched import LLM, SamplingParams
-
-    extra = {}
-    for kv in args.engine_arg:
-        k, v = kv.split("=", 1)
-        try:
-            extra[k] = json.loads(v)
-        except json.JSONDecodeError:
-            extra[k] = v
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
+    llm = make_llm(args)
     init_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    rng = np.random.default_rng(args.seed)
     n = args.num_requests
-    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
-    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
-    V = engine.model_config.vocab_size
-    prompts = [{"prompt_token_ids": rng.integers(0, V, p).tolist()} for p in prompt_lens]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(o)) for o in output_lens]
+    prompts, params, prompt_lens, output_lens = workload(args, engine.model_config.vocab_size)
 
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

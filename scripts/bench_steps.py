@@ -1,0 +1,120 @@
+"""Where the offline benchmark's time goes: engine steps by kind, then single steps timed on their own.
+
+Runs bench_offline.py's workload (same options, same defaults) with every model step synchronised
+and timed, and prints seconds per (T, S) bucket and kind (decode-only, or carrying prefill chunks).
+Then it replays the first step of the largest decode-only bucket and of the largest prefill bucket
+--reps times each through the engine's own compiled program and prints best / median ms, so that a
+change to the model step can be judged on the same inputs without the whole run's noise.
+--no-prefill-attention also times the prefill step with prefill attention switched off (its
+result is wrong; only the time matters): the difference is what prefill attention costs in a step.
+
+  JAXSCHED_CACHE=/tmp/jcache python scripts/bench_steps.py
+  python scripts/bench_steps.py -n 32 --max-output 64 --reps 5 --no-prefill-attention
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+
+import numpy as np
+from bench_offline import make_llm, parser, workload
+
+
+def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
+    """Seconds of `reps` runs of one compiled step on captured flat buffers (the KV pool is donated
+    and kept, as in execute()), and the sampled ids of the last run."""
+    fi, ff = batch_flat
+    pen = runner._no_penalties[S]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.kv, ints, _ = exe(runner.state, runner.kv, fi, ff, *pen)
+        ints = np.asarray(ints)  # waits for the step
+        times.append(time.perf_counter() - t0)
+    return times, ints[:S]
+
+
+def _fmt(times: list[float]) -> str:
+    return f"best {min(times) * 1e3:8.1f} ms   median {statistics.median(times) * 1e3:8.1f} ms"
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--reps", type=int, default=10, help="replays of each captured step")
+    ap.add_argument("--no-prefill-attention", action="store_true",
+                    help="also time the prefill step with prefill attention switched off")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    runner = engine.runner
+    prompts, params, _, _ = workload(args, engine.model_config.vocab_size)
+
+    seconds: dict[tuple, float] = collections.defaultdict(float)
+    count: collections.Counter = collections.Counter()
+    captured: dict[str, tuple] = {}  # kind -> ((T, S), (flat_i32, flat_f32)) of its largest bucket
+    execute = runner.execute
+
+    def timed_execute(batch):
+        T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
+        n = int(batch.num_seqs[0])
+        kind = "decode" if int(batch.query_start_loc[n]) == n else "prefill"
+        if kind not in captured or (T, S) > captured[kind][0]:
+            captured[kind] = ((T, S), (batch.flat_i32.copy(), batch.flat_f32.copy()))
+        t0 = time.perf_counter()
+        out = execute(batch)  # returns host arrays: the step has finished
+        seconds[(kind, T, S)] += time.perf_counter() - t0
+        count[(kind, T, S)] += 1
+        return out
+
+    runner.execute = timed_execute
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t0
+    runner.execute = execute
+
+    stepped = sum(seconds.values())
+    print(f"{sum(count.values())} steps in {total:.1f} s: {stepped:.1f} s in model steps, "
+          f"{total - stepped:.1f} s on the host between them")
+    print(f"{'kind':8s} {'T':>5s} {'S':>4s} {'steps':>6s} {'seconds':>8s} {'ms/step':>8s}")
+    for key in sorted(seconds, key=lambda k: -seconds[k]):
+        kind, T, S = key
+        print(f"{kind:8s} {T:5d} {S:4d} {count[key]:6d} {seconds[key]:8.1f} {seconds[key] / count[key] * 1e3:8.0f}")
+
+    for kind in ("decode", "prefill"):
+        if kind not in captured:
+            continue
+        (T, S), flat = captured[kind]
+        times, _ = _replay(runner, runner._executables[(T, S)], flat, S, args.reps)
+        print(f"replay {kind} step (T={T}, S={S}), {args.reps} runs: {_fmt(times)}")
+    if args.no_prefill_attention and "prefill" in captured:
+        # A second program of the same step whose prefill attention returns its input unchanged.
+        import pallas_kernels.xla_attention as xa
+
+        (T, S), flat = captured["prefill"]
+        original = xa._prefill_tiles
+        xa._prefill_tiles = lambda q, k, v, layer, bt, sl, qsl, is_prefill, out, *rest: out
+        try:
+            exe = runner.compile(T, S)
+        finally:
+            xa._prefill_tiles = original
+        base = runner._executables[(T, S)]
+        with_attn, without = [], []
+        for _ in range(args.reps):  # interleaved, so machine drift hits both alike
+            t, ids = _replay(runner, base, flat, S, 1)
+            with_attn += t
+            t, ids_off = _replay(runner, exe, flat, S, 1)
+            without += t
+        if np.array_equal(ids, ids_off):  # the prefill rows' tokens must change without attention
+            raise SystemExit("the program without prefill attention sampled the same tokens: the switch "
+                             "did not reach the compiled step (pallas_kernels.xla_attention changed?)")
+        print(f"prefill step (T={T}, S={S}) with prefill attention:    {_fmt(with_attn)}")
+        print(f"prefill step (T={T}, S={S}) without prefill attention: {_fmt(without)}")
+
+
+if __name__ == "__main__":
+    main()
