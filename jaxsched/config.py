@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16")
-_ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+_ATTENTION_BACKENDS = ("auto", "pallas", "numba", "xla")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
@@ -46,8 +46,9 @@ class EngineArgs:
     # the bytes decode attention reads (at a small precision cost); with the "xla" backend the pool
     # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/kv_cache.py)
     kv_cache_dtype: str = "auto"
-    # "auto": the Pallas kernel on a GPU, the XLA path on a CPU; "pallas" on a CPU runs the kernel
-    # in interpret mode (slow; for tests)
+    # "auto": the Pallas kernel on a GPU; on a CPU "numba" (the XLA path with decode attention in a
+    # numba kernel that reads KV pages in place), or "xla" where numba cannot run; "pallas" on a CPU
+    # runs the kernel in interpret mode (slow; for tests)
     attention_backend: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would

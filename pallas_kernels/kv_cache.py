@@ -57,8 +57,9 @@ def pool_values(x):
 # dot contracts over P). The Pallas kernels load [P, H] tiles, so their pool keeps that layout.
 # ---------------------------------------------------------------------------------------------------
 def k_transposed(backend: str) -> bool:
-    """Whether `backend` keeps K pages as [H, P] (see above)."""
-    return backend == "xla"
+    """Whether `backend` keeps K pages as [H, P] (see above; the "numba" backend shares the "xla"
+    backend's pool, and its kernel sums rows of a [H, P] page into contiguous scores too)."""
+    return backend in ("xla", "numba")
 
 
 def pool_shapes(L: int, NB: int, K: int, P: int, H: int, backend: str):

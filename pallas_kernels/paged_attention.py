@@ -14,6 +14,8 @@ A bfloat16 pool for the XLA backends is a uint16 array of the same bits (kv_cach
 
 Backends:
   "xla"       the jnp implementation in xla_attention.py, tuned for XLA:CPU
+  "numba"     CPU only: the "xla" backend with decode rows in a numba kernel that reads pages in
+              place (numba_attention.py); same pool layout as "xla"
   "reference" the plain, obviously-correct version every other backend is tested against
   "pallas"    the Pallas kernels with the Triton lowering in pallas_attention.py (NVIDIA GPUs; on
               CPU they run in interpret mode, slowly: for tests). Extra rules: head_dim a power of
@@ -21,7 +23,7 @@ Backends:
 
 Arguments (shape glossary in README.md):
   q                f[T, N, H]   queries of this step's new tokens, rope applied
-  k_cache, v_cache f[L, NB, K, P, H] (k_cache f[L, NB, K, H, P] for "xla")
+  k_cache, v_cache f[L, NB, K, P, H] (k_cache f[L, NB, K, H, P] for "xla", "numba")
   layer            i32[]        which layer of the pool
   block_tables     i32[S, M]    blocks of each sequence; unused entries 0 (the null page)
   seq_lens         i32[S]       KV length of each sequence after this step (its new tokens included)
@@ -41,7 +43,7 @@ from pallas_kernels.kv_cache import k_transposed, pool_shapes, pool_values
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.xla_attention import xla_attention
 
-BACKENDS = ("xla", "reference", "pallas")
+BACKENDS = ("xla", "numba", "reference", "pallas")
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
 
@@ -91,6 +93,11 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
         validate_pallas(q, k_cache, block_tables)
         return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
                                 num_seqs, sm_scale=sm_scale)
+    if backend == "numba":
+        from pallas_kernels.numba_attention import numba_attention
+
+        return numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
+                               num_seqs, sm_scale=sm_scale)
     if backend == "xla":
         return xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
                               num_seqs, sm_scale=sm_scale)

@@ -49,31 +49,37 @@ def kT(k):
     return jnp.swapaxes(k, -1, -2)
 
 
-# One shape per (N, K, P) so each backend compiles once per head layout, not once per case.
-_xla = jax.jit(lambda q, k, *a: paged_attention(q, kT(k), *a, sm_scale=0.25, backend="xla"))
+# One shape per (N, K, P) so each backend compiles once per head layout, not once per case. The
+# "xla" and "numba" backends share a pool with K pages transposed.
+_cpu = {b: jax.jit(lambda q, k, *a, b=b: paged_attention(q, kT(k), *a, sm_scale=0.25, backend=b))
+        for b in ("xla", "numba")}
 _ref = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend="reference"))
+CPU_BACKENDS = pytest.mark.parametrize("backend", ["xla", "numba"])
 
 
+@CPU_BACKENDS
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("N,K", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("P", [8, 16])
-def test_xla_matches_reference(case, N, K, P):
+def test_cpu_backends_match_reference(backend, case, N, K, P):
     rng = np.random.default_rng(sorted(CASES).index(case) * 100 + N * 10 + K + P)
     q_lens, ctx = CASES[case]
     q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, N=N, K=K, H=16, P=P, S=8, T=128)
     layer = jnp.int32(1)
     want = _ref(q, k, v, layer, bt, sl, qsl, ns)
-    got = _xla(q, k, v, layer, bt, sl, qsl, ns)
+    got = _cpu[backend](q, k, v, layer, bt, sl, qsl, ns)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     n_real = int(qsl[int(ns[0])])
     assert np.all(np.asarray(got)[n_real:] == 0), "padding tokens must produce zeros"
 
 
+@CPU_BACKENDS
 @pytest.mark.parametrize("P,S", [(8, 32), (16, 32), (8, 26)])  # 26: groups of 9, 9 and 8 rows
-def test_xla_sorted_decode_groups_match_reference(P, S):
-    """Enough decode rows for the xla backend to sort them by length and split them into 4 loops:
-    rows of very different lengths, a prefill row among them and padding rows at the end, so a wrong
-    permutation or a group stopping at the wrong length shows up as a mismatch."""
+def test_many_decode_rows_match_reference(backend, P, S):
+    """Enough decode rows for the xla backend to sort them by length and split them into 4 loops
+    (and for the numba kernel to spread them over its threads): rows of very different lengths, a
+    prefill row among them and padding rows at the end, so a wrong permutation or a group stopping
+    at the wrong length shows up as a mismatch."""
     rng = np.random.default_rng(7 + P)
     n_decode = S - 6
     q_lens = [1] * 13 + [9] + [1] * (n_decode - 13)
@@ -82,7 +88,7 @@ def test_xla_sorted_decode_groups_match_reference(P, S):
     q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, N=8, K=2, H=16, P=P, S=S, T=64, NB=400)
     layer = jnp.int32(0)
     want = _ref(q, k, v, layer, bt, sl, qsl, ns)
-    got = _xla(q, k, v, layer, bt, sl, qsl, ns)
+    got = _cpu[backend](q, k, v, layer, bt, sl, qsl, ns)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
 
@@ -110,24 +116,25 @@ def test_reference_matches_dense_softmax():
                 np.testing.assert_allclose(out[t, h], p @ vals[: pos + 1, kh], rtol=1e-5, atol=1e-6)
 
 
-def test_bfloat16_inputs():
+@CPU_BACKENDS
+def test_bfloat16_inputs(backend):
     rng = np.random.default_rng(1)
     args = make_case(rng, [1, 12, 1], [20, 5, 3], N=8, K=2, H=16, P=8, S=4, T=16, dtype=jnp.bfloat16)
     q, k, v, bt, sl, qsl, ns = args
     want = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 0, bt, sl,
                                qsl, ns, sm_scale=0.25)
-    got = paged_attention(q, kT(k), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend="xla")
+    got = paged_attention(q, kT(k), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend=backend)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("backend", ["xla", "numba", "reference"])
 def test_uint16_pool_holds_bfloat16_bits(backend):
     """A bfloat16 pool stored as uint16 bits (kv_cache.pool_dtype) writes and attends exactly like a
     bfloat16 pool: same rounding on write, same values read back."""
     rng = np.random.default_rng(2)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=8, K=2, H=16, P=8, S=4, T=16)
-    kt = backend == "xla"
+    kt = backend != "reference"
     bf_k, bf_v = (kT(k) if kt else k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     u_k, u_v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (bf_k, bf_v))
     assert pool_dtype("bfloat16", backend) == jnp.uint16 and pool_dtype("bfloat16", "pallas") == jnp.bfloat16

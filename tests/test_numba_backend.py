@@ -1,0 +1,48 @@
+"""The "numba" attention backend inside the engine: chosen by "auto" on a CPU, same greedy tokens as
+the "xla" backend, and a clear way out where numba cannot run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+from jaxsched import LLM, SamplingParams
+
+ENGINE = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 8}
+PROMPTS = [[5, 17, 33, 2, 9, 41, 8, 100, 7, 3, 11, 12, 13], [40, 41], [7] * 45, [99]]
+
+
+def _greedy(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def test_auto_picks_numba_on_cpu_and_matches_xla(llama_dir):
+    """Chunked prefill (a 45-token prompt through 32-token steps) and decode rows of different
+    lengths side by side: the numba kernel's tokens and logprobs equal the XLA path's."""
+    auto = LLM(llama_dir, **ENGINE)
+    assert auto.llm_engine.attention_backend == "numba"
+    got, got_lp = _greedy(auto)
+    del auto
+    want, want_lp = _greedy(LLM(llama_dir, attention_backend="xla", **ENGINE))
+    assert all(len(t) == 14 for t in got)
+    assert got == want
+    for a, b in zip(got_lp, want_lp):
+        for step_a, step_b in zip(a, b):
+            for tok in step_a:
+                assert step_a[tok].logprob == pytest.approx(step_b[tok].logprob, abs=1e-4)
+
+
+def test_without_numba_auto_falls_back_and_explicit_numba_says_why(llama_dir, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
+    with caplog.at_level(logging.WARNING, logger="jaxsched.engine"):
+        llm = LLM(llama_dir, **ENGINE)
+    assert llm.llm_engine.attention_backend == "xla"
+    assert "using 'xla' because numba is not importable" in caplog.text
+    del llm
+    with pytest.raises(ValueError, match="attention_backend='numba' cannot run here: numba is not importable.*"
+                                         "use attention_backend='xla'"):
+        LLM(llama_dir, attention_backend="numba", **ENGINE)
