@@ -165,19 +165,11 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
-        return prefill_rows(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, is_prefill,
-                            out, sm_scale)
+        return _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
+                              is_prefill, out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group,
+                              cfg.prefill_kv_blocks)
 
     out = jnp.zeros_like(q)
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
     out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
     return out
-
-
-def prefill_rows(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, is_prefill, out,
-                 sm_scale):
-    """Causal attention of the rows marked is_prefill (bool[S]), written into out f[T, N, H] at their
-    tokens; the "numba" backend uses it too."""
-    cfg = tuning.xla_cpu_config(v_cache.shape[3])
-    return _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, is_prefill,
-                          out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group, cfg.prefill_kv_blocks)

@@ -140,8 +140,11 @@ def main() -> None:
         "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.cache_config.num_blocks - 1,
         "block_size": engine.cache_config.block_size,
+        "attention_backend": engine.attention_backend,
+        "kv_cache_dtype": engine.cache_config.dtype,
     }
-    print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s")
+    print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s "
+          f"(attention backend {res['attention_backend']}, KV pool {res['kv_cache_dtype']})")
     print(f"output tokens/s     {res['output_tokens_per_s']}")
     print(f"total tokens/s      {res['total_tokens_per_s']}")
     print(f"warm-up             {res['warmup_s']} s (engine start {res['init_s']} s)")

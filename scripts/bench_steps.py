@@ -7,9 +7,11 @@ Then it replays the first step of the largest decode-only bucket and of the larg
 change to the model step can be judged on the same inputs without the whole run's noise.
 --no-prefill-attention also times the prefill step with prefill attention switched off (its
 result is wrong; only the time matters): the difference is what prefill attention costs in a step.
+It works on the "xla" backend (--engine-arg attention_backend=xla), whose prefill tiles it swaps.
 
   JAXSCHED_CACHE=/tmp/jcache python scripts/bench_steps.py
-  python scripts/bench_steps.py -n 32 --max-output 64 --reps 5 --no-prefill-attention
+  python scripts/bench_steps.py -n 32 --max-output 64 --reps 5 --no-prefill-attention \
+      --engine-arg attention_backend=xla
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def main() -> None:
 
     llm = make_llm(args)
     engine = llm.llm_engine
+    if args.no_prefill_attention and engine.attention_backend != "xla":
+        raise SystemExit(f"--no-prefill-attention switches off the xla backend's prefill tiles, but this engine "
+                         f"runs attention_backend={engine.attention_backend!r}; add --engine-arg "
+                         "attention_backend=xla")
     runner = engine.runner
     prompts, params, _, _ = workload(args, engine.model_config.vocab_size)
 
