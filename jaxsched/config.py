@@ -43,12 +43,12 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
     # dtype of the KV pool: "auto" = the model's dtype; "bfloat16" halves the pool's memory and
-    # the bytes decode attention reads (at a small precision cost); with the "xla" backend the pool
+    # the bytes decode attention reads (at a small precision cost); with the CPU backends the pool
     # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/kv_cache.py)
     kv_cache_dtype: str = "auto"
-    # "auto": the Pallas kernel on a GPU; on a CPU "numba" (the XLA path with decode attention in a
-    # numba kernel that reads KV pages in place), or "xla" where numba cannot run; "pallas" on a CPU
-    # runs the kernel in interpret mode (slow; for tests)
+    # "auto": the Pallas kernel on a GPU; on a CPU "numba" (attention in a numba kernel that reads KV
+    # pages where they lie, called from the jitted step), or "xla" (the jnp path) where numba cannot
+    # run; "pallas" on a CPU runs the kernel in interpret mode (slow; for tests)
     attention_backend: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would

@@ -158,36 +158,32 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         t0 = time.perf_counter()
         backend = args.attention_backend
-        if backend == "auto":
+        auto = backend == "auto"
+        if auto:
             backend = "pallas" if platform == "gpu" else "numba"
-            if backend == "numba":
-                from pallas_kernels.numba_attention import unsupported_reason as numba_unsupported
-
-                why = numba_unsupported()
-                if why is not None:
-                    logger.warning("attention_backend auto: using 'xla' because %s", why)
-                    backend = "xla"
-            if backend == "pallas":
-                from pallas_kernels.pallas_attention import unsupported_reason
-
-                why = unsupported_reason(model_cfg.head_dim, args.block_size or default_block_size("pallas"),
-                                         dtype)
-                if why is not None:
-                    logger.warning("attention_backend auto: using 'xla' because %s", why)
-                    backend = "xla"
-        elif backend == "numba":
+        if backend == "numba":
             from pallas_kernels.numba_attention import unsupported_reason as numba_unsupported
 
             why = numba_unsupported()
-            if why is not None:
+            if why is not None and not auto:
                 raise ValueError(f"attention_backend='numba' cannot run here: {why}; use attention_backend='xla' "
                                  "or 'auto'")
+            if why is not None:
+                logger.warning("attention_backend auto: using 'xla' because %s", why)
+                backend = "xla"
+        if backend == "pallas" and auto:
+            from pallas_kernels.pallas_attention import unsupported_reason
+
+            why = unsupported_reason(model_cfg.head_dim, args.block_size or default_block_size("pallas"), dtype)
+            if why is not None:
+                logger.warning("attention_backend auto: using 'xla' because %s", why)
+                backend = "xla"
         self.attention_backend = backend
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         if kv_dtype != dtype and backend == "pallas":
             raise ValueError(
                 f"kv_cache_dtype {kv_dtype!r} differs from the model dtype {dtype!r}, which only "
-                "the 'numba' and 'xla' attention backends support; use kv_cache_dtype='auto' or attention_backend='xla'"
+                "the 'numba' and 'xla' attention backends support; use kv_cache_dtype='auto' or attention_backend='numba'"
             )
         model = build_model(model_cfg, dtype, getter, attention_backend=backend, seed=args.seed)
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)

@@ -14,8 +14,8 @@ A bfloat16 pool for the XLA backends is a uint16 array of the same bits (kv_cach
 
 Backends:
   "xla"       the jnp implementation in xla_attention.py, tuned for XLA:CPU
-  "numba"     CPU only: the "xla" backend with decode rows in a numba kernel that reads pages in
-              place (numba_attention.py); same pool layout as "xla"
+  "numba"     CPU only: a numba kernel, called through XLA's FFI, that reads pages where they lie
+              (numba_attention.py, numba_kernels.py); same pool layout as "xla"
   "reference" the plain, obviously-correct version every other backend is tested against
   "pallas"    the Pallas kernels with the Triton lowering in pallas_attention.py (NVIDIA GPUs; on
               CPU they run in interpret mode, slowly: for tests). Extra rules: head_dim a power of
