@@ -93,6 +93,15 @@ def test_many_decode_rows_match_reference(backend, P, S):
     assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
 
 
+def test_numba_head_dim_not_a_multiple_of_4():
+    """The numba kernel's dots take 4 head-dim terms per pass with a remainder loop: H = 18 runs both."""
+    rng = np.random.default_rng(11)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 23, 1, 6], [40, 9, 0, 17], N=6, K=2, H=18, P=8, S=8, T=64)
+    want = _ref(q, k, v, jnp.int32(0), bt, sl, qsl, ns)
+    got = _cpu["numba"](q, k, v, jnp.int32(0), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_reference_matches_dense_softmax():
     """The reference itself against a direct per-sequence computation with numpy."""
     rng = np.random.default_rng(0)
