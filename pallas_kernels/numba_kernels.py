@@ -13,7 +13,7 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 (~80-95 GFLOP/s per core on a page in cache, against ~30 one row-term at a time).
 
 Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use on a
-machine compiles for ~15 s per pool storage, later processes load the cache in well under a second.
+machine compiles for ~25 s (both pool storages), later processes load the cache in under a second.
 The FFI handlers at the bottom are what XLA calls (cpu_ffi.py).
 """
 
@@ -251,6 +251,7 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
             for h in range(H):
                 out[tok0 + i // G, k * G + i % G, h] = acc[i, h] * inv
 
+
 @njit(fastmath=True, parallel=True, cache=True)
 def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
     """q f32[T, N, H]; kc [L, NB, K, H, P]; vc [L, NB, K, P, H]; bt i32[S, M]; seq_lens i32[S];
@@ -264,16 +265,27 @@ def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
     # no difference here), so the items are dealt out here instead, longest first to the least
     # loaded thread, with a cost in units of one query row against one KV token (a decode row
     # costs ~2 of them per KV token: it is bound by reading the page, not by the dots).
+    # A row whose tokens or context fall outside the arrays (never from the engine's batches) is
+    # skipped: reading past them could touch memory that is not ours.
+    max_ctx = bt.shape[1] * kc.shape[4]
+    ok = np.empty(ns, np.bool_)
     n_items = 0
     for r in range(ns):
         ql = qsl[r + 1] - qsl[r]
-        n_items += (ql + Q_TILE - 1) // Q_TILE if ql > 1 else (1 if ql == 1 else 0)
+        ok[r] = qsl[r] >= 0 and qsl[r + 1] <= T and ql <= seq_lens[r] <= max_ctx
+        if ok[r]:
+            n_items += (ql + Q_TILE - 1) // Q_TILE if ql > 1 else (1 if ql == 1 else 0)
+        else:  # its tokens (where they are inside q) read zeros, like padding
+            for t in range(max(qsl[r], 0), min(max(qsl[r + 1], 0), T)):
+                out[t] = _ZERO
     item_row = np.empty(n_items, np.int32)
     item_first = np.empty(n_items, np.int32)
     cost = np.empty(n_items, np.int64)
     w = 0
     for r in range(ns):
         ql = qsl[r + 1] - qsl[r]
+        if not ok[r]:
+            continue
         if ql == 1:
             item_row[w] = r
             item_first[w] = 0

@@ -102,6 +102,20 @@ def test_numba_head_dim_not_a_multiple_of_4():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_numba_skips_a_row_whose_context_does_not_fit_its_block_table():
+    """A row claiming more KV than its block table holds (never from the engine) must not make the
+    kernel read past the table: its tokens get zeros and every other row is untouched."""
+    rng = np.random.default_rng(12)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=4, K=2, H=16, P=8, S=4, T=16, M=6)
+    want = np.asarray(_ref(q, k, v, jnp.int32(0), bt, sl, qsl, ns))
+    bad = sl.at[1].set(6 * 8 + 1)  # one token more than 6 blocks of 8
+    got = np.asarray(_cpu["numba"](q, k, v, jnp.int32(0), bt, bad, qsl, ns))
+    rows = np.asarray(qsl)
+    np.testing.assert_allclose(got[rows[0]:rows[1]], want[rows[0]:rows[1]], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got[rows[2]:rows[3]], want[rows[2]:rows[3]], rtol=2e-5, atol=2e-5)
+    assert np.all(got[rows[1]:rows[2]] == 0)
+
+
 def test_reference_matches_dense_softmax():
     """The reference itself against a direct per-sequence computation with numpy."""
     rng = np.random.default_rng(0)
