@@ -129,75 +129,44 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
             for h in range(H):
                 out[tok, k * G + g, h] = acc[g, h] * inv
 
-# The two dots of a prefill tile's page, [R, H] x [H, P] and [R, P] x [P, H]. numba vectorises the
-# innermost loop over 16 lanes but keeps its accumulators in memory, so each pass over a row loads and
-# stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per accumulator load) measured
-# single-threaded on one page in cache (R=48, H=64, P=128): scores 31 -> 94 GFLOP/s, values 30 -> 78.
-# (The same unrolling slows decode rows, whose pages stream from memory once: 8 rows of a page read
-# side by side defeat the prefetcher.)
+# Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H]. numba
+# vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
+# over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
+# accumulator load) measured single-threaded on one page in cache (R=48, H=64, P=128): scores
+# 31 -> 94 GFLOP/s, values 30 -> 78. (The same unrolling slows decode rows, whose pages stream from
+# memory once: 8 rows of a page read side by side defeat the prefetcher.)
 @njit(fastmath=True, inline="always", cache=True)
-def _tile_scores(qs, kp, s, n, R, H):
-    """s[:R, :n] = qs . kp[:, :n] (kp a [H, P] page); R a multiple of 4."""
-    H4 = H - H % 4
+def _matmul_acc(a, b, c, R, kdim, cols):
+    """c[:R, :cols] += a[:R, :kdim] . b[:kdim, :cols] (all row-major), 4 rows of a and 4 terms of
+    the sum per pass; R a multiple of 4. b may hold pool storage (read through _val)."""
+    k4 = kdim - kdim % 4
     for i0 in range(0, R, 4):
-        for p in range(n):
-            s[i0, p] = _ZERO
-            s[i0 + 1, p] = _ZERO
-            s[i0 + 2, p] = _ZERO
-            s[i0 + 3, p] = _ZERO
-        for h in range(0, H4, 4):
-            a0, a1, a2, a3 = qs[i0, h], qs[i0, h + 1], qs[i0, h + 2], qs[i0, h + 3]
-            b0, b1, b2, b3 = qs[i0 + 1, h], qs[i0 + 1, h + 1], qs[i0 + 1, h + 2], qs[i0 + 1, h + 3]
-            c0, c1, c2, c3 = qs[i0 + 2, h], qs[i0 + 2, h + 1], qs[i0 + 2, h + 2], qs[i0 + 2, h + 3]
-            d0, d1, d2, d3 = qs[i0 + 3, h], qs[i0 + 3, h + 1], qs[i0 + 3, h + 2], qs[i0 + 3, h + 3]
-            for p in range(n):
-                k0, k1 = _val(kp[h, p]), _val(kp[h + 1, p])
-                k2, k3 = _val(kp[h + 2, p]), _val(kp[h + 3, p])
-                s[i0, p] += a0 * k0 + a1 * k1 + a2 * k2 + a3 * k3
-                s[i0 + 1, p] += b0 * k0 + b1 * k1 + b2 * k2 + b3 * k3
-                s[i0 + 2, p] += c0 * k0 + c1 * k1 + c2 * k2 + c3 * k3
-                s[i0 + 3, p] += d0 * k0 + d1 * k1 + d2 * k2 + d3 * k3
-        for h in range(H4, H):
-            q0, q1, q2, q3 = qs[i0, h], qs[i0 + 1, h], qs[i0 + 2, h], qs[i0 + 3, h]
-            for p in range(n):
-                kv = _val(kp[h, p])
-                s[i0, p] += q0 * kv
-                s[i0 + 1, p] += q1 * kv
-                s[i0 + 2, p] += q2 * kv
-                s[i0 + 3, p] += q3 * kv
-
-
-@njit(fastmath=True, inline="always", cache=True)
-def _tile_values(s, vp, acc, n, R, H):
-    """acc[:R] += s[:R, :n] . vp[:n] (vp a [P, H] page); R a multiple of 4."""
-    n4 = n - n % 4
-    for i0 in range(0, R, 4):
-        for p in range(0, n4, 4):
-            a0, a1, a2, a3 = s[i0, p], s[i0, p + 1], s[i0, p + 2], s[i0, p + 3]
-            b0, b1, b2, b3 = s[i0 + 1, p], s[i0 + 1, p + 1], s[i0 + 1, p + 2], s[i0 + 1, p + 3]
-            c0, c1, c2, c3 = s[i0 + 2, p], s[i0 + 2, p + 1], s[i0 + 2, p + 2], s[i0 + 2, p + 3]
-            d0, d1, d2, d3 = s[i0 + 3, p], s[i0 + 3, p + 1], s[i0 + 3, p + 2], s[i0 + 3, p + 3]
-            for h in range(H):
-                v0, v1 = _val(vp[p, h]), _val(vp[p + 1, h])
-                v2, v3 = _val(vp[p + 2, h]), _val(vp[p + 3, h])
-                acc[i0, h] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                acc[i0 + 1, h] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
-                acc[i0 + 2, h] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
-                acc[i0 + 3, h] += d0 * v0 + d1 * v1 + d2 * v2 + d3 * v3
-        for p in range(n4, n):
-            e0, e1, e2, e3 = s[i0, p], s[i0 + 1, p], s[i0 + 2, p], s[i0 + 3, p]
-            for h in range(H):
-                v = _val(vp[p, h])
-                acc[i0, h] += e0 * v
-                acc[i0 + 1, h] += e1 * v
-                acc[i0 + 2, h] += e2 * v
-                acc[i0 + 3, h] += e3 * v
+        for j in range(0, k4, 4):
+            a0, a1, a2, a3 = a[i0, j], a[i0, j + 1], a[i0, j + 2], a[i0, j + 3]
+            b0, b1, b2, b3 = a[i0 + 1, j], a[i0 + 1, j + 1], a[i0 + 1, j + 2], a[i0 + 1, j + 3]
+            c0, c1, c2, c3 = a[i0 + 2, j], a[i0 + 2, j + 1], a[i0 + 2, j + 2], a[i0 + 2, j + 3]
+            d0, d1, d2, d3 = a[i0 + 3, j], a[i0 + 3, j + 1], a[i0 + 3, j + 2], a[i0 + 3, j + 3]
+            for x in range(cols):
+                v0, v1 = _val(b[j, x]), _val(b[j + 1, x])
+                v2, v3 = _val(b[j + 2, x]), _val(b[j + 3, x])
+                c[i0, x] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                c[i0 + 1, x] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+                c[i0 + 2, x] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
+                c[i0 + 3, x] += d0 * v0 + d1 * v1 + d2 * v2 + d3 * v3
+        for j in range(k4, kdim):
+            e0, e1, e2, e3 = a[i0, j], a[i0 + 1, j], a[i0 + 2, j], a[i0 + 3, j]
+            for x in range(cols):
+                v = _val(b[j, x])
+                c[i0, x] += e0 * v
+                c[i0 + 1, x] += e1 * v
+                c[i0 + 2, x] += e2 * v
+                c[i0 + 3, x] += e3 * v
 
 
 @njit(fastmath=True, inline="always", cache=True)
 def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
     """Up to Q_TILE consecutive query tokens of one sequence (tokens tok0.., positions pos0..),
-    causal over the cached prefix and themselves (the dots are _tile_scores / _tile_values)."""
+    causal over the cached prefix and themselves (both dots are _matmul_acc)."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     R = Q_TILE * G  # query rows per KV head: (token, head of the group), token-major
@@ -223,7 +192,8 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
             n = min(P, limit - start)
             kp = kc[layer, blk, k]
             vp = vc[layer, blk, k]
-            _tile_scores(qs, kp, s, n, R, H)
+            s[:, :n] = 0.0
+            _matmul_acc(qs, kp, s, R, H, n)  # scores: qs [R, H] x page [H, :n]
             for i in range(R):  # causal online softmax: row i sees positions <= its own
                 lim = min(n, pos0 + i // G - start + 1) if i // G < nq else 0
                 if lim <= 0:
@@ -245,7 +215,7 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
                 m[i] = mx
                 for h in range(H):
                     acc[i, h] *= corr
-            _tile_values(s, vp, acc, n, R, H)
+            _matmul_acc(s, vp, acc, R, n, H)  # values: weights [R, :n] x page [:n, H]
         for i in range(nq * G):
             inv = np.float32(1.0) / l_sum[i]
             for h in range(H):
