@@ -7,12 +7,16 @@ def test_token_buckets_double_up_to_the_limit():
     assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100) == (16, 32, 64, 100)  # a limit that is not a power of two is kept
     assert token_buckets(8) == (8,)
-    # decode-sized T buckets (up to max_num_seqs) get the 1.5x steps from 32 on
-    assert token_buckets(2048, 128) == (16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
+    # decode-sized T buckets (up to max_num_seqs) get steps a quarter of the doubling apart (at
+    # least 16) from 32 on
+    assert token_buckets(2048, 128) == (16, 32, 48, 64, 80, 96, 112, 128, 256, 512, 1024, 2048)
+    assert token_buckets(8192, 256)[:13] == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    assert token_buckets(300, 100) == (16, 32, 48, 64, 80, 96, 128, 256, 300)  # fine steps stop at 100
 
 
 def test_seq_buckets():
-    assert seq_buckets(128) == (8, 16, 32, 48, 64, 96, 128)
+    assert seq_buckets(128) == (8, 16, 32, 48, 64, 80, 96, 112, 128)
+    assert seq_buckets(100) == (8, 16, 32, 48, 64, 80, 96, 100)
     assert seq_buckets(16) == (8, 16)
     assert seq_buckets(3) == (3,)
     assert make_buckets(20, 8) == (8, 16, 20)
@@ -43,7 +47,8 @@ def test_prefill_sized_steps_use_only_doubling_seq_buckets():
     sb = seq_buckets(128)
     assert seq_buckets_for(sb, 96) == sb
     assert seq_buckets_for(sb, 256) == (8, 16, 32, 64, 128)
-    assert round_up(seq_buckets_for(sb, 96), 80) == 96
+    assert round_up(seq_buckets_for(sb, 96), 81) == 96
+    assert round_up(seq_buckets_for(sb, 96), 80) == 80
     assert round_up(seq_buckets_for(sb, 256), 80) == 128
-    # 47 programs for the benchmark's limits, against 34 with doubling buckets only
-    assert len(bucket_pairs(token_buckets(2048, 128), sb)) == 47
+    # 64 programs for the benchmark's limits, against 34 with doubling buckets only
+    assert len(bucket_pairs(token_buckets(2048, 128), sb)) == 64
