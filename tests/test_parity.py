@@ -23,6 +23,7 @@ from jaxsched.batch import BatchDescriptor, BatchPacker
 from jaxsched.block_manager import BlockManager, cdiv
 from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
+from jaxsched.models.llama import LAYER_WEIGHTS
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.request import Request
 from jaxsched.request import SamplingParams as SP
@@ -53,11 +54,14 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
 @pytest.mark.parametrize("kind", MODEL_KINDS)
-def test_logits_match_transformers(kind, model_dirs, tokenizer_dir):
+def test_logits_match_transformers(kind, layer_weights, model_dirs, tokenizer_dir):
+    """Both weight layouts (llama.py), whichever one this platform uses by default."""
     folder = model_dirs[kind]
     cfg, get, _ = load_model_source(folder)
-    model = build_model(cfg, "float32", get)
+    model = build_model(cfg, "float32", get, layer_weights=layer_weights)
+    assert model.layers.layout == layer_weights
     graphdef, state = nnx.split(model)
     tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = [tok.encode(s) for s in SENTENCES[:5]]
@@ -125,3 +129,9 @@ def test_greedy_generation_matches_transformers(kind, engine_args, model_dirs):
     if "num_gpu_blocks_override" in engine_args:
         assert eng.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_unknown_layer_weights_layout_is_refused(model_dirs):
+    cfg, get, _ = load_model_source(model_dirs["llama"])
+    with pytest.raises(ValueError, match="layer_weights must be one of"):
+        build_model(cfg, "float32", get, layer_weights="unrolled")

@@ -2,8 +2,8 @@
 with the `gguf` package), or random init from a config (tests).
 
 Every source is reduced to `get(name) -> np.ndarray` under Hugging Face's tensor names, and one
-function, `build_model`, turns that into our stacked, fused layout. A new source only needs a name
-map; the layout lives in one place.
+function, `build_model`, turns that into our fused layout (layers stacked or per layer). A new
+source only needs a name map; the layout lives in one place.
 """
 
 from __future__ import annotations
@@ -28,26 +28,28 @@ _JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def build_model(cfg: ModelConfig, dtype: str, get: Callable[[str], np.ndarray] | None,
-                attention_backend: str = "xla", seed: int = 0):
-    """Construct the NNX model. With `get`, weights come from HF-named tensors; without, random."""
+                attention_backend: str = "xla", seed: int = 0, layer_weights: str | None = None):
+    """Construct the NNX model. With `get`, weights come from HF-named tensors; without, random.
+    layer_weights: "stacked" or "per_layer" (llama.py); None picks the platform's choice."""
     cls = model_class(cfg.architecture)
+    kw = {"attention_backend": attention_backend, "layer_weights": layer_weights}
     if get is None:
-        return cls(cfg, dtype, rngs=nnx.Rngs(seed), attention_backend=attention_backend)
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), attention_backend=attention_backend))
+        return cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
     graphdef, state = nnx.split(abstract)
-    pure = _hf_to_pure(cfg, get, _JNP[dtype])
+    pure = _hf_to_pure(cfg, get, _JNP[dtype], abstract.layers.layout)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
 
-def _hf_to_pure(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> dict[str, Any]:
-    """HF tensors -> our pure state dict: linear weights [in, out], layers stacked on axis 0,
-    q/k/v and gate/up fused."""
+def _hf_to_pure(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+    """HF tensors -> our pure state dict: linear weights [in, out], q/k/v and gate/up fused, layers
+    stacked on axis 0 ("stacked") or one dict per layer ("per_layer")."""
     L = cfg.num_layers
 
     def stack(fn: Callable[[int], np.ndarray]) -> jnp.ndarray:
         first = fn(0)
-        out = np.empty((L, *first.shape), np.float32)
+        out = np.empty((L, *first.shape), np.float32)  # filled in place: one host copy at a time
         out[0] = first
         for i in range(1, L):
             out[i] = fn(i)
@@ -56,27 +58,30 @@ def _hf_to_pure(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> di
     def lw(i: int, name: str) -> np.ndarray:
         return get(f"model.layers.{i}.{name}")
 
-    layers: dict[str, Any] = {
-        "input_norm": stack(lambda i: lw(i, "input_layernorm.weight")),
-        "post_norm": stack(lambda i: lw(i, "post_attention_layernorm.weight")),
-        "qkv": stack(lambda i: np.concatenate(
-            [lw(i, f"self_attn.{p}_proj.weight").T for p in "qkv"], axis=1)),
-        "o_proj": stack(lambda i: lw(i, "self_attn.o_proj.weight").T),
-        "gate_up": stack(lambda i: np.concatenate(
-            [lw(i, "mlp.gate_proj.weight").T, lw(i, "mlp.up_proj.weight").T], axis=1)),
-        "down": stack(lambda i: lw(i, "mlp.down_proj.weight").T),
+    # our name -> that weight of layer i
+    per_name: dict[str, Callable[[int], np.ndarray]] = {
+        "input_norm": lambda i: lw(i, "input_layernorm.weight"),
+        "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
+        "qkv": lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.weight").T for p in "qkv"], axis=1),
+        "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
+        "gate_up": lambda i: np.concatenate([lw(i, "mlp.gate_proj.weight").T, lw(i, "mlp.up_proj.weight").T],
+                                            axis=1),
+        "down": lambda i: lw(i, "mlp.down_proj.weight").T,
     }
     if cfg.qkv_bias:
-        layers["qkv_bias"] = stack(lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"]))
+        per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
     if cfg.o_bias:
-        layers["o_bias"] = stack(lambda i: lw(i, "self_attn.o_proj.bias"))
+        per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
     if cfg.qk_norm:
-        layers["q_norm"] = stack(lambda i: lw(i, "self_attn.q_norm.weight"))
-        layers["k_norm"] = stack(lambda i: lw(i, "self_attn.k_norm.weight"))
+        per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
+        per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
     if cfg.mlp_bias:
-        layers["gate_up_bias"] = stack(lambda i: np.concatenate(
-            [lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")]))
-        layers["down_bias"] = stack(lambda i: lw(i, "mlp.down_proj.bias"))
+        per_name["gate_up_bias"] = lambda i: np.concatenate([lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")])
+        per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
+    if layout == "stacked":
+        layers: dict[str, Any] = {"stacked": {n: stack(fn) for n, fn in per_name.items()}}
+    else:
+        layers = {"per_layer": {i: {n: jnp.asarray(fn(i), dtype) for n, fn in per_name.items()} for i in range(L)}}
     pure: dict[str, Any] = {
         "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
         "norm": jnp.asarray(get("model.norm.weight"), dtype),
