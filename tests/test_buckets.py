@@ -11,7 +11,9 @@ def test_token_buckets_double_up_to_the_limit():
     # least 16) from 32 on
     assert token_buckets(2048, 128) == (16, 32, 48, 64, 80, 96, 112, 128, 256, 512, 1024, 2048)
     assert token_buckets(8192, 256)[:13] == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-    assert token_buckets(300, 100) == (16, 32, 48, 64, 80, 96, 128, 256, 300)  # fine steps stop at 100
+    # fine steps stop at max_num_seqs, which is a bucket itself
+    assert token_buckets(300, 100) == (16, 32, 48, 64, 80, 96, 100, 128, 256, 300)
+    assert token_buckets(100, 40) == (16, 32, 40, 64, 100)
 
 
 def test_seq_buckets():
@@ -29,7 +31,8 @@ def test_round_up():
         round_up(b, 101)
 
 
-@pytest.mark.parametrize("max_tokens,max_seqs", [(64, 32), (512, 128), (300, 100)])
+@pytest.mark.parametrize("max_tokens,max_seqs", [(64, 32), (512, 128), (300, 100), (100, 40), (400, 200),
+                                                 (1024, 256), (16, 16), (20, 3)])
 def test_bucket_pairs_cover_every_reachable_shape(max_tokens, max_seqs):
     tb, sb = token_buckets(max_tokens, max_seqs), seq_buckets(max_seqs)
     pairs = bucket_pairs(tb, sb)
@@ -43,12 +46,17 @@ def test_bucket_pairs_cover_every_reachable_shape(max_tokens, max_seqs):
     assert (16, 32) not in pairs  # 32 sequences cannot fit in 16 tokens
 
 
-def test_prefill_sized_steps_use_only_doubling_seq_buckets():
+def test_seq_buckets_per_token_bucket():
     sb = seq_buckets(128)
-    assert seq_buckets_for(sb, 96) == sb
+    assert seq_buckets_for(sb, 96) == (8, 16, 32, 64, 80, 96, 112, 128)
     assert seq_buckets_for(sb, 256) == (8, 16, 32, 64, 128)
     assert round_up(seq_buckets_for(sb, 96), 81) == 96
     assert round_up(seq_buckets_for(sb, 96), 80) == 80
     assert round_up(seq_buckets_for(sb, 256), 80) == 128
-    # 64 programs for the benchmark's limits, against 34 with doubling buckets only
-    assert len(bucket_pairs(token_buckets(2048, 128), sb)) == 64
+    # decode-sized T: the fine S buckets only above T / 2 (a padded sequence costs an lm_head row)
+    assert seq_buckets_for(sb, 128) == (8, 16, 32, 64, 80, 96, 112, 128)
+    assert seq_buckets_for(sb, 64) == (8, 16, 32, 48, 64, 80, 96, 112, 128)
+    assert round_up(seq_buckets_for(sb, 128), 40) == 64
+    # 61 programs for the benchmark's limits, against 34 with doubling buckets only
+    assert len(bucket_pairs(token_buckets(2048, 128), sb)) == 61
+    assert len(bucket_pairs(token_buckets(2048, 256), seq_buckets(256))) == 92
