@@ -47,15 +47,12 @@ def compiler_options(platform: str) -> dict[str, str]:
 
 # How the model holds its layer weights (jaxsched/models/llama.py). Both run one lax.scan over the
 # layers. "stacked": every weight stacked along a leading L axis and sliced per layer as the scan's
-# xs. XLA:CPU copies that dynamic slice before each dot (the whole layer's weights, 14 MB per layer
-# of the demo model: ~28 ms of a 128-row decode step in a profile).
-# "per_layer": separate arrays per layer, reached through lax.switch on the layer index, whose
-# branches read their operands in place. Measured with the numba attention backend on captured
-# benchmark steps (medians of 20 interleaved runs): a 128-row decode step 330.7 -> 321.4 ms, a
-# 2048-token step 2605.9 -> 2595.7 ms; end to end, scripts/bench_offline.py in four A/B pairs gave
-# 170.2 -> 173.7 output tok/s on average (3 of 4 pairs faster). The price: every program holds L
-# copies of a layer's non-attention code, and peak RSS is ~1 GiB higher (7.46 -> 8.5 GiB on that
-# run) and the cached warm-up ~2x (8.8 -> 16.9 s for 47 programs). GPUs keep "stacked": the
+# xs; XLA:CPU copies that dynamic slice before each dot (14 MB per layer of the demo model, ~28 ms
+# of a 128-row decode step). "per_layer": separate arrays per layer, reached through lax.switch on
+# the layer index, whose branches read them in place: a captured 128-row decode step 330.7 ->
+# 321.4 ms (medians of 20 interleaved replays), about +2 % output tok/s end to end, for ~1 GiB more
+# peak RSS (L copies of a layer's non-attention code in every program) and ~2x the cached warm-up.
+# docs/PERFORMANCE.md ("Per-layer weights") has the measurements. GPUs keep "stacked": the
 # alternative has not been measured there (no GPU was lent to this work).
 def layer_weights(platform: str) -> str:
     return "per_layer" if platform == "cpu" else "stacked"

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 import torch
 import transformers as tf
 from conftest import MODEL_KINDS
@@ -58,7 +59,30 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_logits_match_transformers(kind, layer_weights, model_dirs, tokenizer_dir):
     """Both weight layouts (llama.py), whichever one this platform uses by default."""
-    folder = model_dirs[kind]
+    check_logits(model_dirs[kind], layer_weights, tokenizer_dir)
+
+
+@pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_logits_match_transformers_with_every_bias(num_layers, layer_weights, tokenizer_dir, tmp_path):
+    """Llama with attention_bias and mlp_bias (q/k/v, o, gate/up and down biases: every optional
+    weight the per-layer switch branches carry), one layer (the last branch is also the first) and
+    three."""
+    folder = tiny.build_model(str(tmp_path / "bias"), "llama", tokenizer_dir, seed=7, attention_bias=True,
+                              mlp_bias=True, num_hidden_layers=num_layers)
+    ref = hf_model(folder)  # transformers initialises biases to zero: give them values to check
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    ref.save_pretrained(folder, safe_serialization=True)
+    cfg, _, _ = load_model_source(folder)
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.num_layers) == (True, True, True, num_layers)
+    check_logits(folder, layer_weights, tokenizer_dir)
+
+
+def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
+    """Every step of a chunked, batched run of 5 prompts against transformers' full forward."""
     cfg, get, _ = load_model_source(folder)
     model = build_model(cfg, "float32", get, layer_weights=layer_weights)
     assert model.layers.layout == layer_weights

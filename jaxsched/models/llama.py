@@ -184,18 +184,18 @@ class LlamaForCausalLM(nnx.Module):
             return o.reshape(T, N * H), k_cache, v_cache
 
         k_cache, v_cache = kv
-        init = (h, k_cache, v_cache, jnp.int32(0))
         if self.layers.stacked is not None:
             def layer(carry, p):  # p: this layer's slice of the stacked weights
                 h, k_cache, v_cache, li = carry
                 o, k_cache, v_cache = attend(*before(p, h), k_cache, v_cache, li)
                 return (after(p, h, o), k_cache, v_cache, li + 1), None
 
-            (h, k_cache, v_cache, _), _ = jax.lax.scan(layer, init, self.layers.stacked.arrays())
+            (h, k_cache, v_cache, _), _ = jax.lax.scan(
+                layer, (h, k_cache, v_cache, jnp.int32(0)), self.layers.stacked.arrays())
         else:
             # One switch per layer, between two attentions: branch i runs the end of layer i and the
-            # start of layer i + 1 with their own arrays (the other layers' pass through untouched).
-            # Fewer switches trace, lower and compile faster; layer 0's start runs before the scan.
+            # start of layer i + 1 with their own arrays (the other layers' pass through untouched);
+            # layer 0's start runs before the scan.
             # The halves are jitted so that they trace and lower once for all L branches (each branch
             # calls the same function); XLA still compiles L copies (tuning.layer_weights: the cost).
             ws = [lw.arrays() for lw in self.layers.per_layer]
