@@ -76,6 +76,28 @@ def _val_impl(x):
 
 
 @njit(fastmath=True, inline="always", cache=True)
+def _softmax_row(s, i, lim, n, m, l_sum, acc):
+    """One step of online softmax for row i over a page's scores s[i, :lim] (1 <= lim <= n):
+    s[i, :lim] becomes exp(s - running max), s[i, lim:n] zero (masked), and the row's running max
+    m[i], sum l_sum[i] and accumulator acc[i] are rescaled to the new max."""
+    mx = m[i]
+    for p in range(lim):
+        mx = max(mx, s[i, p])
+    corr = _exp(m[i] - mx)
+    tot = _ZERO
+    for p in range(lim):
+        e = _exp(s[i, p] - mx)
+        s[i, p] = e
+        tot += e
+    for p in range(lim, n):
+        s[i, p] = _ZERO
+    l_sum[i] = l_sum[i] * corr + tot
+    m[i] = mx
+    for h in range(acc.shape[1]):
+        acc[i, h] *= corr
+
+
+@njit(fastmath=True, inline="always", cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page."""
     _, NB, K, H, P = kc.shape
@@ -106,19 +128,7 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
                     for p in range(P):
                         s[g, p] += qv * _val(kp[h, p])
             for g in range(G):  # online softmax over this page's n positions
-                mx = m[g]
-                for p in range(n):
-                    mx = max(mx, s[g, p])
-                corr = _exp(m[g] - mx)
-                tot = _ZERO
-                for p in range(n):
-                    e = _exp(s[g, p] - mx)
-                    s[g, p] = e
-                    tot += e
-                l_sum[g] = l_sum[g] * corr + tot
-                m[g] = mx
-                for h in range(H):
-                    acc[g, h] *= corr
+                _softmax_row(s, g, n, n, m, l_sum, acc)
             for p in range(n):
                 for g in range(G):
                     e = s[g, p]
@@ -200,21 +210,7 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
                     for p in range(n):
                         s[i, p] = _ZERO
                     continue
-                mx = m[i]
-                for p in range(lim):
-                    mx = max(mx, s[i, p])
-                corr = _exp(m[i] - mx)
-                tot = _ZERO
-                for p in range(lim):
-                    e = _exp(s[i, p] - mx)
-                    s[i, p] = e
-                    tot += e
-                for p in range(lim, n):
-                    s[i, p] = _ZERO
-                l_sum[i] = l_sum[i] * corr + tot
-                m[i] = mx
-                for h in range(H):
-                    acc[i, h] *= corr
+                _softmax_row(s, i, lim, n, m, l_sum, acc)
             _matmul_acc(s, vp, acc, R, n, H)  # values: weights [R, :n] x page [:n, H]
         for i in range(nq * G):
             inv = np.float32(1.0) / l_sum[i]
