@@ -1,5 +1,6 @@
 """Tokenizer loading: a Hugging Face folder, or the tokenizer and chat template inside a GGUF file
-(converted by transformers once, then cached as a fast tokenizer folder)."""
+(rebuilt from its metadata by gguf_tokenizer.py, without torch, then cached as a fast tokenizer
+folder so the next start skips the rebuild)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from jaxsched.models.demo import cache_dir
 
 logger = logging.getLogger(__name__)
 
+# Bump when gguf_tokenizer.py changes what it builds, so that older cached folders are not reused.
+_GGUF_TOKENIZER_VERSION = 2
+
 
 def load_tokenizer(path: str):
     """`path` is a HF folder with tokenizer files or a .gguf file."""
@@ -18,16 +22,16 @@ def load_tokenizer(path: str):
 
     if os.path.isfile(path) and path.endswith(".gguf"):
         st = os.stat(path)
-        key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{_GGUF_TOKENIZER_VERSION}"
+                           .encode()).hexdigest()[:16]
         cached = cache_dir() / "tokenizers" / key
         if (cached / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(str(cached))
-        logger.info("converting the GGUF tokenizer of %s (cached in %s)", path, cached)
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        logger.info("building the tokenizer of %s from its GGUF metadata (cached in %s)", path, cached)
+        tok = gguf_file_tokenizer(path)
         try:
             tok.save_pretrained(str(cached))
-        except OSError as e:  # a read-only cache only costs the conversion next time
+        except OSError as e:  # a read-only cache only costs the rebuild next time
             logger.warning("could not cache the tokenizer in %s: %s", cached, e)
         return tok
     if os.path.isdir(path):
@@ -36,3 +40,11 @@ def load_tokenizer(path: str):
         except (OSError, ValueError) as e:
             raise ValueError(f"could not load a tokenizer from {path!r}: {e}; pass tokenizer=<folder>") from e
     raise ValueError(f"tokenizer {path!r} is neither a folder nor a .gguf file")
+
+
+def gguf_file_tokenizer(path: str):
+    """The tokenizer a .gguf file describes (not cached)."""
+    from jaxsched.gguf_tokenizer import build_gguf_tokenizer, gguf_tokenizer_metadata
+    from jaxsched.models.loader import gguf_reader
+
+    return build_gguf_tokenizer(gguf_tokenizer_metadata(gguf_reader(os.path.abspath(path))))

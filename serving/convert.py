@@ -12,6 +12,7 @@ import logging
 import re
 from typing import Any
 
+from jaxsched.gguf_tokenizer import byte_alphabet
 from jaxsched.outputs import Logprob
 from jaxsched.request import SamplingParams
 from serving.protocol import (
@@ -30,20 +31,8 @@ logger = logging.getLogger(__name__)
 MAX_N = 128  # samples per request: each is a sequence in the batch
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet (Llama 3, Qwen, SmolLM...): character -> the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_decoder()
+# GPT-2's byte-level BPE alphabet (Llama 3, Qwen, SmolLM...): character -> the byte it stands for
+_BYTE_LEVEL = {c: b for b, c in byte_alphabet().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 

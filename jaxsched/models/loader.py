@@ -8,6 +8,7 @@ source only needs a name map; the layout lives in one place.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -147,6 +148,15 @@ _GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm
                    "lm_head.weight": "output.weight"}
 
 
+@functools.lru_cache(maxsize=1)
+def gguf_reader(path: str):
+    """A gguf.GGUFReader of `path`. Parsing a file's metadata takes seconds (one Python object per
+    token of the vocabulary), so the weights and the tokenizer of one file share one reader."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _gguf_field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -225,9 +235,7 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
 def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray], str]:
     """(ModelConfig, tensor getter, kind) for a HF folder or a .gguf file."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        import gguf
-
-        reader = gguf.GGUFReader(path)
+        reader = gguf_reader(os.path.abspath(path))
         hf = gguf_config(reader)
         return model_config_from_hf(hf), gguf_getter(reader, hf), "gguf"
     if os.path.isdir(path):

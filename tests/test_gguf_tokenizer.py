@@ -1,0 +1,120 @@
+"""The tokenizer a GGUF file describes, built without torch (jaxsched/gguf_tokenizer.py): the same
+ids, text and chat prompts as transformers' own GGUF converter (which needs torch), on tiny files of
+both tokenizer models and on the demo model; and the tiny Llama loaded from GGUF generates what the
+same weights give from their Hugging Face folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import tiny
+import tiny_gguf
+from conftest import USER_CACHE
+
+from jaxsched import LLM, SamplingParams
+from jaxsched.gguf_tokenizer import merges_from_scores
+from jaxsched.tokenizer import gguf_file_tokenizer, load_tokenizer
+
+TEXTS = [
+    "the capital of france is paris .",
+    "  leading spaces,\ttabs\n\nand newlines\r\n",
+    "é ü ñ 你好 世界 🙂 12345 67890 ! ? ; :",
+    "it's don't I'll we've",
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n    return x ** 2  # comment",
+    "",
+]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a cat ?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(model_dirs, tmp_path_factory) -> str:
+    return tiny_gguf.write_llama_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"), model_dirs["llama"])
+
+
+def transformers_gguf_tokenizer(path: str):
+    pytest.importorskip("torch", reason="transformers' GGUF reader imports torch (no torch wheel for this Python)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def assert_same_tokenizer(ours, ref, texts=TEXTS) -> None:
+    assert len(ours) == len(ref)
+    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == (
+        ref.bos_token, ref.eos_token, ref.unk_token, ref.pad_token)
+    assert sorted(ours.all_special_ids) == sorted(ref.all_special_ids)
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.decode(ids) == ref.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    if ref.chat_template:
+        assert ours.chat_template == ref.chat_template
+        for gen in (True, False):
+            assert (ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+                    == ref.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen))
+
+
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2"])
+def test_byte_level_bpe_matches_transformers(tokenizer_dir, tmp_path, pre):
+    meta = tiny_gguf._bpe_tokenizer_metadata(tokenizer_dir)
+    path = tiny_gguf.write_tokenizer_gguf(str(tmp_path / "bpe.gguf"), meta["tokens"], model="gpt2", pre=pre,
+                                          types=meta["types"], merges=meta["merges"], bos=1, eos=2, unk=0,
+                                          chat_template=tiny.CHAT_TEMPLATE)
+    ours = gguf_file_tokenizer(path)
+    assert_same_tokenizer(ours, transformers_gguf_tokenizer(path))
+    # and the tokenizer the GGUF came from: same ids for ordinary text
+    from transformers import AutoTokenizer
+
+    src = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if pre == "smollm":  # the GPT-2 split the tiny tokenizer was trained with
+        for text in TEXTS:
+            assert ours.encode(text) == src.encode(text), text
+
+
+@pytest.mark.parametrize("add_bos", [None, False])
+@pytest.mark.parametrize("with_merges", [False, True])
+def test_sentencepiece_bpe_matches_transformers(tmp_path, add_bos, with_merges):
+    tokens, scores, types = tiny_gguf.sentencepiece_vocab(tiny._WORDS)
+    merges = [" ".join(m) for m in merges_from_scores(tokens, scores)] if with_merges else None
+    path = tiny_gguf.write_tokenizer_gguf(str(tmp_path / "spm.gguf"), tokens, model="llama", types=types,
+                                          scores=scores, merges=merges, bos=1, eos=2, unk=0, add_bos=add_bos)
+    ours = gguf_file_tokenizer(path)
+    assert_same_tokenizer(ours, transformers_gguf_tokenizer(path))
+    ids = ours.encode("hello ☃")
+    assert (ids[0] == 1) == (add_bos is None)  # llama.cpp adds BOS to a SentencePiece vocab unless told not to
+    assert any(tokens[i].startswith("<0x") for i in ids)  # ☃ is not in the vocab: byte fallback
+
+
+def test_unsupported_tokenizer_model_says_what_to_do(tmp_path):
+    path = tiny_gguf.write_tokenizer_gguf(str(tmp_path / "t5.gguf"), ["<pad>", "a"], model="t5")
+    with pytest.raises(ValueError, match="'t5' is not supported.*tokenizer="):
+        gguf_file_tokenizer(path)
+
+
+def test_gguf_tokenizer_is_cached_and_reloads_identically(tiny_llama_gguf):
+    first = load_tokenizer(tiny_llama_gguf)
+    again = load_tokenizer(tiny_llama_gguf)  # from the cache folder this time
+    assert_same_tokenizer(again, first)
+
+
+def test_tiny_llama_from_gguf_generates_what_its_hf_folder_does(tiny_llama_gguf, model_dirs):
+    engine = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 8}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["the capital of france is", "one two three four"]
+    from_gguf = LLM(tiny_llama_gguf, **engine).generate(prompts, greedy, use_tqdm=False)
+    from_hf = LLM(model_dirs["llama"], **engine).generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(from_gguf, from_hf):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_demo_model_tokenizer_matches_transformers():
+    from jaxsched.models.demo import demo_model_path
+
+    path = str(demo_model_path(cache=USER_CACHE))
+    texts = [*TEXTS, "What is the capital of France?", "<repo_name>x<file_sep>y"]
+    assert_same_tokenizer(gguf_file_tokenizer(path), transformers_gguf_tokenizer(path), texts)

@@ -1,0 +1,153 @@
+"""Tiny GGUF files for tests, written with the `gguf` package as llama.cpp's converter lays them out:
+a tiny Hugging Face Llama folder (tests/tiny.py) with its byte-level BPE tokenizer ("gpt2" model),
+and metadata-only files of a SentencePiece-style vocabulary ("llama" model) for tokenizer tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# HF tensor name suffix -> llama.cpp's (the inverse of jaxsched/models/loader.py's map)
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders q/k rows from HF's rotate-half layout to interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _bpe_tokenizer_metadata(tokenizer_folder: str) -> dict:
+    """tokens (by id), merges and token types of a byte-level BPE tokenizer.json."""
+    with open(os.path.join(tokenizer_folder, "tokenizer.json")) as f:
+        spec = json.load(f)
+    vocab = dict(spec["model"]["vocab"])
+    special = set()
+    for t in spec["added_tokens"]:
+        vocab[t["content"]] = t["id"]
+        if t["special"]:
+            special.add(t["content"])
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids must be dense"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    types = [3 if t in special else 1 for t in tokens]  # CONTROL / NORMAL
+    return {"tokens": tokens, "merges": merges, "types": types}
+
+
+def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
+    """The tiny Llama of `model_folder` (config.json, *.safetensors, tokenizer) as a float32 GGUF."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(model_folder, "config.json")) as f:
+        cfg = json.load(f)
+    tensors: dict[str, np.ndarray] = {}
+    for name in sorted(os.listdir(model_folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_folder, name)))
+    with open(os.path.join(model_folder, "tokenizer_config.json")) as f:
+        tok_cfg = json.load(f)
+    chat_template = tok_cfg.get("chat_template")
+    if chat_template is None and os.path.isfile(os.path.join(model_folder, "chat_template.jinja")):
+        with open(os.path.join(model_folder, "chat_template.jinja")) as f:
+            chat_template = f.read()
+    meta = _bpe_tokenizer_metadata(model_folder)
+    ids = {t: i for i, t in enumerate(meta["tokens"])}
+
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_name("tiny")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["types"])
+    w.add_token_merges(meta["merges"])
+    w.add_bos_token_id(ids[tok_cfg["bos_token"]])
+    w.add_eos_token_id(ids[tok_cfg["eos_token"]])
+    w.add_unk_token_id(ids[tok_cfg["unk_token"]])
+    w.add_pad_token_id(ids[tok_cfg["pad_token"]])
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr, np.float32)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest == "self_attn.q_proj.weight":
+                arr = _rope_permute(arr, heads)
+            elif rest == "self_attn.k_proj.weight":
+                arr = _rope_permute(arr, kv_heads)
+            gname = f"blk.{i}.{_LAYER[rest]}"
+        else:
+            gname = _TOP[name]
+        w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tokenizer_gguf(path: str, tokens: list[str], *, model: str, types: list[int] | None = None,
+                         merges: list[str] | None = None, scores: list[float] | None = None, pre: str | None = None,
+                         bos: int | None = None, eos: int | None = None, unk: int | None = None,
+                         add_bos: bool | None = None, add_space_prefix: bool | None = None,
+                         chat_template: str | None = None) -> str:
+    """A GGUF holding only tokenizer metadata (and one small tensor, as every file has some)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types or [1] * len(tokens))
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    for add, value in ((w.add_bos_token_id, bos), (w.add_eos_token_id, eos), (w.add_unk_token_id, unk),
+                       (w.add_add_bos_token, add_bos), (w.add_add_space_prefix, add_space_prefix),
+                       (w.add_chat_template, chat_template)):
+        if value is not None:
+            add(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def sentencepiece_vocab(words: str, size: int = 200) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style BPE vocabulary (tokens, scores, types) trained on `words`: <unk>, <s>,
+    </s>, the 256 byte tokens <0x00>..<0xFF>, then "▁"-prefixed pieces best-first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator([words] * 20, trainers.BpeTrainer(vocab_size=size, show_progress=False))
+    pieces = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [p for p in pieces if p not in tokens]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    types = [2, 3, 3, *([6] * 256), *([1] * (len(tokens) - 259))]  # UNKNOWN, CONTROL, BYTE, NORMAL
+    return tokens, scores, types
