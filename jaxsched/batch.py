@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from jaxsched.block_manager import BlockManager
-from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables
+from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids
+from jaxsched.request import INT32_MAX, Request, SamplingParams
 from jaxsched.scheduler import SchedulerOutput
 
 # Field name -> (dtype, shape as a function of (T, S, M)). Order is the layout of the flat buffers.
@@ -97,6 +98,9 @@ class BatchDescriptor:
     penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
     penalty_counts: object = None  # f32[S, W] output count of each; MASKED (-1) = blocked by min_tokens
     has_penalties: bool = False  # host only: whether any row of this step uses them
+    # host only: request id -> why its row could not be stored; such a row runs with neutral values
+    # and the engine fails that request (and only it) after the step
+    rejected: dict[str, str] = field(default_factory=dict)
     flat_i32: object = None  # the int32 buffer every int field views (host only)
     flat_f32: object = None  # the float32 buffer every float field views (host only)
 
@@ -146,6 +150,20 @@ class BatchPacker:
         self._pen_counts = np.zeros((max_seqs, penalty_capacity), np.float32)  # never read: no clearing
 
     def pack(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchDescriptor:
+        """The step's arrays. A request whose values do not fit them (which make_request's checks
+        should make impossible) cannot fail the step for the others: its row runs with neutral
+        values and the batch names it in `rejected`."""
+        try:
+            return self._pack(out, block_manager, {})
+        except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
+            bad = {i: why for i, r in enumerate(out.requests) if (why := unstorable(r)) is not None}
+            if not bad:
+                raise
+            b = self._pack(out, block_manager, bad)
+            b.rejected = {out.requests[i].request_id: why for i, why in bad.items()}
+            return b
+
+    def _pack(self, out: SchedulerOutput, block_manager: BlockManager, bad: dict[int, str]) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
         b = BatchDescriptor.from_flat(self._i32[:n_i32], self._f32[:n_f32], T, S, M, self._pen_ids[:S],
@@ -166,13 +184,10 @@ class BatchPacker:
         b.num_seqs[0] = n
 
         # Token ids: one list slice per request, never a per-token Python loop.
-        b.token_ids[:total] = np.fromiter(
-            itertools.chain.from_iterable(
-                r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), out.num_new_tokens)
-            ),
-            np.int32,
-            total,
-        )
+        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), out.num_new_tokens)]
+        for i in bad:
+            slices[i] = [0] * out.num_new_tokens[i]
+        b.token_ids[:total] = np.fromiter(itertools.chain.from_iterable(slices), np.int32, total)
         rows = np.repeat(np.arange(n, dtype=np.int32), lens)
         pos = b.positions
         pos[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - qsl[:n], lens)
@@ -191,12 +206,15 @@ class BatchPacker:
 
         # Sampling arrays: one column per field from one pass over the requests.
         params = [r.sampling_params for r in reqs]
+        seeds = [r.sample_seed for r in reqs]
+        for i in bad:
+            params[i], seeds[i] = _NEUTRAL, 0
         b.temperature[:n] = [sp.temperature for sp in params]
         b.top_p[:n] = [sp.top_p for sp in params]
         b.min_p[:n] = [sp.min_p for sp in params]
         b.top_k[:n] = [sp.top_k for sp in params]
         np.maximum(b.top_k[:n], 0, out=b.top_k[:n])  # -1 and 0 both mean off
-        b.seeds[:n] = [r.sample_seed for r in reqs]
+        b.seeds[:n] = seeds
         b.sample_index[:n] = [len(r.output_token_ids) for r in reqs]
         b.num_logprobs[:n] = [-1 if sp.logprobs is None else sp.logprobs for sp in params]
         b.top_p[n:] = 1.0
@@ -213,3 +231,21 @@ class BatchPacker:
                 b.has_penalties = True
         self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
         return b
+
+
+_NEUTRAL = SamplingParams(temperature=0.0)  # what a rejected row samples with (its token is dropped)
+
+
+def unstorable(req: Request) -> str | None:
+    """Why `req` cannot be written into a step's int32 arrays, or None when it can."""
+    sp = req.sampling_params
+    values = {"top_k": sp.top_k, "logprobs": sp.logprobs or 0, "seed": req.sample_seed}
+    for name, v in values.items():
+        if not -INT32_MAX - 1 <= v <= INT32_MAX:
+            return f"{name} {v} does not fit the engine's int32 arrays"
+    ids = [*req.prompt_token_ids, *req.output_token_ids]
+    if sp.min_tokens:
+        ids += masked_token_ids(sp, req.eos_token_ids)
+    if any(not 0 <= t <= INT32_MAX for t in ids):
+        return "a token id does not fit the engine's int32 arrays"
+    return None

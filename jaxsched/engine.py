@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 PromptType = str | dict[str, Any]
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 def resolve_configs(args: EngineArgs, model_cfg: ModelConfig, platform: str) -> tuple[str, SchedulerConfig]:
@@ -261,10 +262,16 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")  # noqa: TRY004 - bad input is a ValueError
+        if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be a 64-bit integer (lower runs first), got {priority!r}")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.args.max_logprobs}), got {params.logprobs}")
+        V = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= V:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {V}) (the vocab size), got {t}")
+        if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
+            params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)
         check_penalty_capacity(params, ids, self.eos_token_ids, self.scheduler_config.max_model_len,
                                self.model_config.vocab_size, self.penalty_capacity)
@@ -371,8 +378,40 @@ class LLMEngine:
         except Exception:
             self._recover_from_failed_step(out)
             raise
+        failed = self._fail_requests(batch.rejected) if batch.rejected else []
         got = self.scheduler.update(out, res.sampled)
-        return self._process(out, got, res)
+        return self._process(out, got, res) + failed
+
+    def _fail_requests(self, reasons: dict[str, str]) -> list[RequestOutput]:
+        """End requests whose rows the step could not take (FINISHED_ERROR, with the reason), and
+        their sibling samples; they report now, the rest of the step goes on."""
+        outputs = []
+        now = time.monotonic()
+        for rid, why in reasons.items():
+            state = self._states.get(rid)
+            if state is None:  # already ended with a sibling
+                continue
+            logger.error("request %s failed: %s", rid, why)
+            gid = state.request.group_id if state.request.group_id in self._groups else None
+            ids = self._groups[gid].child_ids if gid is not None else [rid]
+            for r in ids:
+                if r in self._states:
+                    self._states[r].request.error = why
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            comps = []
+            for r in ids:
+                st = self._states.pop(r, None)
+                if st is not None:
+                    st.request.finished_time = now
+                    comps.append((r, self._output(st)))
+            if gid is None:
+                outputs.extend(o for _, o in comps)
+            else:
+                group = self._groups[gid]
+                for r, o in comps:
+                    group.completions[group.child_ids.index(r)] = o.outputs[0]
+                outputs.append(self._group_output(gid))
+        return outputs
 
     def _recover_from_failed_step(self, out: SchedulerOutput) -> None:
         """After a step failed on the device, no block this step registered in the prefix cache
@@ -446,7 +485,7 @@ class LLMEngine:
                                  max(c.finished_time for c in kids) if finished else 0.0,
                                  sum(c.num_preemptions for c in kids))
         return RequestOutput(gid, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
-                             priority=parent.priority)
+                             priority=parent.priority, error=next((c.error for c in kids if c.error), None))
 
     def _logprobs_entry(self, res: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
         dec = self.tokenizer.convert_ids_to_tokens
@@ -468,7 +507,7 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.finished_time, req.num_preemptions)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
-                             priority=req.priority)
+                             priority=req.priority, error=req.error)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

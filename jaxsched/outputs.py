@@ -20,7 +20,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # per generated token: {token_id: Logprob} with the sampled token and the top-k alternatives
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -48,4 +48,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = None  # not computed by this engine
     priority: int = 0
+    error: str | None = None  # why the request failed (its finish_reason is "error"); None otherwise
     extra: dict = field(default_factory=dict)

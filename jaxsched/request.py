@@ -9,6 +9,7 @@ hits are all that one rule.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # failed on its own (a value the step could not take); other requests go on
 
     @property
     def is_finished(self) -> bool:
@@ -31,13 +33,42 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what OpenAI-style clients send: int64, or uint64
+MAX_N = 128  # samples per request: each is a sequence in the batch, and they are added at once
+MAX_STOP = 64  # stop strings, and stop token ids, per request: each generated token is checked against them
+MAX_STOP_CHARS = 1024  # streaming holds back up to this many characters (a stop string may be starting)
+
+
+def short_repr(v: object) -> str:
+    """repr(v), cut to 40 characters: error messages quote what they got without echoing a huge input."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _int(name: str, v: object, lo: int, hi: int | None, meaning: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        where = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {where} ({meaning}), got {short_repr(v)}")
+
+
+def _float(name: str, v: object, lo: float, hi: float | None, meaning: str, low_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if low_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        where = f"{'(' if low_open else '['}{lo:g}, {f'{hi:g}]' if hi is not None else 'inf)'}"
+        raise ValueError(f"{name} must be a finite number in {where} ({meaning}), got {short_repr(v)}")
 
 
 @dataclass(frozen=True)
@@ -77,39 +108,40 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
+        if not isinstance(stop, (tuple, list)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.stop_token_ids, (tuple, list, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be a positive integer (the number of samples), got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer (>= 1), got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # Every integer is bounded here, where it enters: what reaches the device's int32 arrays must
+        # fit them (token ids are checked against the vocabulary in LLMEngine.make_request).
+        _int("n", self.n, 1, MAX_N, "the number of samples")
+        _float("temperature", self.temperature, 0.0, None, "0 means greedy")
+        _float("top_p", self.top_p, 0.0, 1.0, "1 = off", low_open=True)
+        _int("top_k", self.top_k, -1, None, "-1 or 0 = off; values above the vocabulary size act as off")
+        _float("min_p", self.min_p, 0.0, 1.0, "0 = off")
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1, INT32_MAX, "None = up to max_model_len")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, INT32_MAX, "the number of alternatives per token")
+        if self.seed is not None:
+            _int("seed", self.seed, SEED_MIN, SEED_MAX, "any 64-bit integer, signed or unsigned")
+        if len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
+                                 f"got {short_repr(s)}")
+        if len(self.stop_token_ids) > MAX_STOP:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP} are allowed")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            _int("stop_token_ids", t, 0, INT32_MAX, "token ids of the vocabulary")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
-        rp = self.repetition_penalty
-        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0.0 < rp < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off, > 1 discourages repeats), got {rp!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+            _float(name, getattr(self, name), -2.0, 2.0, "0 = off")
+        _float("repetition_penalty", self.repetition_penalty, 0.0, None, "1 = off, > 1 discourages repeats",
+               low_open=True)
+        _int("min_tokens", self.min_tokens, 0, INT32_MAX, "0 = off")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         object.__setattr__(self, "_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -142,6 +174,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    error: str | None = None  # why it ended with FINISHED_ERROR
     num_preemptions: int = 0
     # arrival order, set by the scheduler: the tie-breaker of every ordering
     seq_no: int = 0
