@@ -87,7 +87,7 @@ def build_gguf_tokenizer(meta: dict[str, Any]):
                                                                                   use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         # A CONTROL token outside the byte alphabet is a converter's mislabel, not a real token.
-        real = lambda t: set(t) <= spelled  # noqa: E731
+        real = lambda t: set(t) <= spelled
         add_bos = bool(meta.get("add_bos_token", False))
     elif kind == "llama":
         vocab = {t: i for i, t in enumerate(tokens)}
@@ -103,7 +103,7 @@ def build_gguf_tokenizer(meta: dict[str, Any]):
         if prefix:
             steps.append(decoders.Strip(content=" ", left=1))
         tok.decoder = decoders.Sequence(steps)
-        real = lambda t: True  # noqa: E731
+        real = lambda t: True
         add_bos = bool(meta.get("add_bos_token", True))  # llama.cpp's default for SentencePiece vocabularies
     else:
         raise ValueError(f"the GGUF tokenizer model {kind!r} is not supported (only 'gpt2' and 'llama'): pass "

@@ -14,6 +14,7 @@ from jaxsched.config import EngineArgs
 from jaxsched.engine import LLMEngine, PromptType
 from jaxsched.outputs import RequestOutput
 from jaxsched.request import Request, SamplingParams
+from jaxsched.tokenizer import chat_prompt_ids
 
 
 class LLM:
@@ -66,11 +67,8 @@ class LLM:
         for conv in convs:
             if not conv:
                 raise ValueError("messages is empty: pass at least one {'role': ..., 'content': ...}")
-            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = chat_prompt_ids(tok, conv, add_generation_prompt, chat_template, chat_template_kwargs)
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:

@@ -109,10 +109,11 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (tuple, list)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")  # noqa: TRY004 - bad input is a ValueError throughout the API
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.stop_token_ids, (tuple, list, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
+                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         # Every integer is bounded here, where it enters: what reaches the device's int32 arrays must
         # fit them (token ids are checked against the vocabulary in LLMEngine.make_request).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from typing import Any
 
 from jaxsched.models.demo import cache_dir
 
@@ -48,3 +49,31 @@ def gguf_file_tokenizer(path: str):
     from jaxsched.models.loader import gguf_reader
 
     return build_gguf_tokenizer(gguf_tokenizer_metadata(gguf_reader(os.path.abspath(path))))
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit max_model_len, found before it was tokenized in full."""
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest spelling of any vocabulary entry. A token never stands for more characters of
+    text than its spelling has (byte-level BPE spells one byte per character, SentencePiece's "▁"
+    is one space, a byte token <0xE4> less than a character), so a text longer than
+    max_model_len * max_token_chars cannot fit, and needs no tokenizing to be refused."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                    max_chars: int | None = None) -> list[int]:
+    """Token ids of a chat, rendered by transformers' sandboxed Jinja environment and tokenized as
+    apply_chat_template(tokenize=True) does (the template writes the special tokens itself).
+    With max_chars, a rendered prompt longer than that raises PromptTooLongError untokenized."""
+    text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not render to text")  # noqa: TRY004 - a template problem
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLongError(f"the chat renders to {len(text)} characters, more than any prompt that fits "
+                                 f"max_model_len ({max_chars} characters at most)")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -28,7 +28,13 @@ from starlette.routing import Route
 
 import jaxsched
 from jaxsched.outputs import RequestOutput
-from serving.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestStream,
+)
 from serving.convert import Converter
 from serving.protocol import (
     ChatChoice,
@@ -91,17 +97,27 @@ class _ApiKeyMiddleware:
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int) -> None:
+    def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int,
+                 trust_request_chat_template: bool = False) -> None:
         llm = engine.engine
         self.engine = engine
         self.name = name
         self.max_request_bytes = max_request_bytes
         self.max_model_len = llm.scheduler_config.max_model_len
-        self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.args.max_logprobs)
+        self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.args.max_logprobs,
+                              trust_request_chat_template=trust_request_chat_template)
         self.root = getattr(llm, "model_path", None)
 
     # -- plumbing ------------------------------------------------------------------------------
     async def body(self, request: Request) -> bytes:
+        """The JSON body of a POST. Only application/json is taken: text/plain and form bodies are
+        what a web page can make a browser send to a local server without asking (CORS "simple"
+        requests), so they never reach a route."""
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            got = f"Content-Type {media_type!r}" if media_type else "no Content-Type"
+            raise RequestError(f"the request body must be JSON, sent with 'Content-Type: application/json' (got {got})",
+                               status=415, code="unsupported_media_type")
         limit = self.max_request_bytes
         too_big = RequestError(f"the request body is larger than the server's limit of {limit} bytes "
                                "(--max-request-bytes)", status=413, code="request_too_large")
@@ -173,7 +189,7 @@ class _Server:
         if req.best_of is not None and req.best_of != req.n:
             raise RequestError("best_of is not supported by this server (leave it unset or equal to n)",
                                param="best_of")
-        prompts = self.conv.completion_prompts(req.prompt)
+        prompts = await self.conv.completion_prompts(req.prompt)
         params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids, _ in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         texts = [t for _, t in prompts]
@@ -189,7 +205,8 @@ class _Server:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        ids = self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        ids = await self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                          req.chat_template)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -289,19 +306,18 @@ class _Server:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("pass exactly one of prompt (a string) or messages (a chat)", param="prompt")
+        # counting tokens is this route's purpose, so a text longer than max_model_len is tokenized too
         if req.prompt is not None:
-            ids = list(self.conv.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await self.conv.tokenize(req.prompt, add_special_tokens=req.add_special_tokens, limit=False)
         else:
-            ids = self.conv.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                              req.chat_template, limit=False)
         return _json(TokenizeResponse(len(ids), self.max_model_len, ids))
 
     async def detokenize(self, request: Request) -> Response:
         req, _ = decode_request(await self.body(request), DetokenizeRequest)
         self.check_model(req.model)
-        for t in req.tokens:
-            if not 0 <= t < self.conv.vocab_size:
-                raise RequestError(f"token ids must be in [0, {self.conv.vocab_size}), got {t}", param="tokens")
-        return _json(DetokenizeResponse(self.conv.tokenizer.decode(req.tokens)))
+        return _json(DetokenizeResponse(await self.conv.detokenize(req.tokens)))
 
 
 class _Ctx:
@@ -327,6 +343,11 @@ def _wrap(handler: Any) -> Any:
             if e.status >= 500:
                 logger.warning("%s %s: %s", request.method, request.url.path, e.message)
             return error_response(e)
+        except EngineDeadError as e:  # shut down (or shutting down) while the request ran
+            return error_response(RequestError(str(e), status=503, code="engine_dead"))
+        except EngineStepError as e:  # this request failed in the engine; the others went on
+            logger.warning("%s %s: %s", request.method, request.url.path, e)
+            return error_response(RequestError(str(e), status=500, code="request_failed"))
         except ClientDisconnect:  # gone while sending its body: nobody reads the reply
             return Response(status_code=499)
 
@@ -348,13 +369,14 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_num_queued_requests: int | None = None) -> Starlette:
+              max_num_queued_requests: int | None = None, trust_request_chat_template: bool = False) -> Starlette:
     """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
-    /v1/*; beyond `max_num_queued_requests` queued requests new ones get 503 with Retry-After."""
+    /v1/*; beyond `max_num_queued_requests` queued requests new ones get 503 with Retry-After;
+    chat templates sent in requests are refused unless `trust_request_chat_template`."""
     name = served_model_name or getattr(engine.engine, "model_path", None) or "jaxsched"
     if max_num_queued_requests is not None:
         engine.max_num_queued_requests = max_num_queued_requests
-    s = _Server(engine, name, max_request_bytes)
+    s = _Server(engine, name, max_request_bytes, trust_request_chat_template)
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat), methods=["POST"]),

@@ -142,6 +142,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
+        self._stop_reason = "the engine was shut down"
         self._thread: threading.Thread | None = None
         self._live: dict[str, _Live] = {}  # engine thread only
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}  # engine thread only
@@ -168,11 +169,14 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the engine thread; requests still in flight fail with EngineDeadError."""
+    def shutdown(self, timeout: float | None = 10.0, reason: str = "the engine was shut down") -> None:
+        """Stop the engine thread after its current step; requests still in flight fail with
+        EngineDeadError(reason). Waits up to `timeout` seconds for the thread (0: do not wait)."""
+        if not self._stopping:
+            self._stop_reason = reason
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
+        if self._thread is not None and timeout != 0:
             self._thread.join(timeout)
 
     # -- the asyncio side ----------------------------------------------------------------------
@@ -267,7 +271,7 @@ class AsyncEngine:
                 logger.exception("engine loop error")
             finally:
                 self._flush()
-        dead = EngineDeadError("the engine was shut down")
+        dead = EngineDeadError(self._stop_reason)
         if self._live:
             self.engine.abort_request(list(self._live))  # the LLMEngine may be reused
         for live in self._live.values():
@@ -330,6 +334,10 @@ class AsyncEngine:
                 continue
             self._observe(live, o, now)
             live.last = o
+            if o.error is not None:  # this request failed on its own; the others in its step go on
+                del self._live[o.request_id]
+                self._post(live.stream, EngineStepError(f"the request failed: {o.error}"))
+                continue
             self._post(live.stream, o)
             if o.finished:
                 del self._live[o.request_id]

@@ -17,6 +17,7 @@ import time
 import typing
 
 from jaxsched.config import EngineArgs
+from serving.server import DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def _flag(name: str) -> str:
@@ -66,11 +67,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from jaxsched.engine import LLMEngine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
+    from serving.server import serve
 
     log = logging.getLogger("jaxsched.serve")
     args = engine_args_from(ns)
@@ -84,9 +84,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
              list(sc.seq_buckets), eng.runner.warmup_seconds)
     engine = AsyncEngine(eng, max_num_queued_requests=args.max_num_queued_requests)
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
-    app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes)
+    app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
+                    trust_request_chat_template=ns.trust_request_chat_template)
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), timeout_keep_alive=30)
+        serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower())
     finally:
         engine.shutdown()
     return 0
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSCHED_API_KEY, else none)")
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get HTTP 413")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
+                          "a template is code the server runs, so by default they get HTTP 400")
+    srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                     help="seconds requests in flight get to finish after SIGTERM / SIGINT before they are failed "
+                          "and the server exits (default: %(default)s)")
     add_engine_flags(srv)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

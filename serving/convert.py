@@ -14,7 +14,8 @@ from typing import Any
 
 from jaxsched.gguf_tokenizer import byte_alphabet
 from jaxsched.outputs import Logprob
-from jaxsched.request import SamplingParams
+from jaxsched.request import SamplingParams, short_repr
+from jaxsched.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
 from serving.protocol import (
     ChatCompletionRequest,
     ChatLogprobEntry,
@@ -25,10 +26,9 @@ from serving.protocol import (
     RequestError,
     TopLogprob,
 )
+from serving.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
-
-MAX_N = 128  # samples per request: each is a sequence in the batch
 
 
 # GPT-2's byte-level BPE alphabet (Llama 3, Qwen, SmolLM...): character -> the byte it stands for
@@ -36,45 +36,84 @@ _BYTE_LEVEL = {c: b for b, c in byte_alphabet().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
+# OpenAI's chat roles; anything else is refused rather than rendered into the prompt
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# apply_chat_template's own arguments: chat_template_kwargs only sets template variables
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
+    "truncation", "max_length"})
+
+
 class Converter:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int,
+                 trust_request_chat_template: bool = False, tokenizer_workers: int = 2) -> None:
         try:
-            self.tokenizer = copy.deepcopy(tokenizer)
+            self.tokenizer = copy.deepcopy(tokenizer)  # the event loop's own, for outputs
         except Exception:  # noqa: BLE001 - one that cannot be copied is shared; it is only read here
             self.tokenizer = tokenizer
+        self.pool = TokenizerPool(tokenizer, tokenizer_workers)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        self.trust_request_chat_template = trust_request_chat_template
+        # Longer texts cannot fit max_model_len (see max_token_chars); twice the bound, so that a
+        # normalizer that drops characters never gets a prompt that fits refused.
+        self.max_prompt_chars = 2 * max_model_len * max_token_chars(tokenizer)
         self._token_text: dict[int, str] = {}
 
-    # -- prompts -------------------------------------------------------------------------------
+    # -- prompts (tokenized on the pool's threads) ------------------------------------------------
     def _check_ids(self, ids: list[Any], param: str) -> list[int]:
         if not ids:
             raise RequestError(f"{param} is empty: pass at least one token", param=param)
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {t!r}", param=param)
+                raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {short_repr(t)}",
+                                   param=param)
         return ids
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        ids = list(self.tokenizer.encode(text))
-        if not ids:
-            raise RequestError(f"{param} is empty: pass at least one character", param=param)
-        return ids
+    def _check_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(f"the {param} is {len(text)} characters, more than any prompt that fits "
+                               f"max_model_len ({self.max_model_len} tokens): shorten it", param=param,
+                               code="context_length_exceeded")
 
-    def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+    async def tokenize(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
+                       limit: bool = True) -> list[int]:
+        """Token ids of `text` (limit: refuse, untokenized, a text too long for max_model_len)."""
+        if limit:
+            self._check_length(text, param)
+        try:
+            return await self.pool.run(_encode, text, add_special_tokens)
+        except Exception as e:
+            raise RequestError(f"could not tokenize the {param}: {e}", param=param) from e
+
+    async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
+        self._check_ids(ids, param)
+        return await self.pool.run(lambda tok, ids: tok.decode(ids), ids)
+
+    async def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
         """(token ids, text) of each prompt of a /v1/completions request."""
         if isinstance(prompt, str):
-            return [(self.encode(prompt), prompt)]
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            return [(self._check_ids(prompt, "prompt"), None)]
         if isinstance(prompt, list) and prompt:
             if all(isinstance(p, str) for p in prompt):
-                return [(self.encode(p), p) for p in prompt]
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return [(self._check_ids(prompt, "prompt"), None)]
+                for p in prompt:
+                    self._check_length(p, "prompt")
+                return [(await self._nonempty(p), p) for p in prompt]
             if all(isinstance(p, list) for p in prompt):
                 return [(self._check_ids(p, "prompt"), None) for p in prompt]
         raise RequestError("prompt must be a non-empty string, a list of strings, a list of token ids or a list "
                            "of token-id lists", param="prompt")
+
+    async def _nonempty(self, text: str) -> list[int]:
+        ids = await self.tokenize(text)
+        if not ids:
+            raise RequestError("prompt is empty: pass at least one character", param="prompt")
+        return ids
 
     @staticmethod
     def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -82,30 +121,61 @@ class Converter:
             raise RequestError("messages is empty: pass at least one {'role': ..., 'content': ...}",
                                param="messages")
         conv = []
-        for m in messages:
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise RequestError(f"messages[{i}].role is {short_repr(m.role)}; the allowed roles are "
+                                   f"{', '.join(CHAT_ROLES)}", param="messages", code="invalid_value")
             content = m.content
             if isinstance(content, list):
                 texts = []
                 for part in content:
                     if part.type != "text" or part.text is None:
                         raise RequestError(f"only content parts of type 'text' (with a 'text' field) are supported, "
-                                           f"got type {part.type!r}", param="messages")
+                                           f"got type {short_repr(part.type)}", param="messages")
                     texts.append(part.text)
                 content = "\n".join(texts)
             conv.append({"role": m.role, "content": content or ""})
         return conv
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    kwargs: dict[str, Any] | None = None) -> list[int]:
+    def template_args(self, chat_template: str | None, kwargs: dict[str, Any] | None) -> tuple[str | None,
+                                                                                             dict[str, Any]]:
+        """(request-supplied template, template variables), refusing a request's own template unless
+        the server trusts them (a template is code: vLLM's CVE-2025-61620)."""
+        kwargs = dict(kwargs or {})
+        if "chat_template" in kwargs:
+            if chat_template is not None:
+                raise RequestError("pass the chat template once: chat_template or chat_template_kwargs.chat_template",
+                                   param="chat_template")
+            chat_template = kwargs.pop("chat_template")
+        if chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise RequestError("this server does not accept chat templates from requests (a template is code it "
+                                   "would run); start it with --trust-request-chat-template to allow them",
+                                   param="chat_template", code="chat_template_not_allowed")
+            if not isinstance(chat_template, str):
+                raise RequestError("chat_template must be a string", param="chat_template")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise RequestError(f"chat_template_kwargs cannot set {', '.join(reserved)} (they are not template "
+                               "variables)", param="chat_template_kwargs")
+        return chat_template, kwargs
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                          limit: bool = True) -> list[int]:
         conv = self.conversation(messages)
+        template, variables = self.template_args(chat_template, kwargs)
+        for i, m in enumerate(conv):
+            if limit:
+                self._check_length(m["content"], f"messages[{i}].content")
         try:
-            ids = self.tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                                     **(kwargs or {}))
-        except Exception as e:  # template errors (role order, missing template) are the request's
+            ids = await self.pool.run(chat_prompt_ids, conv, add_generation_prompt, template, variables,
+                                      self.max_prompt_chars if limit else None)
+        except PromptTooLongError as e:
+            raise RequestError(f"{e}: shorten the messages", param="messages", code="context_length_exceeded") from e
+        except Exception as e:
             raise RequestError(f"could not apply the chat template: {e}", param="messages") from e
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return self._check_ids(list(ids), "messages")
+        return self._check_ids(ids, "messages")
 
     # -- sampling parameters -------------------------------------------------------------------
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
@@ -123,8 +193,6 @@ class Converter:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
                 "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
                 code="context_length_exceeded")
-        if not 1 <= req.n <= MAX_N:
-            raise RequestError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:
             raise RequestError("logit_bias is not supported by this server", param="logit_bias")
         if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
@@ -204,3 +272,8 @@ def _param_of(message: str, kw: dict[str, Any]) -> str | None:
     """SamplingParams errors start with the field's name; map it back to the request's."""
     first = message.split(" ", 1)[0]
     return first if first in kw else None
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    # tokenizer(...) rather than .backend_tokenizer.encode: it encodes as a batch, which releases the GIL
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

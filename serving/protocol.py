@@ -8,6 +8,7 @@ request. Types are strict: "5" is not an int and true is not a number.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -29,7 +30,7 @@ class RequestError(Exception):
 
 
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
+                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
 
 
 class ErrorInfo(Struct):
@@ -115,6 +116,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    chat_template: str | None = None  # vLLM's; refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -124,6 +126,8 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -255,7 +259,10 @@ def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
     Raises RequestError (400) saying what was wrong and where."""
     try:
         raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
+    except RecursionError as e:
+        raise RequestError("the request body is nested too deeply (JSON nesting is limited to about "
+                           f"{sys.getrecursionlimit()} levels)", code="invalid_json") from e
+    except Exception as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(raw, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}",
@@ -264,6 +271,8 @@ def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
     unknown = sorted(k for k in raw if k not in known)
     try:
         obj = msgspec.convert(raw, typ)
+    except RecursionError as e:
+        raise RequestError("the request body is nested too deeply", code="invalid_json") from e
     except msgspec.ValidationError as e:
         msg = str(e)
         param = None

@@ -72,7 +72,8 @@ class _Hide:
         find = getattr(self.finder, "find_spec", None)
         return find(name, path, target) if find else None
 
-    def find_distributions(self, context=md.DistributionFinder.Context()):
+    def find_distributions(self, context=None):
+        context = context if context is not None else md.DistributionFinder.Context()
         find = getattr(self.finder, "find_distributions", None)
         for d in find(context) if find else ():
             if _norm(d.metadata["Name"] or "") not in self.dists:

@@ -1,0 +1,428 @@
+"""One hostile request must never hurt anyone else: a fuzzer of random JSON bodies never gets a 5xx,
+extreme integers never reach the device's arrays (and a request that still carries one fails alone),
+request-supplied chat templates are refused, bodies must be JSON by media type, unknown roles are
+refused, tokenization stays off the event loop, and SIGTERM ends the server within its deadline even
+with a client that stopped reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxsched import LLM, SamplingParams
+from serving.app import build_app
+from serving.async_engine import AsyncEngine, EngineStepError
+
+ENGINE = {"max_model_len": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8}
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+JSON = {"Content-Type": "application/json"}
+PROMPTS = ["the capital of france is", "hello world , how are you", "one two three four", "what is a cat ?"]
+EXTREME = [2**31, 2**63, 2**64, -(2**63) - 1, 10**30, -1]
+
+
+class Server:
+    def __init__(self, url: str, engine: AsyncEngine, app, refs: list[list[int]]) -> None:
+        self.url, self.engine, self.app, self.refs = url, engine, app, refs
+        self.http = httpx.Client(base_url=url, timeout=60, headers=JSON)
+
+    def idle(self) -> tuple[dict, bool]:
+        """(blocks still owned by requests, whether the engine has unfinished requests)."""
+        return asyncio.run(self.engine.call(lambda e: (dict(e.block_manager.req_blocks), e.has_unfinished_requests())))
+
+
+def start_server(llm: LLM, **app_kw):
+    engine = AsyncEngine(llm.llm_engine)
+    app = build_app(engine, served_model_name="tiny", **app_kw)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    return srv, thread, engine, app, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    llm = LLM(llama_dir, **ENGINE)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    refs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    srv, thread, engine, app, url = start_server(llm)
+    yield Server(url, engine, app, refs)
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def assert_openai_error(r: httpx.Response) -> dict:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
+    return err
+
+
+# -- the fuzzer -----------------------------------------------------------------------------------
+_ODD_TEXT = ["", "\x00", "\ud800", "\udfff\ud800", "\u202e\u200b", "🙂" * 1000, "é" * 100_000, "a" * 200_000,
+             "<|im_start|>", "{{ 7 * 7 }}", "{% for x in range(10**9) %}x{% endfor %}"]
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.sampled_from(EXTREME), st.integers(-3, 70),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e308, -1e308, 5e-324, 0.5]),
+    st.sampled_from(_ODD_TEXT), st.text(max_size=20))
+
+
+def _nested(depth: int):
+    value = [0]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_VALUES = st.one_of(
+    _SCALARS,
+    st.lists(_SCALARS, max_size=6),
+    st.dictionaries(st.text(max_size=8), _SCALARS, max_size=4),
+    st.sampled_from([list(range(100_000)), [[1, 2], [3, -4]], _nested(50), {"a": _nested(30)}, [EXTREME] * 3]),
+)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
+           "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_tokens", "priority", "stream", "stream_options",
+           "ignore_eos", "echo", "best_of", "logit_bias", "chat_template", "chat_template_kwargs",
+           "add_generation_prompt", "skip_special_tokens", "user", "response_format"]
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "wizard", ""]),
+                                                             _SCALARS),
+                                            "content": st.one_of(st.sampled_from(_ODD_TEXT), _VALUES)}),
+                     max_size=3)
+_BODIES = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", None])},
+    optional={
+        **{f: _VALUES for f in _FIELDS if f not in ("model", "messages", "max_tokens", "stream")},
+        "messages": st.one_of(_MESSAGES, _VALUES),
+        # mostly small or invalid, so that accepted requests stay short
+        "max_tokens": st.one_of(st.sampled_from([1, 2, 4, None, 0, -1, "4", 1.5]), st.sampled_from(EXTREME)),
+        "stream": st.sampled_from([True, False, None, "yes"]),
+    })
+_RAW = st.sampled_from([b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                        b"{", b"null", b"1e999", b'{"prompt": "a", "n": 1e999}', b'{"prompt": NaN}',
+                        b'{"prompt": "\xff"}', b"\x00" * 100, b'{"prompt": "a", "prompt": 5}', b""])
+
+
+def _send(http: httpx.Client, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return http.post(path, content=body)
+    return http.post(path, content=json.dumps(body, allow_nan=True).encode())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from([CMPL, CHAT]), body=st.one_of(_BODIES, _RAW))
+def _fuzz(server: Server, path: str, body) -> None:
+    r = _send(server.http, path, body)
+    assert r.status_code < 500, (body if isinstance(body, bytes) else json.dumps(body)[:500], r.text[:500])
+    if r.status_code != 200:
+        assert_openai_error(r)
+
+
+def test_fuzzed_bodies_get_200_or_an_openai_4xx_and_leave_nothing_behind(server):
+    _fuzz(server)
+    deadline = time.monotonic() + 10
+    while server.idle() != ({}, False):  # streams whose clients left are aborted within a step
+        assert time.monotonic() < deadline, server.idle()
+        time.sleep(0.05)
+    r = server.http.post(CMPL, json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0,
+                                     "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+
+
+# -- extreme integers -----------------------------------------------------------------------------
+def _extreme_body(value: int) -> dict:
+    return {"model": "tiny", "prompt": [value, value], "max_tokens": value, "n": value, "top_k": value,
+            "seed": value, "logprobs": value, "min_tokens": value, "priority": value, "stop_token_ids": [value],
+            "best_of": value}
+
+
+def _stream_text(url: str, prompt: str) -> str:
+    """A streamed greedy completion's text; fails on an error event."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text = ""
+    with httpx.stream("POST", url + CMPL, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.parametrize("value", EXTREME)
+def test_an_extreme_integer_in_every_field_is_a_400_and_four_streams_complete(server, value):
+    want = [server.http.post(CMPL, json={"model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0,
+                                         "ignore_eos": True}).json()["choices"][0]["text"] for p in PROMPTS]
+    results: list = [None] * 4
+
+    def run(i: int) -> None:
+        results[i] = _stream_text(server.url, PROMPTS[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for path, body in ((CMPL, _extreme_body(value)),
+                       (CHAT, {**_extreme_body(value), "prompt": None, "messages": [{"role": "user", "content": "x"}],
+                               "top_logprobs": value, "max_completion_tokens": value})):
+        r = server.http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert_openai_error(r)
+    for t in threads:
+        t.join(60)
+    assert results == want
+
+
+def test_top_k_beyond_the_vocabulary_means_off(llama_dir):
+    llm = LLM(llama_dir, **ENGINE)
+    params = {"temperature": 1.0, "seed": 7, "max_tokens": 8, "ignore_eos": True}
+    huge = llm.generate(PROMPTS[:2], SamplingParams(top_k=2**64, **params), use_tqdm=False)
+    off = llm.generate(PROMPTS[:2], SamplingParams(top_k=0, **params), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in huge] == [o.outputs[0].token_ids for o in off]
+
+
+def _smuggle(req, **values) -> None:
+    """Give an accepted request values that make_request would have refused (a bug elsewhere, or a
+    Request built by hand), to check the step's own guard."""
+    sp = req.sampling_params
+    for k, v in values.items():
+        if k == "sample_seed":  # the per-request seed the packer writes, not a SamplingParams field
+            req.sample_seed = v
+        else:
+            object.__setattr__(sp, k, v)
+    if values.get("min_tokens"):
+        object.__setattr__(sp, "_uses_penalties", True)
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 2**40}, {"logprobs": 2**33}, {"stop_token_ids": (2**35,), "min_tokens": 3},
+                                 {"sample_seed": 2**45}], ids=["top_k", "logprobs", "stop_token_ids", "seed"])
+def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
+    llm = LLM(llama_dir, **ENGINE)
+    eng = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"ok{i}", p, greedy)
+    victim = eng.make_request("bad", "one two", SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True))
+    eng.add_request_obj(victim)
+    for r in eng.scheduler.requests.values():
+        if r.group_id == "bad":  # both samples (they share their SamplingParams)
+            _smuggle(r, **bad)
+    finals = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert [finals[f"ok{i}"].outputs[0].token_ids for i in range(4)] == want
+    failed = finals["bad"]
+    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    assert "does not fit the engine's int32 arrays" in failed.error
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_a_row_the_step_cannot_store_fails_only_its_stream(server):
+    async def main():
+        eng = server.engine
+        greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        streams = [await eng.add_request(p, greedy) for p in PROMPTS]
+
+        def smuggle(e):
+            req = e.make_request("smuggled", "one two", SamplingParams(temperature=0, max_tokens=10))
+            _smuggle(req, top_k=2**40)
+            e.add_request_obj(req)
+
+        await eng.call(smuggle)
+        outs = [[o async for o in s][-1] for s in streams]
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert asyncio.run(main()) == server.refs
+    assert server.idle() == ({}, False)
+
+
+def test_async_stream_of_a_failed_row_raises(server):
+    async def main():
+        eng = server.engine
+        stream = await eng.add_request("one two", SamplingParams(temperature=0, max_tokens=10))
+        await eng.call(lambda e: _smuggle(e.scheduler.requests[stream.request_id], top_k=2**40))
+        with pytest.raises(EngineStepError, match="does not fit"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+
+
+# -- chat templates, media types, roles -----------------------------------------------------------
+CHAT_OK = {"model": "tiny", "messages": [{"role": "user", "content": "what is a cat ?"}], "max_tokens": 2}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("body", [{**CHAT_OK, "chat_template": TEMPLATE},
+                                  {**CHAT_OK, "chat_template_kwargs": {"chat_template": TEMPLATE}}])
+def test_request_chat_templates_are_refused_unless_trusted(server, body):
+    r = server.http.post(CHAT, json=body)
+    assert r.status_code == 400
+    err = assert_openai_error(r)
+    assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+    r = server.http.post("/tokenize", json={"messages": body["messages"], "chat_template": TEMPLATE})
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_cannot_set_the_renderer_arguments(server):
+    r = server.http.post(CHAT, json={**CHAT_OK, "chat_template_kwargs": {"tokenize": False, "messages": []}})
+    assert r.status_code == 400 and "messages, tokenize" in assert_openai_error(r)["message"]
+
+
+@pytest.fixture(scope="module")
+def trusting_server(llama_dir):
+    srv, thread, engine, _, url = start_server(LLM(llama_dir, **ENGINE), trust_request_chat_template=True)
+    yield url
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def test_a_trusted_request_template_renders_in_a_sandbox_with_a_length_bound(trusting_server):
+    http = httpx.Client(base_url=trusting_server, timeout=60, headers=JSON)
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hello world"}], "chat_template": TEMPLATE})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == http.post("/tokenize", json={"prompt": "hello world",
+                                                              "add_special_tokens": False}).json()["tokens"]
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    r = http.post(CHAT, json={**CHAT_OK, "chat_template": escape})
+    assert r.status_code == 400 and "unsafe" in r.json()["error"]["message"]
+    t0 = time.monotonic()
+    huge = "{% for i in range(100000) %}{{ messages[0]['content'] * 20 }}{% endfor %}"
+    r = http.post(CHAT, json={**CHAT_OK, "chat_template": huge})
+    assert r.status_code == 400, r.text
+    assert assert_openai_error(r)["code"] == "context_length_exceeded"
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+@pytest.mark.parametrize("path", [CMPL, CHAT, "/tokenize", "/detokenize"])
+def test_post_bodies_must_be_json_by_media_type(server, path, content_type):
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = httpx.post(server.url + path, content=json.dumps({**CHAT_OK, "prompt": "hi", "tokens": [1]}),
+                   headers=headers, timeout=30)
+    assert r.status_code == 415
+    assert assert_openai_error(r)["code"] == "unsupported_media_type"
+
+
+def test_json_with_a_charset_is_json(server):
+    r = httpx.post(server.url + CMPL, content=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}),
+                   headers={"Content-Type": "Application/JSON; charset=utf-8"}, timeout=30)
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("role", ["wizard", "", "User", "model"])
+def test_unknown_chat_roles_are_refused_naming_the_allowed_ones(server, role):
+    r = server.http.post(CHAT, json={**CHAT_OK, "messages": [{"role": role, "content": "hi"}]})
+    assert r.status_code == 400
+    err = assert_openai_error(r)
+    assert err["param"] == "messages"
+    assert "system, developer, user, assistant, tool, function" in err["message"]
+
+
+def test_a_prompt_too_long_for_max_model_len_is_refused_before_tokenizing(server):
+    r = server.http.post(CMPL, json={"model": "tiny", "prompt": "a" * 1_000_000, "max_tokens": 1})
+    assert r.status_code == 400 and assert_openai_error(r)["code"] == "context_length_exceeded"
+    r = server.http.post(CHAT, json={**CHAT_OK, "messages": [{"role": "user", "content": "a" * 1_000_000}]})
+    assert r.status_code == 400 and assert_openai_error(r)["code"] == "context_length_exceeded"
+
+
+def test_health_answers_while_a_1mb_prompt_is_tokenized(server):
+    text = "hello world , how are you today ? " * 30_000  # 1 MB
+    done = threading.Event()
+    took: list[float] = []
+
+    def tokenize() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+        took.append(time.monotonic() - t0)
+        assert r.status_code == 200 and r.json()["count"] > 100_000
+        done.set()
+
+    t = threading.Thread(target=tokenize)
+    t.start()
+    lat = []
+    while not done.is_set():
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        lat.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    t.join()
+    # at least a few health checks ran while the tokenizer worked, none waiting for it to finish
+    assert len(lat) >= 3 and max(lat) < min(1.0, took[0] / 3), (max(lat), took, len(lat))
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(llama_dir, tmp_path):
+    timeout_s = 3
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", llama_dir, "--port", str(port),
+                             "--served-model-name", "tiny", "--shutdown-timeout", str(timeout_s),
+                             "--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
+                             "--block-size", "8"], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    url = f"http://127.0.0.1:{port}"
+    stalled = None
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        # a client that asks for a large stream and never reads it (a small receive buffer fills fast)
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        body = json.dumps({"model": "tiny", "prompt": "one two", "max_tokens": 480, "n": 16, "stream": True,
+                           "ignore_eos": True, "logprobs": 5}).encode()
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(3)  # the server is now blocked writing to it
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout_s + 5)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if stalled is not None:
+            stalled.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert took < timeout_s + 5, text[-3000:]
+    assert "shutdown deadline" in text, text[-3000:]
