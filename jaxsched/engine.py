@@ -393,22 +393,18 @@ class LLMEngine:
                 continue
             logger.error("request %s failed: %s", rid, why)
             gid = state.request.group_id if state.request.group_id in self._groups else None
-            ids = self._groups[gid].child_ids if gid is not None else [rid]
-            for r in ids:
-                if r in self._states:
-                    self._states[r].request.error = why
+            ids = [r for r in (self._groups[gid].child_ids if gid is not None else [rid]) if r in self._states]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            comps = []
+            done = {}
             for r in ids:
-                st = self._states.pop(r, None)
-                if st is not None:
-                    st.request.finished_time = now
-                    comps.append((r, self._output(st)))
+                st = self._states.pop(r)
+                st.request.error, st.request.finished_time = why, now
+                done[r] = self._output(st)
             if gid is None:
-                outputs.extend(o for _, o in comps)
+                outputs.extend(done.values())
             else:
                 group = self._groups[gid]
-                for r, o in comps:
+                for r, o in done.items():
                     group.completions[group.child_ids.index(r)] = o.outputs[0]
                 outputs.append(self._group_output(gid))
         return outputs
