@@ -18,9 +18,9 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from servers import free_port, uvicorn_thread, wait_healthy
 
 from jaxsched import LLM, SamplingParams
 from serving.app import build_app
@@ -43,29 +43,15 @@ class Server:
         return asyncio.run(self.engine.call(lambda e: (dict(e.block_manager.req_blocks), e.has_unfinished_requests())))
 
 
-def start_server(llm: LLM, **app_kw):
-    engine = AsyncEngine(llm.llm_engine)
-    app = build_app(engine, served_model_name="tiny", **app_kw)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    return srv, thread, engine, app, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def server(llama_dir):
     llm = LLM(llama_dir, **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     refs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    srv, thread, engine, app, url = start_server(llm)
-    yield Server(url, engine, app, refs)
-    srv.should_exit = True
-    thread.join(10)
+    engine = AsyncEngine(llm.llm_engine)
+    app = build_app(engine, served_model_name="tiny")
+    with uvicorn_thread(app) as url:
+        yield Server(url, engine, app, refs)
     engine.shutdown()
 
 
@@ -292,10 +278,9 @@ def test_chat_template_kwargs_cannot_set_the_renderer_arguments(server):
 
 @pytest.fixture(scope="module")
 def trusting_server(llama_dir):
-    srv, thread, engine, _, url = start_server(LLM(llama_dir, **ENGINE), trust_request_chat_template=True)
-    yield url
-    srv.should_exit = True
-    thread.join(10)
+    engine = AsyncEngine(LLM(llama_dir, **ENGINE).llm_engine)
+    with uvicorn_thread(build_app(engine, served_model_name="tiny", trust_request_chat_template=True)) as url:
+        yield url
     engine.shutdown()
 
 
@@ -375,15 +360,9 @@ def test_health_answers_while_a_1mb_prompt_is_tokenized(server):
 
 
 # -- shutdown -------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(llama_dir, tmp_path):
     timeout_s = 3
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", llama_dir, "--port", str(port),
                              "--served-model-name", "tiny", "--shutdown-timeout", str(timeout_s),
@@ -393,16 +372,7 @@ def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(llama_dir, t
     url = f"http://127.0.0.1:{port}"
     stalled = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, tmp_path / "serve.log")
         # a client that asks for a large stream and never reads it (a small receive buffer fills fast)
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

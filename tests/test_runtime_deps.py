@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import tiny_gguf
+from servers import free_port, wait_healthy
 
 HERE = os.path.dirname(__file__)
 RUNTIME_ONLY = [sys.executable, os.path.join(HERE, "runtime_only.py")]
@@ -47,29 +46,14 @@ def test_generate_runs_without_test_dependencies(tiny_llama_gguf):
     assert "[6 tokens in" in res.stderr or "tokens in" in res.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_runs_without_test_dependencies(tiny_llama_gguf, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
     proc = subprocess.Popen([*RUNTIME_ONLY, "serving.cli", "serve", tiny_llama_gguf, "--port", str(port),
                              "--served-model-name", "tiny", *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"the server exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, tmp_path / "serve.log")
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "what is a cat ?"}], "max_tokens": 5,
             "temperature": 0, "ignore_eos": True})
