@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from conftest import USER_CACHE
+from tiny import needs_torch
 
 from jaxsched import LLM, SamplingParams
 from jaxsched.models.demo import demo_model_path
@@ -41,7 +41,9 @@ def test_answers_paris(llm):
     assert out.outputs[0].finish_reason == "stop"  # it ends with <|im_end|>, the GGUF's EOS
 
 
+@needs_torch
 def test_first_32_greedy_tokens_match_transformers(llm, demo_path):
+    import torch
     from transformers import AutoModelForCausalLM
 
     tok = llm.get_tokenizer()

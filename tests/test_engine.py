@@ -11,9 +11,9 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from compiles import no_compilation
 from test_parity import SENTENCES, hf_greedy, hf_model
+from tiny import needs_torch
 
 from jaxsched import LLM, EngineArgs, SamplingParams
 from jaxsched.config import default_block_size
@@ -108,6 +108,7 @@ def test_engine_argument_errors(llama_dir, tmp_path):
     assert EngineArgs().max_num_seqs == 128
 
 
+@needs_torch
 def test_block_size_defaults_per_attention_backend(llama_dir):
     """block_size=None (the default) picks 128 for the XLA path, 16 for the Pallas kernel."""
     assert EngineArgs().block_size is None
@@ -153,7 +154,10 @@ def test_stop_strings_and_stop_tokens(llm):
     assert by_id.token_ids == ids[: ids.index(ids[3]) + 1] and by_id.stop_reason == ids[3]
 
 
+@needs_torch
 def test_logprobs_match_transformers(llm, llama_dir):
+    import torch
+
     p = prompts_of(llm, 5)[4]["prompt_token_ids"]
     o = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
                                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -5,16 +5,20 @@ compared with transformers' full forward at the same positions, to 1e-4 relative
 Greedy tokens: LLM.generate over 8+ prompts of different lengths at once equals
 model.generate(do_sample=False) per prompt, with continuous batching, chunked prefill with a small
 token budget, and preemption with a small pool switched on in different cases.
+The reference is PyTorch: those tests carry `needs_torch` (skipped where the `parity` extra is not
+installed); the module itself imports without torch, as others import its prompts and helpers.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny
-import torch
 import transformers as tf
 from conftest import MODEL_KINDS
 from flax import nnx
@@ -45,16 +49,48 @@ SENTENCES = [
 
 
 def hf_model(folder: str):
+    import torch
+
     return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
+@tiny.needs_torch
+@pytest.mark.parametrize("kind", [*MODEL_KINDS, "llama-every-bias"])
+def test_tiny_checkpoints_load_into_transformers_whole(kind, model_dirs, tokenizer_dir, tmp_path):
+    """tiny.py writes the checkpoints without torch: transformers must find every tensor it expects
+    under its own names and shapes, and nothing else, and hold exactly the saved values."""
+    import torch
+    from safetensors.numpy import load_file
+
+    if kind == "llama-every-bias":
+        folder = tiny.build_model(str(tmp_path / kind), "llama", tokenizer_dir, seed=7, bias_std=0.5,
+                                  attention_bias=True, mlp_bias=True)
+    else:
+        folder = model_dirs[kind]
+    model, info = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info  # missing, unexpected, mismatched keys, errors
+    with open(os.path.join(folder, "config.json")) as f:
+        assert type(model).__name__ == json.load(f)["architectures"][0]
+    assert model.dtype == torch.float32
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(saved) <= set(state) and set(state) - set(saved) <= {"lm_head.weight"}
+    for name, value in saved.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    if model.config.tie_word_embeddings:
+        np.testing.assert_array_equal(state["lm_head.weight"], saved["model.embed_tokens.weight"])
+
+
+@tiny.needs_torch
 @pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_logits_match_transformers(kind, layer_weights, model_dirs, tokenizer_dir):
@@ -62,27 +98,26 @@ def test_logits_match_transformers(kind, layer_weights, model_dirs, tokenizer_di
     check_logits(model_dirs[kind], layer_weights, tokenizer_dir)
 
 
+@tiny.needs_torch
 @pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_logits_match_transformers_with_every_bias(num_layers, layer_weights, tokenizer_dir, tmp_path):
     """Llama with attention_bias and mlp_bias (q/k/v, o, gate/up and down biases: every optional
     weight the per-layer switch branches carry), one layer (the last branch is also the first) and
-    three."""
-    folder = tiny.build_model(str(tmp_path / "bias"), "llama", tokenizer_dir, seed=7, attention_bias=True,
-                              mlp_bias=True, num_hidden_layers=num_layers)
-    ref = hf_model(folder)  # transformers initialises biases to zero: give them values to check
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape) * 0.5)
-    ref.save_pretrained(folder, safe_serialization=True)
-    cfg, _, _ = load_model_source(folder)
+    three. transformers initialises biases to zero, so these are drawn at random to count."""
+    folder = tiny.build_model(str(tmp_path / "bias"), "llama", tokenizer_dir, seed=7, bias_std=0.5,
+                              attention_bias=True, mlp_bias=True, num_hidden_layers=num_layers)
+    cfg, get, _ = load_model_source(folder)
+    assert min(np.abs(get(f"model.layers.0.{n}.bias")).max() for n in (
+        "self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")) > 0.1
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.num_layers) == (True, True, True, num_layers)
     check_logits(folder, layer_weights, tokenizer_dir)
 
 
 def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     """Every step of a chunked, batched run of 5 prompts against transformers' full forward."""
+    import torch
+
     cfg, get, _ = load_model_source(folder)
     model = build_model(cfg, "float32", get, layer_weights=layer_weights)
     assert model.layers.layout == layer_weights
@@ -136,6 +171,7 @@ GENERATE_CASES = [
 ]
 
 
+@tiny.needs_torch
 @pytest.mark.parametrize("kind,engine_args", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES])
 def test_greedy_generation_matches_transformers(kind, engine_args, model_dirs):
     folder = model_dirs[kind]

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from compiles import no_compilation
 from test_parity import SENTENCES, hf_model
+from tiny import needs_torch
 
 from jaxsched import LLM, SamplingParams
 from jaxsched.batch import BatchDescriptor, flat_sizes
@@ -169,9 +169,12 @@ def llm(llama_dir):
     return LLM(llama_dir, **ENGINE)
 
 
+@needs_torch
 def test_greedy_with_penalties_matches_transformers_plus_numpy(llm, llama_dir):
     """Teacher-forced on the engine's tokens: at every step the engine's token must be the argmax of
     transformers' logits with vLLM's penalties applied in numpy (up to float noise)."""
+    import torch
+
     tok = llm.get_tokenizer()
     model = hf_model(llama_dir)
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, **kw) for kw in (

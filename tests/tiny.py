@@ -1,9 +1,22 @@
 """Tiny test fixtures built from public libraries: a BPE tokenizer trained with `tokenizers`, and
-random Llama / Mistral / Qwen2 / Qwen3 checkpoints built with transformers' config classes."""
+random Llama / Mistral / Qwen2 / Qwen3 checkpoints: transformers' config classes for config.json, the
+weights drawn in numpy under Hugging Face's tensor names and saved with safetensors. Nothing here
+needs torch; tests that compare with transformers' PyTorch models carry `needs_torch`."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+
+import numpy as np
+import pytest
+
+# torch (the `parity` extra) is only the ground truth of parity tests. Found without importing it:
+# importing torch costs seconds that tests which never touch it should not pay.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(
+    not HAVE_TORCH, reason="needs torch (pip install -e '.[parity]'): compares with transformers' PyTorch models")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -64,22 +77,86 @@ def hf_config(kind: str, vocab_size: int, **overrides):
     return cfg
 
 
-def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, **overrides) -> str:
-    """Save a random transformers model (safetensors) plus the tiny tokenizer into `folder`."""
-    import torch
+# Transformers draws 2-D weights from N(0, initializer_range) (0.02), which gives near-uniform logits;
+# they are scaled by this so greedy tokens are decided by clear margins rather than 1e-7 ties that
+# float reordering could flip.
+SHARPEN = 4.0
+
+
+def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.ndarray]:
+    """Float32 weights of `cfg`'s architecture under Hugging Face's tensor names: 2-D weights from
+    N(0, initializer_range * SHARPEN) with the padding token's embedding row zero, norms ones, biases
+    zero as transformers initialises them (or N(0, bias_std) when a test needs them to count)."""
+    rng = np.random.default_rng(seed)
+    arch = cfg.model_type
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"no weight layout for model_type {arch!r}")
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N = cfg.num_attention_heads
+    K = cfg.num_key_value_heads or N
+    H = getattr(cfg, "head_dim", None) or D // N
+    attention_bias = bool(getattr(cfg, "attention_bias", False)) and arch in ("llama", "qwen3")
+    qkv_bias = arch == "qwen2" or attention_bias  # Qwen2: q/k/v biases always, o never
+    mlp_bias = bool(getattr(cfg, "mlp_bias", False)) and arch == "llama"
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * (cfg.initializer_range * SHARPEN)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (rng.standard_normal(n) * bias_std).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, np.float32)
+
+    w = {"model.embed_tokens.weight": matrix(V, D)}
+    if cfg.pad_token_id is not None:  # nn.Embedding(padding_idx=pad) starts that row at zero
+        w["model.embed_tokens.weight"][cfg.pad_token_id] = 0.0
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones(D)
+        w[p + "post_attention_layernorm.weight"] = ones(D)
+        for name, rows, cols, has_bias in (("q_proj", N * H, D, qkv_bias), ("k_proj", K * H, D, qkv_bias),
+                                           ("v_proj", K * H, D, qkv_bias), ("o_proj", D, N * H, attention_bias)):
+            w[p + f"self_attn.{name}.weight"] = matrix(rows, cols)
+            if has_bias:
+                w[p + f"self_attn.{name}.bias"] = bias(rows)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = ones(H)
+            w[p + "self_attn.k_norm.weight"] = ones(H)
+        for name, rows, cols in (("gate_proj", F, D), ("up_proj", F, D), ("down_proj", D, F)):
+            w[p + f"mlp.{name}.weight"] = matrix(rows, cols)
+            if mlp_bias:
+                w[p + f"mlp.{name}.bias"] = bias(rows)
+    w["model.norm.weight"] = ones(D)
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = matrix(V, D)
+    return w
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
+def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, *, bias_std: float = 0.0,
+                **overrides) -> str:
+    """Save a random checkpoint of `kind` as a Hugging Face folder (config.json, generation_config.json,
+    model.safetensors) plus the tiny tokenizer into `folder`, without torch. `overrides` are config
+    attributes (num_hidden_layers=1, attention_bias=True, ...); `bias_std` > 0 gives the biases values."""
     import transformers as tf
+    from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
     cfg = hf_config(kind, vocab_size=len(tok), **overrides)
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # Random init gives near-uniform logits; sharpen them so greedy tokens are decided by clear
-    # margins rather than 1e-7 ties that float reordering could flip.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(folder, safe_serialization=True)
+    cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
+    cfg.dtype = "float32"
+    os.makedirs(folder, exist_ok=True)
+    cfg.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        written = json.load(f)
+    assert written["architectures"] == cfg.architectures and written["dtype"] == "float32", written
+    tf.GenerationConfig.from_model_config(cfg).save_pretrained(folder)
+    save_file(random_weights(cfg, seed, bias_std), os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
     tok.save_pretrained(folder)
     return folder
