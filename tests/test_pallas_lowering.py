@@ -2,19 +2,22 @@
 
 Every (T, S) bucket that the runner compiles for a small engine config is lowered to StableHLO for
 cuda, so an unsupported primitive or a bad shape in the kernels fails here rather than on the GPU.
-With jaxlib <= 0.10.2 a Pallas Triton kernel lowers to a `__gpu$xla.gpu.triton` custom call that
-carries the kernel as Triton IR (TTIR); PTX is only produced by XLA on the GPU. So the TTIR is also
-parsed back and checked for what Triton's later passes would reject: every tensor dimension a power
-of two, every dot at least 16 x 16 x 16.
+Our kernels pass Triton compiler params, so each lowers to a `__gpu$xla.gpu.triton` custom call
+that carries the kernel as Triton IR (TTIR); PTX is only produced by XLA on the GPU. So the TTIR is
+also parsed back and checked for what Triton's later passes would reject: every tensor dimension a
+power of two, every dot at least 16 x 16 x 16.
 
-Versions: on jax 0.11+ lowering for cuda without a GPU may need an abstract device; lower_for_cuda
-retries under jax.sharding.use_abstract_mesh. jaxlib > 0.10.2 compiles TTIR to PTX already while
-lowering, which needs the CUDA plugin's compiler; on a CPU-only jax 0.11 install that lowering fails
-with the plugin's error and this file must run where the plugin is installed (the GPU machine).
+Versions (both run by `make test`): with jax 0.10.2 the Triton lowering, finding no GPU, targets
+compute capability 9.0 by itself. With jax 0.11.2 it takes the target GPU from the abstract mesh's
+device, and with neither a GPU nor an abstract device it raises "No supported GPU devices found";
+so every lowering and export here runs under `abstract_gpu()` (an H200, compute capability 9.0),
+which jax 0.10.2 accepts and ignores. On both versions the custom call carries TTIR and nothing here
+needs the CUDA plugin.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -38,22 +41,18 @@ MODELS = [
 ]
 
 
+@contextlib.contextmanager
+def abstract_gpu():
+    """An abstract mesh over one abstract H200, the target GPU of lowerings on a machine without one."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
+
+
 def lower_for_cuda(fn, *args):
     """jit(fn) lowered for cuda from abstract arguments, on a machine without a GPU."""
-    traced = jax.jit(fn).trace(*args)
-    try:
-        return traced.lower(lowering_platforms=("cuda",))
-    except Exception as first:  # jax 0.11+: lowering for a platform with no device needs an abstract one
-        sharding = jax.sharding
-        if not hasattr(sharding, "use_abstract_mesh"):
-            raise
-        device = sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-        mesh = sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        try:
-            with sharding.use_abstract_mesh(mesh):
-                return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-        except Exception as second:
-            raise second from first
+    with abstract_gpu():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def triton_kernels(lowered) -> dict[str, str]:
@@ -140,8 +139,9 @@ def test_the_wrapper_dispatches_the_kernel_when_lowering_for_cuda():
     f = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.2, backend="pallas"))
     # On this CPU machine "pallas" means interpret mode: no Triton call, pure XLA.
     assert TRITON_CALL not in f.trace(*args).lower().as_text()
-    exp = export.export(jax.jit(pallas_for_gpu), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    with abstract_gpu():
+        exp = export.export(jax.jit(pallas_for_gpu), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
     assert exp.platforms == ("cuda",) and exp.mlir_module().count(TRITON_CALL) == 2
 
 
