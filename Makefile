@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: test generate serve bench clean
+.PHONY: test test-leg1 test-leg2 generate serve bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,12 +13,41 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,parity]'
 	touch $@
 
-# Run the whole suite (CPU; slow tests included, GPU tests skip themselves without a GPU).
-test: $(VENV)/.test
+# Leg 2 runs on the GPU machine's versions: Python 3.12 and jax 0.11.2, without the `parity` extra
+# (the local torch wheel is for 3.11 only), so the parity tests skip there. Python 3.12 from pyenv,
+# else python3.12 on PATH.
+VENV312 ?= .venv312
+PY312 := $(VENV312)/bin/python
+JAX_PINS ?= jax==0.11.2 jaxlib==0.11.2
+LEG2_WORKERS ?= 2
+# found once, when first needed (the eval keeps the answer)
+PYTHON312 ?= $(eval PYTHON312 := $(shell for p in "$$(pyenv prefix 3.12.1 2>/dev/null)/bin/python3.12" \
+	"$$(pyenv prefix 3.12 2>/dev/null)/bin/python3.12" "$$(command -v python3.12)"; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done))$(PYTHON312)
+
+$(VENV312)/.test: pyproject.toml
+	$(PYTHON312) -m venv $(VENV312)
+	$(PY312) -m pip install -q --upgrade pip
+	$(PY312) -m pip install -q -e '.[test]' $(JAX_PINS)
+	touch $@
+
+# Both legs. Leg 1: the whole suite (CPU; slow tests included, GPU tests skip themselves without a
+# GPU). Leg 2: every test but the slow ones, on LEG2_WORKERS pytest-xdist workers (a module stays on
+# one worker, with its fixtures); tests that need torch skip, saying so.
+test: test-leg1 test-leg2
+
+test-leg1: $(VENV)/.test
 	$(PY) -m pytest -q
+
+test-leg2:
+	@if [ -z "$(PYTHON312)" ]; then echo "test leg 2 (Python 3.12, jax 0.11.2) skipped: no Python 3.12" \
+	  "found (pyenv prefix 3.12.1, pyenv prefix 3.12, python3.12 on PATH)"; \
+	else $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.test; fi
+	@if [ -n "$(PYTHON312)" ]; then set -x; \
+	  $(PY312) -m pytest -q -m "not slow" -n $(LEG2_WORKERS) --dist loadfile; fi
 
 # Offline generation on the demo model (fetched once into ~/.cache/jaxsched).
 generate: $(VENV)/.base
@@ -32,4 +61,4 @@ bench: $(VENV)/.base
 	$(PY) scripts/bench_offline.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV312) .pytest_cache
