@@ -1,14 +1,21 @@
-"""The runtime paths need only the runtime dependencies: `jaxsched generate` and `jaxsched serve` on a
-GGUF file (tokenizer and chat template from its metadata) run in a subprocess where every
-test-only distribution (torch, pytest, openai, ...) is hidden as if not installed (runtime_only.py).
-This is what `make serve` meets on a fresh machine, where only the runtime dependencies are installed."""
+"""`jaxsched generate` and `jaxsched serve` as processes.
+
+They need only the runtime dependencies: both run on a GGUF file (tokenizer and chat template from
+its metadata) in a subprocess where every test-only distribution (torch, pytest, openai, ...) is
+hidden as if not installed (runtime_only.py), which is what `make serve` meets on a fresh machine.
+And the server exits on SIGTERM within its --shutdown-timeout plus a few seconds, even while a
+client that stopped reading holds a stream open."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -17,6 +24,7 @@ from servers import free_port, wait_healthy
 
 HERE = os.path.dirname(__file__)
 RUNTIME_ONLY = [sys.executable, os.path.join(HERE, "runtime_only.py")]
+SHUTDOWN_TIMEOUT = 3
 ENGINE_FLAGS = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                 "--block-size", "8", "--gpu-memory-utilization", "0.05"]
 
@@ -46,27 +54,57 @@ def test_generate_runs_without_test_dependencies(tiny_llama_gguf):
     assert "[6 tokens in" in res.stderr or "tokens in" in res.stderr
 
 
-def test_serve_runs_without_test_dependencies(tiny_llama_gguf, tmp_path):
+@pytest.fixture(scope="module")
+def served(tiny_llama_gguf, tmp_path_factory):
+    """`jaxsched serve` on the tiny GGUF, runtime dependencies only, with a 3 s shutdown deadline."""
     port = free_port()
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
-    proc = subprocess.Popen([*RUNTIME_ONLY, "serving.cli", "serve", tiny_llama_gguf, "--port", str(port),
-                             "--served-model-name", "tiny", *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT)
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*RUNTIME_ONLY, "serving.cli", "serve", tiny_llama_gguf, "--port", str(port),
+                                 "--served-model-name", "tiny", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+                                 *ENGINE_FLAGS], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, tmp_path / "serve.log")
-        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "what is a cat ?"}], "max_tokens": 5,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == 5
-        assert body["choices"][0]["message"]["role"] == "assistant"
+        wait_healthy(proc, url, log)
+        yield proc, url, log
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_runs_without_test_dependencies(served):
+    _, url, log = served
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "what is a cat ?"}], "max_tokens": 5,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert "runtime_only: hiding" in log.read_text()
+
+
+def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
+    """Runs last in this module: it ends the server."""
+    proc, url, log = served
+    port = int(url.rsplit(":", 1)[1])
+    # a client that asks for a large stream and never reads it (a small receive buffer fills fast)
+    with socket.socket() as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        body = json.dumps({"model": "tiny", "prompt": "one two", "max_tokens": 100, "n": 128, "stream": True,
+                           "ignore_eos": True, "logprobs": 5}).encode()  # megabytes of events, 4 rows at a time
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(3)  # the server is now blocked writing to it
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        running = re.search(r"^jaxsched:num_requests_running\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+        assert running and float(running.group(1)) > 0, metrics  # its request is still in flight
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = (tmp_path / "serve.log").read_text()
-    assert "runtime_only: hiding" in text and "Traceback" not in text, text[-3000:]
+        proc.wait(SHUTDOWN_TIMEOUT + 5)
+        took = time.monotonic() - t0
+    text = log.read_text()
+    assert took < SHUTDOWN_TIMEOUT + 5, text[-3000:]
+    assert "shutdown deadline" in text and "Traceback" not in text, text[-3000:]
