@@ -152,7 +152,8 @@ class BatchPacker:
     def pack(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchDescriptor:
         """The step's arrays. A request whose values do not fit them (which make_request's checks
         should make impossible) cannot fail the step for the others: its row runs with neutral
-        values and the batch names it in `rejected`."""
+        sampling values (and 0 for a token id that does not fit), and the batch names it in
+        `rejected`."""
         try:
             return self._pack(out, block_manager, {})
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
@@ -185,8 +186,8 @@ class BatchPacker:
 
         # Token ids: one list slice per request, never a per-token Python loop.
         slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), out.num_new_tokens)]
-        for i in bad:
-            slices[i] = [0] * out.num_new_tokens[i]
+        for i in bad:  # keep the ids that fit: another request may share this step's blocks of this row
+            slices[i] = [t if 0 <= t <= INT32_MAX else 0 for t in slices[i]]
         b.token_ids[:total] = np.fromiter(itertools.chain.from_iterable(slices), np.int32, total)
         rows = np.repeat(np.arange(n, dtype=np.int32), lens)
         pos = b.positions

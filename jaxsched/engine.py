@@ -25,7 +25,7 @@ from jaxsched.block_manager import BlockManager, cdiv
 from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, default_block_size
 from jaxsched.detokenizer import IncrementalDetokenizer
-from jaxsched.models.loader import build_model, load_model_source
+from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxsched.penalties import check_penalty_capacity, table_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
@@ -187,6 +187,7 @@ class LLMEngine:
                 "the 'numba' and 'xla' attention backends support; use kv_cache_dtype='auto' or attention_backend='numba'"
             )
         model = build_model(model_cfg, dtype, getter, attention_backend=backend, seed=args.seed)
+        forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, dtype, time.perf_counter() - t0)
 
         P = args.block_size or default_block_size(backend)
@@ -324,14 +325,22 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         expanded = []
         for rid in ids:
-            state = self._states.get(rid)
-            if state is not None and state.request.group_id in self._groups:
-                rid = state.request.group_id  # one sample of an n > 1 request: abort them all
-            group = self._groups.pop(rid, None)
-            expanded.extend(group.child_ids if group else [rid])
+            gid, members = self._group_of(rid)
+            if gid is not None:
+                del self._groups[gid]
+            expanded.extend(members)
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         for rid in expanded:
             self._states.pop(rid, None)
+
+    def _group_of(self, rid: str) -> tuple[str | None, list[str]]:
+        """(group id, its sample ids) when `rid` is an n > 1 request or one of its samples, else
+        (None, [rid]): ending one sample ends them all."""
+        state = self._states.get(rid)
+        if state is not None and state.request.group_id in self._groups:
+            rid = state.request.group_id
+        group = self._groups.get(rid)
+        return (rid, list(group.child_ids)) if group is not None else (None, [rid])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -385,15 +394,17 @@ class LLMEngine:
     def _fail_requests(self, reasons: dict[str, str]) -> list[RequestOutput]:
         """End requests whose rows the step could not take (FINISHED_ERROR, with the reason), and
         their sibling samples; they report now, the rest of the step goes on."""
+        # A token id of theirs that did not fit was written as 0, so a block they registered in the
+        # prefix cache may hold K/V of other tokens than its hash says: forget the cache (rare path).
+        self.block_manager.reset_prefix_cache()
         outputs = []
         now = time.monotonic()
         for rid, why in reasons.items():
-            state = self._states.get(rid)
-            if state is None:  # already ended with a sibling
+            if rid not in self._states:  # already ended with a sibling
                 continue
             logger.error("request %s failed: %s", rid, why)
-            gid = state.request.group_id if state.request.group_id in self._groups else None
-            ids = [r for r in (self._groups[gid].child_ids if gid is not None else [rid]) if r in self._states]
+            gid, ids = self._group_of(rid)
+            ids = [r for r in ids if r in self._states]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             done = {}
             for r in ids:

@@ -64,7 +64,10 @@ def _int(name: str, v: object, lo: int, hi: int | None, meaning: str) -> None:
 
 
 def _float(name: str, v: object, lo: float, hi: float | None, meaning: str, low_open: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    try:  # an int too large for a float overflows here
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:
+        ok = False
     ok = ok and (v > lo if low_open else v >= lo) and (hi is None or v <= hi)
     if not ok:
         where = f"{'(' if low_open else '['}{lo:g}, {f'{hi:g}]' if hi is not None else 'inf)'}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from typing import Any
 
 from jaxsched.models.demo import cache_dir
@@ -30,10 +31,7 @@ def load_tokenizer(path: str):
             return AutoTokenizer.from_pretrained(str(cached))
         logger.info("building the tokenizer of %s from its GGUF metadata (cached in %s)", path, cached)
         tok = gguf_file_tokenizer(path)
-        try:
-            tok.save_pretrained(str(cached))
-        except OSError as e:  # a read-only cache only costs the rebuild next time
-            logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+        _save_atomically(tok, cached)
         return tok
     if os.path.isdir(path):
         try:
@@ -43,12 +41,26 @@ def load_tokenizer(path: str):
     raise ValueError(f"tokenizer {path!r} is neither a folder nor a .gguf file")
 
 
+def _save_atomically(tok, folder) -> None:
+    """Save into a fresh folder, then rename it into place: a server starting meanwhile never loads
+    a half-written one (tokenizer.json there, the chat template not yet)."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, folder)
+    except OSError as e:  # read-only, or another process got there first: only costs a rebuild
+        if not (folder / "tokenizer.json").is_file():
+            logger.warning("could not cache the tokenizer in %s: %s", folder, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def gguf_file_tokenizer(path: str):
     """The tokenizer a .gguf file describes (not cached)."""
     from jaxsched.gguf_tokenizer import build_gguf_tokenizer, gguf_tokenizer_metadata
     from jaxsched.models.loader import gguf_reader
 
-    return build_gguf_tokenizer(gguf_tokenizer_metadata(gguf_reader(os.path.abspath(path))))
+    return build_gguf_tokenizer(gguf_tokenizer_metadata(gguf_reader(path)))
 
 
 class PromptTooLongError(ValueError):

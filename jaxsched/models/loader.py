@@ -148,13 +148,24 @@ _GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm
                    "lm_head.weight": "output.weight"}
 
 
-@functools.lru_cache(maxsize=1)
 def gguf_reader(path: str):
     """A gguf.GGUFReader of `path`. Parsing a file's metadata takes seconds (one Python object per
-    token of the vocabulary), so the weights and the tokenizer of one file share one reader."""
+    token of the vocabulary), so the weights and the tokenizer of one file share one reader (until
+    forget_gguf_readers(), which the engine calls once both are loaded)."""
+    st = os.stat(path)
+    return _gguf_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str, size: int, mtime_ns: int):  # the file's size and mtime: a replaced file is re-read
     import gguf
 
     return gguf.GGUFReader(path)
+
+
+def forget_gguf_readers() -> None:
+    """Drop the shared reader (and its memory map of the file)."""
+    _gguf_reader.cache_clear()
 
 
 def _gguf_field(reader, key: str, default: Any = None) -> Any:
@@ -235,7 +246,7 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
 def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray], str]:
     """(ModelConfig, tensor getter, kind) for a HF folder or a .gguf file."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        reader = gguf_reader(os.path.abspath(path))
+        reader = gguf_reader(path)
         hf = gguf_config(reader)
         return model_config_from_hf(hf), gguf_getter(reader, hf), "gguf"
     if os.path.isdir(path):
