@@ -64,6 +64,8 @@ from serving.streaming import DeltaTracker, EventStream, merge, sse
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# request fields LLMEngine.make_request checks (its messages start with the field's name)
+_ENGINE_CHECKED = frozenset({"prompt", "priority", "logprobs", "stop_token_ids"})
 _enc = msgspec.json.Encoder()
 
 
@@ -156,7 +158,8 @@ class _Server:
                 raise RequestError(str(e), status=503, code="engine_dead")
             if isinstance(e, ValueError):  # the engine's validation: LLMEngine.make_request
                 first = str(e).split(" ", 1)[0]
-                raise RequestError(str(e), param=first if first in ("prompt", "priority", "logprobs") else None)
+                param = {"prompt_token_ids": "prompt"}.get(first, first)
+                raise RequestError(str(e), param=param if param in _ENGINE_CHECKED else None)
             raise e
         return list(res)
 
@@ -191,6 +194,7 @@ class _Server:
                                param="best_of")
         prompts = await self.conv.completion_prompts(req.prompt)
         params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids, _ in prompts]
+        self.conv.check_sequences(len(prompts), req.n)  # n is valid now
         rid = f"cmpl-{uuid.uuid4().hex}"
         texts = [t for _, t in prompts]
         streams = await self.submit([ids for ids, _ in prompts], texts, params, rid, req.priority)
@@ -278,6 +282,10 @@ class _Server:
                     yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, [], usage))
                 else:
                     yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, [], usage))
+        except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
+            logger.warning("stream %s ended: %s", ctx.rid, e)
+            code = "engine_dead" if isinstance(e, EngineDeadError) else "request_failed"
+            yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, code)))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             logger.exception("stream %s failed", ctx.rid)
             yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, type(e).__name__)))

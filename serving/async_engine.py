@@ -282,7 +282,7 @@ class AsyncEngine:
             if cmd[0] == "add":
                 self._post(cmd[-1], dead)
             elif cmd[0] == "call":
-                cmd[2].get_loop().call_soon_threadsafe(_resolve, cmd[2], None, dead)
+                cmd[2].get_loop().call_soon_threadsafe(resolve_future, cmd[2], None, dead)
         self._flush()
 
     def _apply_commands(self) -> None:
@@ -302,7 +302,7 @@ class AsyncEngine:
                     res, exc = fn(self.engine), None
                 except Exception as e:  # noqa: BLE001 - handed to the caller's await
                     res, exc = None, e
-                fut.get_loop().call_soon_threadsafe(_resolve, fut, res, exc)
+                fut.get_loop().call_soon_threadsafe(resolve_future, fut, res, exc)
 
     def _add(self, rid: str, prompt: Any, params: SamplingParams | None, priority: int, arrival: float,
              stream: RequestStream) -> None:
@@ -406,7 +406,8 @@ def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
         stream._put(item)
 
 
-def _resolve(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+def resolve_future(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+    """Complete `fut` (on its loop) unless its waiter gave up."""
     if fut.done():
         return
     if exc is not None:

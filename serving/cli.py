@@ -73,6 +73,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from serving.server import serve
 
     log = logging.getLogger("jaxsched.serve")
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
     eng = LLMEngine(args)
     name = ns.served_model_name or ns.model or "demo"

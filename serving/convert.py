@@ -1,8 +1,9 @@
 """OpenAI requests to engine inputs, engine outputs to OpenAI responses: the server's pure functions.
 
-Everything here runs on the event loop with the server's own copy of the tokenizer (the engine
-thread decodes with the engine's; a fast tokenizer shared across threads can fail with "Already
-borrowed"). Errors are RequestErrors naming the parameter to change.
+Prompts are tokenized and chat templates rendered on a TokenizerPool's threads; outputs are turned
+into OpenAI's shapes on the event loop with the server's own copy of the tokenizer (the engine thread
+decodes with the engine's: a fast tokenizer shared across threads can fail with "Already borrowed").
+Errors are RequestErrors naming the parameter to change.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _BYTE_LEVEL = {c: b for b, c in byte_alphabet().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
+MAX_SEQUENCES = 2048  # prompts x n of one request (OpenAI takes up to 2048 prompts in one request)
 # OpenAI's chat roles; anything else is refused rather than rendered into the prompt
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template's own arguments: chat_template_kwargs only sets template variables
@@ -52,7 +54,10 @@ class Converter:
             self.tokenizer = copy.deepcopy(tokenizer)  # the event loop's own, for outputs
         except Exception:  # noqa: BLE001 - one that cannot be copied is shared; it is only read here
             self.tokenizer = tokenizer
-        self.pool = TokenizerPool(tokenizer, tokenizer_workers)
+        self.pool = TokenizerPool(tokenizer, tokenizer_workers)  # prompts of generation requests
+        # /tokenize and /detokenize take any length (counting tokens is their purpose): a thread of
+        # their own, so that they can never hold up the prompts of generation requests
+        self.utility_pool = TokenizerPool(tokenizer, 1, name="tokenize-route")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
@@ -84,16 +89,26 @@ class Converter:
         if limit:
             self._check_length(text, param)
         try:
-            return await self.pool.run(_encode, text, add_special_tokens)
+            return await (self.pool if limit else self.utility_pool).run(_encode, text, add_special_tokens)
         except Exception as e:
             raise RequestError(f"could not tokenize the {param}: {e}", param=param) from e
 
     async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
         self._check_ids(ids, param)
-        return await self.pool.run(lambda tok, ids: tok.decode(ids), ids)
+        return await self.utility_pool.run(lambda tok, ids: tok.decode(ids), ids)
+
+    @staticmethod
+    def check_sequences(num_prompts: int, n: int) -> None:
+        """One request may queue at most MAX_SEQUENCES sequences (prompts x samples) at once."""
+        if num_prompts * n > MAX_SEQUENCES:
+            raise RequestError(f"{num_prompts} prompts x n = {n} samples is more than the {MAX_SEQUENCES} sequences "
+                               "one request may ask for: split it into several requests",
+                               param="prompt" if n == 1 else "n")
 
     async def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
         """(token ids, text) of each prompt of a /v1/completions request."""
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+            self.check_sequences(len(prompt), 1)  # before tokenizing any of them
         if isinstance(prompt, str):
             prompt = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -169,8 +184,9 @@ class Converter:
             if limit:
                 self._check_length(m["content"], f"messages[{i}].content")
         try:
-            ids = await self.pool.run(chat_prompt_ids, conv, add_generation_prompt, template, variables,
-                                      self.max_prompt_chars if limit else None)
+            ids = await (self.pool if limit else self.utility_pool).run(
+                chat_prompt_ids, conv, add_generation_prompt, template, variables,
+                self.max_prompt_chars if limit else None)
         except PromptTooLongError as e:
             raise RequestError(f"{e}: shorten the messages", param="messages", code="context_length_exceeded") from e
         except Exception as e:

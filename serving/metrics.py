@@ -175,7 +175,7 @@ class EngineMetrics:
             if out.metrics is not None and out.metrics.first_scheduled_time:
                 self.request_queue_time.observe(max(0.0, out.metrics.first_scheduled_time - arrival_time))
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
-            if reason != "abort":
+            if reason not in ("abort", "error"):
                 self.request_success.inc(finished_reason=reason)
         return n
 

@@ -2,40 +2,56 @@
 
 Tokenizing a long prompt or rendering a chat template takes long enough to stall every other
 connection if it ran on the event loop (a 1 MB prompt takes seconds), so the server hands that work
-to these threads; a fast tokenizer releases the GIL while it encodes a batch, which
-transformers' tokenizer calls do. A fast tokenizer must not be used by two threads at once (it
-fails with "Already borrowed"), hence one copy per thread, made on the thread's first task.
+to these threads; a fast tokenizer releases the GIL while it encodes a batch, which transformers'
+tokenizer calls do. A fast tokenizer must not be used by two threads at once (it fails with "Already
+borrowed"), hence one copy per thread, made when the pool is built (before requests arrive, while
+the engine thread does not use its own). The threads are daemons: a long task never holds up the
+process's exit after a shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from serving.async_engine import resolve_future
+
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
 
 class TokenizerPool:
-    def __init__(self, tokenizer: Any, workers: int = 2) -> None:
-        self._proto = tokenizer
-        self._copy_lock = threading.Lock()
-        self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxsched-tokenize")
+    def __init__(self, tokenizer: Any, workers: int = 2, name: str = "tokenize") -> None:
+        try:
+            copies = [copy.deepcopy(tokenizer) for _ in range(workers)]
+        except Exception as e:  # noqa: BLE001 - a tokenizer that cannot be copied: one worker uses it
+            logger.warning("cannot copy the tokenizer (%s): one %s worker shares it", e, name)
+            copies = [tokenizer]
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for i, tok in enumerate(copies):
+            threading.Thread(target=self._work, args=(tok,), name=f"jaxsched-{name}-{i}", daemon=True).start()
 
-    def _tokenizer(self) -> Any:
-        tok = getattr(self._local, "tokenizer", None)
-        if tok is None:
-            with self._copy_lock:  # the prototype is only ever read, and by one thread at a time
-                tok = self._local.tokenizer = copy.deepcopy(self._proto)
-        return tok
+    def _work(self, tokenizer: Any) -> None:
+        while True:
+            fn, args, fut, loop = self._tasks.get()
+            try:
+                res, exc = fn(tokenizer, *args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's await
+                res, exc = None, e
+            try:
+                loop.call_soon_threadsafe(resolve_future, fut, res, exc)
+            except RuntimeError:  # the caller's loop is closed: nobody waits for this result
+                pass
 
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
         """fn(tokenizer, *args) on a worker thread, with that thread's tokenizer."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(self._tokenizer(), *args))
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._tasks.put((fn, args, fut, loop))
+        return await fut
