@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -152,10 +153,19 @@ def test_queue_limit_and_stats(setup):
     before = m.request_success.value(finished_reason="length"), m.generation_tokens.value()
 
     async def main():
+        # Hold the engine thread while the six arrive, so that none starts running (which would free
+        # a queue place) before all six have been counted: the limit is then exact, however loaded
+        # the machine is.
+        gate = threading.Event()
+        held = asyncio.ensure_future(engine.call(lambda eng: gate.wait(30)))
+        await asyncio.sleep(0.05)
         engine.max_num_queued_requests = 2
         try:
-            res = await asyncio.gather(*(engine.add_request(PROMPTS[0], GREEDY) for _ in range(6)),
-                                       return_exceptions=True)
+            adds = [asyncio.ensure_future(engine.add_request(PROMPTS[0], GREEDY)) for _ in range(6)]
+            await asyncio.sleep(0)  # each add checks the limit before its first await
+            gate.set()
+            res = await asyncio.gather(*adds, return_exceptions=True)
+            await held
         finally:
             engine.max_num_queued_requests = None
         streams = [r for r in res if not isinstance(r, BaseException)]

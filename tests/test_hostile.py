@@ -24,6 +24,7 @@ ENGINE = {"max_model_len": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"Content-Type": "application/json"}
 PROMPTS = ["the capital of france is", "hello world , how are you", "one two three four", "what is a cat ?"]
+LONG = "one two three four five six seven eight nine ten . the capital of france is paris ."
 EXTREME = [2**31, 2**63, 2**64, -(2**63) - 1, 10**30, -1]
 
 
@@ -148,6 +149,22 @@ def _stream_text(url: str, prompt: str) -> str:
     return text
 
 
+_INT_FIELDS = ["prompt", "max_tokens", "n", "top_k", "seed", "logprobs", "min_tokens", "priority", "stop_token_ids"]
+
+
+def _expected(field: str, value: int) -> tuple[int, str | None]:
+    """(status, param) for a valid completion request with `value` in `field`."""
+    accepted = {"top_k": value >= -1,  # beyond the vocabulary, or -1: off
+                "seed": -(2**63) <= value < 2**64, "priority": -(2**63) <= value < 2**63}
+    return (200, None) if accepted.get(field, False) else (400, field)
+
+
+def _field_body(field: str, value: int) -> dict:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    body[field] = [value] if field in ("prompt", "stop_token_ids") else value
+    return body
+
+
 @pytest.mark.parametrize("value", EXTREME)
 def test_an_extreme_integer_in_every_field_is_a_400_and_four_streams_complete(server, value):
     want = [server.http.post(CMPL, json={"model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0,
@@ -166,9 +183,30 @@ def test_an_extreme_integer_in_every_field_is_a_400_and_four_streams_complete(se
         r = server.http.post(path, json=body)
         assert r.status_code == 400, r.text
         assert_openai_error(r)
+    for field in _INT_FIELDS:  # and each field alone, in an otherwise valid request: its own check answers
+        status, param = _expected(field, value)
+        r = server.http.post(CMPL, json=_field_body(field, value))
+        assert r.status_code == status, (field, r.text)
+        if status != 200:
+            assert assert_openai_error(r)["param"] == param, (field, r.text)
+    r = server.http.post(CHAT, json={**CHAT_OK, "logprobs": True, "top_logprobs": value})
+    assert r.status_code == 400 and assert_openai_error(r)["param"] == "top_logprobs", r.text
     for t in threads:
         t.join(60)
     assert results == want
+
+
+def test_stop_token_ids_beyond_the_vocabulary_are_a_400(server):
+    r = server.http.post(CMPL, json=_field_body("stop_token_ids", 10**6))
+    assert r.status_code == 400 and assert_openai_error(r)["param"] == "stop_token_ids", r.text
+
+
+def test_one_request_queues_at_most_2048_sequences(server):
+    r = server.http.post(CMPL, json={"model": "tiny", "prompt": [[1]] * 3000, "max_tokens": 1})
+    assert r.status_code == 400 and assert_openai_error(r)["param"] == "prompt", r.text
+    r = server.http.post(CMPL, json={"model": "tiny", "prompt": [[1]] * 20, "n": 128, "max_tokens": 1})
+    assert r.status_code == 400 and assert_openai_error(r)["param"] == "n", r.text
+    assert server.idle() == ({}, False)
 
 
 def test_top_k_beyond_the_vocabulary_means_off(llama_dir):
@@ -198,10 +236,12 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
     llm = LLM(llama_dir, **ENGINE)
     eng = llm.llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in llm.generate([*PROMPTS, LONG], greedy, use_tqdm=False)]
+    assert len(eng.tokenize_prompt(LONG)[0]) >= 2 * ENGINE["block_size"]  # fills blocks it registers
+    eng.block_manager.reset_prefix_cache()  # nothing of LONG cached: the victim registers its own blocks
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"ok{i}", p, greedy)
-    victim = eng.make_request("bad", "one two", SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True))
+    victim = eng.make_request("bad", LONG, SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True))
     eng.add_request_obj(victim)
     for r in eng.scheduler.requests.values():
         if r.group_id == "bad":  # both samples (they share their SamplingParams)
@@ -211,11 +251,14 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
         for o in eng.step():
             if o.finished:
                 finals[o.request_id] = o
-    assert [finals[f"ok{i}"].outputs[0].token_ids for i in range(4)] == want
+    assert [finals[f"ok{i}"].outputs[0].token_ids for i in range(4)] == want[:4]
     failed = finals["bad"]
     assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
     assert "does not fit the engine's int32 arrays" in failed.error
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    # the victim's prompt again, valid now: whatever the failed row left in the prefix cache is sound
+    again = llm.generate([LONG], greedy, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want[4]
 
 
 def test_a_row_the_step_cannot_store_fails_only_its_stream(server):
@@ -228,19 +271,21 @@ def test_a_row_the_step_cannot_store_fails_only_its_stream(server):
             req = e.make_request("smuggled", "one two", SamplingParams(temperature=0, max_tokens=10))
             _smuggle(req, top_k=2**40)
             e.add_request_obj(req)
+            return len(e.scheduler.running)  # the four are mid-generation: the smuggled row joins their step
 
-        await eng.call(smuggle)
+        running = await eng.call(smuggle)
         outs = [[o async for o in s][-1] for s in streams]
-        return [o.outputs[0].token_ids for o in outs]
+        return running, [o.outputs[0].token_ids for o in outs]
 
-    assert asyncio.run(main()) == server.refs
+    running, outs = asyncio.run(main())
+    assert running == 4 and outs == server.refs
     assert server.idle() == ({}, False)
 
 
 def test_async_stream_of_a_failed_row_raises(server):
     async def main():
         eng = server.engine
-        stream = await eng.add_request("one two", SamplingParams(temperature=0, max_tokens=10))
+        stream = await eng.add_request("one two", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         await eng.call(lambda e: _smuggle(e.scheduler.requests[stream.request_id], top_k=2**40))
         with pytest.raises(EngineStepError, match="does not fit"):
             async for _ in stream:
@@ -331,23 +376,29 @@ def test_a_prompt_too_long_for_max_model_len_is_refused_before_tokenizing(server
 def test_health_answers_while_a_1mb_prompt_is_tokenized(server):
     text = "hello world , how are you today ? " * 30_000  # 1 MB
     done = threading.Event()
-    took: list[float] = []
+    result: list = []
 
     def tokenize() -> None:
         t0 = time.monotonic()
-        r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
-        took.append(time.monotonic() - t0)
-        assert r.status_code == 200 and r.json()["count"] > 100_000
-        done.set()
+        try:
+            r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+            result.extend([time.monotonic() - t0, r.status_code, r.json().get("count")])
+        finally:
+            done.set()
 
     t = threading.Thread(target=tokenize)
     t.start()
     lat = []
-    while not done.is_set():
-        t0 = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        lat.append(time.monotonic() - t0)
-        time.sleep(0.02)
-    t.join()
-    # at least a few health checks ran while the tokenizer worked, none waiting for it to finish
-    assert len(lat) >= 3 and max(lat) < min(1.0, took[0] / 3), (max(lat), took, len(lat))
+    deadline = time.monotonic() + 120
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        while not done.is_set() and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    t.join(10)
+    took, status, count = result
+    assert status == 200 and count > 100_000
+    # health checks ran all along while the tokenizer worked, none waiting for it to finish (the
+    # latency itself, ~50 ms at most here, is a figure for docs, not a timed test)
+    assert len(lat) >= 3 and max(lat) < took / 2, (max(lat), took, len(lat))

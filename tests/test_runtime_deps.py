@@ -51,7 +51,7 @@ def test_generate_runs_without_test_dependencies(tiny_llama_gguf):
                          capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert ">>> what is a cat ?" in res.stdout
-    assert "[6 tokens in" in res.stderr or "tokens in" in res.stderr
+    assert re.search(r"\[[1-6] tokens in [0-9.]+ s", res.stderr), res.stderr[-2000:]  # up to max_tokens, or EOS
 
 
 @pytest.fixture(scope="module")
