@@ -24,7 +24,7 @@ ENGINE = {"max_model_len": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"Content-Type": "application/json"}
 PROMPTS = ["the capital of france is", "hello world , how are you", "one two three four", "what is a cat ?"]
-LONG = "one two three four five six seven eight nine ten . the capital of france is paris ."
+LONG = "language models predict the next token from the previous tokens . jax runs on gpus and cpus ."  # shares no block with PROMPTS
 EXTREME = [2**31, 2**63, 2**64, -(2**63) - 1, 10**30, -1]
 
 
@@ -243,9 +243,9 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
         eng.add_request(f"ok{i}", p, greedy)
     victim = eng.make_request("bad", LONG, SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True))
     eng.add_request_obj(victim)
-    for r in eng.scheduler.requests.values():
-        if r.group_id == "bad":  # both samples (they share their SamplingParams)
-            _smuggle(r, **bad)
+    samples = [r for r in eng.scheduler.requests.values() if r.group_id == "bad"]
+    for r in samples:  # both samples (they share their SamplingParams)
+        _smuggle(r, **bad)
     finals = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -256,7 +256,10 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
     assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
     assert "does not fit the engine's int32 arrays" in failed.error
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
-    # the victim's prompt again, valid now: whatever the failed row left in the prefix cache is sound
+    # No block the failed row registered stays in the prefix cache (a row's token ids that did not
+    # fit were written as 0, so its blocks' K/V need not match their hashes) ...
+    assert samples[0].block_hashes and not set(samples[0].block_hashes) & set(eng.block_manager.cached)
+    # ... and its prompt, sent again, generates what it did before
     again = llm.generate([LONG], greedy, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want[4]
 
