@@ -16,55 +16,22 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from jaxsched.block_manager import BlockManager
 from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids
 from jaxsched.request import INT32_MAX, Request, SamplingParams
-from jaxsched.scheduler import SchedulerOutput
-
-# Field name -> (dtype, shape as a function of (T, S, M)). Order is the layout of the flat buffers.
-_I32_FIELDS: dict[str, object] = {
-    "token_ids": lambda T, S, M: (T,),  # i32[T]     new tokens, request after request
-    "positions": lambda T, S, M: (T,),  # i32[T]     their positions in their sequences
-    "slot_mapping": lambda T, S, M: (T,),  # i32[T]  block * P + offset; padding -> 0 (null page)
-    "query_start_loc": lambda T, S, M: (S + 1,),  # i32[S+1] where each request's tokens start in T
-    "seq_lens": lambda T, S, M: (S,),  # i32[S]      KV length of each request after this step
-    "block_tables": lambda T, S, M: (S, M),  # i32[S, M] each request's blocks; unused -> 0
-    "logits_indices": lambda T, S, M: (S,),  # i32[S] index in T of each request's last new token
-    "num_seqs": lambda T, S, M: (1,),  # i32[1]      real requests; rows past it are padding
-    "top_k": lambda T, S, M: (S,),  # i32[S]         0 = off
-    "seeds": lambda T, S, M: (S,),  # i32[S]         per-request sampling seed
-    "sample_index": lambda T, S, M: (S,),  # i32[S]  output index of the token sampled this step
-    "num_logprobs": lambda T, S, M: (S,),  # i32[S]  -1 = no logprobs
-    # penalties (jaxsched/penalties.py); the [S, W] tables travel separately (see BatchDescriptor)
-    "penalty_num": lambda T, S, M: (S,),  # i32[S]   valid entries of the row's table; 0 = no penalties
-}
-_F32_FIELDS: dict[str, object] = {
-    "temperature": lambda T, S, M: (S,),  # f32[S]   0 = greedy
-    "top_p": lambda T, S, M: (S,),  # f32[S]
-    "min_p": lambda T, S, M: (S,),  # f32[S]
-    "presence_penalty": lambda T, S, M: (S,),  # f32[S]
-    "frequency_penalty": lambda T, S, M: (S,),  # f32[S]
-    "repetition_penalty": lambda T, S, M: (S,),  # f32[S]
-}
+from jaxsched.scheduler import ScheduledRequest, SchedulerOutput
 
 
-@functools.cache
-def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
-    """(name, start, stop, shape) of each field of the "i32" or "f32" buffer; cached per bucket
-    because pack() runs every step."""
-    fields_ = _I32_FIELDS if which == "i32" else _F32_FIELDS
-    out, offset = [], 0
-    for name, shape_fn in fields_.items():
-        shape = shape_fn(T, S, M)
-        size = int(np.prod(shape))
-        out.append((name, offset, offset + size, shape))
-        offset += size
-    return tuple(out)
+def _flat(kind: str, shape):
+    """A field that views the `kind` ("i32" / "f32") flat buffer; shape(T, S, M) gives its shape."""
+    return field(default=None, metadata={"flat": kind, "shape": shape})
 
 
-def flat_sizes(T: int, S: int, M: int) -> tuple[int, int]:
-    """Lengths of the int32 and float32 flat buffers for a (T, S) bucket."""
-    return _layout("i32", T, S, M)[-1][2], _layout("f32", T, S, M)[-1][2]
+def _tokens(T: int, S: int, M: int) -> tuple[int, ...]:
+    return (T,)
+
+
+def _rows(T: int, S: int, M: int) -> tuple[int, ...]:
+    return (S,)
 
 
 @dataclass
@@ -72,27 +39,28 @@ class BatchDescriptor:
     """One step's inputs. numpy views on the host, jax arrays inside the jitted step.
 
     Shapes use the glossary: T tokens (bucket), S sequences (bucket), M max blocks per sequence.
+    The fields made with _flat are, in this order, the layout of the two flat buffers.
     """
 
-    token_ids: object  # i32[T]
-    positions: object  # i32[T]
-    slot_mapping: object  # i32[T]
-    query_start_loc: object  # i32[S + 1]
-    seq_lens: object  # i32[S]
-    block_tables: object  # i32[S, M]
-    logits_indices: object  # i32[S]
-    num_seqs: object  # i32[1]
-    top_k: object  # i32[S]
-    seeds: object  # i32[S]
-    sample_index: object  # i32[S]
-    num_logprobs: object  # i32[S]
-    penalty_num: object  # i32[S]
-    temperature: object  # f32[S]
-    top_p: object  # f32[S]
-    min_p: object  # f32[S]
-    presence_penalty: object  # f32[S]
-    frequency_penalty: object  # f32[S]
-    repetition_penalty: object  # f32[S]
+    token_ids: object = _flat("i32", _tokens)  # i32[T]  new tokens, request after request
+    positions: object = _flat("i32", _tokens)  # i32[T]  their positions in their sequences
+    slot_mapping: object = _flat("i32", _tokens)  # i32[T]  block * P + offset; padding -> 0 (null page)
+    query_start_loc: object = _flat("i32", lambda T, S, M: (S + 1,))  # i32[S + 1] where each request's tokens start
+    seq_lens: object = _flat("i32", _rows)  # i32[S]  KV length of each request after this step
+    block_tables: object = _flat("i32", lambda T, S, M: (S, M))  # i32[S, M] each request's blocks; unused -> 0
+    logits_indices: object = _flat("i32", _rows)  # i32[S]  index in T of each request's last new token
+    num_seqs: object = _flat("i32", lambda T, S, M: (1,))  # i32[1]  real requests; rows past it are padding
+    top_k: object = _flat("i32", _rows)  # i32[S]  0 = off
+    seeds: object = _flat("i32", _rows)  # i32[S]  per-request sampling seed
+    sample_index: object = _flat("i32", _rows)  # i32[S]  output index of the token sampled this step
+    num_logprobs: object = _flat("i32", _rows)  # i32[S]  -1 = no logprobs
+    penalty_num: object = _flat("i32", _rows)  # i32[S]  valid entries of the row's penalty table; 0 = none
+    temperature: object = _flat("f32", _rows)  # f32[S]  0 = greedy
+    top_p: object = _flat("f32", _rows)  # f32[S]
+    min_p: object = _flat("f32", _rows)  # f32[S]
+    presence_penalty: object = _flat("f32", _rows)  # f32[S]
+    frequency_penalty: object = _flat("f32", _rows)  # f32[S]
+    repetition_penalty: object = _flat("f32", _rows)  # f32[S]
     # The penalty tables are not in the flat buffers: W is sized for the longest possible history
     # (up to max_model_len), so they go to the device only in steps where a request uses them.
     penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
@@ -128,10 +96,23 @@ class BatchDescriptor:
         return cls(**kw, flat_i32=flat_i32, flat_f32=flat_f32)
 
 
-assert [f.name for f in fields(BatchDescriptor)][: len(_I32_FIELDS) + len(_F32_FIELDS)] == [
-    *_I32_FIELDS,
-    *_F32_FIELDS,
-], "BatchDescriptor fields and the flat layout must list the same names in the same order"
+@functools.cache
+def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+    """(name, start, stop, shape) of each field of the "i32" or "f32" buffer; cached per bucket
+    because pack() runs every step."""
+    out, offset = [], 0
+    for f in fields(BatchDescriptor):
+        if f.metadata.get("flat") == which:
+            shape = f.metadata["shape"](T, S, M)
+            size = int(np.prod(shape))
+            out.append((f.name, offset, offset + size, shape))
+            offset += size
+    return tuple(out)
+
+
+def flat_sizes(T: int, S: int, M: int) -> tuple[int, int]:
+    """Lengths of the int32 and float32 flat buffers for a (T, S) bucket."""
+    return _layout("i32", T, S, M)[-1][2], _layout("f32", T, S, M)[-1][2]
 
 
 class BatchPacker:
@@ -149,22 +130,23 @@ class BatchPacker:
         self._pen_ids = np.zeros((max_seqs, penalty_capacity), np.int32)  # rows past penalty_num are
         self._pen_counts = np.zeros((max_seqs, penalty_capacity), np.float32)  # never read: no clearing
 
-    def pack(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchDescriptor:
+    def pack(self, out: SchedulerOutput) -> BatchDescriptor:
         """The step's arrays. A request whose values do not fit them (which make_request's checks
         should make impossible) cannot fail the step for the others: its row runs with neutral
         sampling values (and 0 for a token id that does not fit), and the batch names it in
         `rejected`."""
+        rows = list(out.scheduled.values())
         try:
-            return self._pack(out, block_manager, {})
+            return self._pack(out, rows, {})
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
-            bad = {i: why for i, r in enumerate(out.requests) if (why := unstorable(r)) is not None}
+            bad = {i: why for i, row in enumerate(rows) if (why := unstorable(row.request)) is not None}
             if not bad:
                 raise
-            b = self._pack(out, block_manager, bad)
-            b.rejected = {out.requests[i].request_id: why for i, why in bad.items()}
+            b = self._pack(out, rows, bad)
+            b.rejected = {rows[i].request.request_id: why for i, why in bad.items()}
             return b
 
-    def _pack(self, out: SchedulerOutput, block_manager: BlockManager, bad: dict[int, str]) -> BatchDescriptor:
+    def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str]) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
         b = BatchDescriptor.from_flat(self._i32[:n_i32], self._f32[:n_f32], T, S, M, self._pen_ids[:S],
@@ -172,8 +154,8 @@ class BatchPacker:
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
-        reqs = out.requests
-        lens = np.asarray(out.num_new_tokens, np.int32)
+        reqs = [row.request for row in sched]
+        lens = np.fromiter((row.num_new_tokens for row in sched), np.int32, n)
         total = int(lens.sum())
         starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
 
@@ -185,7 +167,7 @@ class BatchPacker:
         b.num_seqs[0] = n
 
         # Token ids: one list slice per request, never a per-token Python loop.
-        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), out.num_new_tokens)]
+        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), lens.tolist())]
         for i in bad:  # keep the ids that fit: another request may share this step's blocks of this row
             slices[i] = [t if 0 <= t <= INT32_MAX else 0 for t in slices[i]]
         b.token_ids[:total] = np.fromiter(itertools.chain.from_iterable(slices), np.int32, total)
@@ -195,8 +177,7 @@ class BatchPacker:
 
         # Block tables: every request's block list flattened once, scattered into [S, M] at once.
         bt = b.block_tables
-        req_blocks = block_manager.req_blocks
-        tables = [req_blocks.get(r.request_id, ()) for r in reqs]
+        tables = [row.block_ids for row in sched]
         n_blocks = np.fromiter(map(len, tables), np.int32, n)
         flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(n_blocks.sum()))
         b_rows = np.repeat(np.arange(n, dtype=np.int32), n_blocks)

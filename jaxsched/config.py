@@ -1,25 +1,26 @@
-"""Engine configuration: frozen dataclasses, validated once at construction.
+"""Engine configuration: frozen dataclasses, validated once at construction, resolved once.
 
-EngineArgs carries vLLM's argument names and meanings. The engine resolves it into three
-smaller configs that each subsystem reads: ModelConfig (the architecture), CacheConfig (the KV
-pool) and SchedulerConfig (batching limits and buckets).
+EngineArgs carries vLLM's argument names and meanings, and the only defaults. `resolve(args,
+model, platform, ...)` turns it, once, into an EngineConfig: every "auto" and None decided (dtype,
+attention backend, block size, KV dtype, pool and swap sizes, token budget, buckets), split into
+the configs each subsystem reads: ModelConfig (the architecture), CacheConfig (the KV pool) and
+SchedulerConfig (batching limits and buckets). Nothing downstream decides a setting again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = ("auto", "float32", "bfloat16")
-_ATTENTION_BACKENDS = ("auto", "pallas", "numba", "xla")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
-
-
-def default_block_size(attention_backend: str) -> int:
-    """Tokens per KV block when EngineArgs.block_size is None (see its comment)."""
-    return 16 if attention_backend == "pallas" else 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,6 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.attention_backend not in _ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
@@ -192,7 +191,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits. token_buckets / seq_buckets are every T and S a step may have."""
+    """Batching limits. token_buckets / seq_buckets are every T and S a step may have. The
+    defaults are EngineArgs' (tests build this directly; the engine gets it from resolve())."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -200,12 +200,98 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
-    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    preemption_mode: str = EngineArgs.preemption_mode  # "recompute" | "swap" | "auto"
     # with "auto": swap a victim with at least this many computed tokens (recompute would cost more
-    # than copying its blocks); the engine derives it from the model's size
+    # than copying its blocks); resolve() derives it from the model's size (sizing.swap_min_tokens)
     swap_min_tokens: int = 1024
     num_host_blocks: int = 0  # the swap pool (swap_space); 0 disables swapping
-    swap_threshold: float = 1.0  # no new admissions above this KV usage
-    max_paddings: int = 32
-    long_prefill_token_threshold: int = 0  # 0: no cap
-    max_num_queued_requests: int | None = None
+    swap_threshold: float = EngineArgs.swap_threshold  # no new admissions above this KV usage
+    max_paddings: int = EngineArgs.max_paddings
+    long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold  # 0: no cap
+    max_num_queued_requests: int | None = EngineArgs.max_num_queued_requests  # the one owner of the limit
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine, decided: what resolve() returns and the engine builds from."""
+
+    model_path: str
+    tokenizer_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    dtype: str  # of the weights and activations
+    attention_backend: str  # a name in pallas_kernels.backends.BACKENDS, never "auto"
+    penalty_capacity: int  # W of the penalty tables (penalties.table_capacity)
+    max_logprobs: int
+    seed: int
+    enable_prefix_caching: bool
+    scheduling_policy: Any
+
+
+def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str, weights_bytes: Callable[[str], int],
+            memory: Callable[[], tuple[int, int]]) -> EngineConfig:
+    """Decide every "auto" and None of `args` for `model` on `platform` ("cpu" / "gpu"), once.
+
+    weights_bytes(dtype) is the model's size in that dtype; memory() the device's (total, free)
+    bytes (asked only when the pool is sized from memory). Raises ValueError saying what to change.
+    """
+    from jaxsched.buckets import seq_buckets, token_buckets
+    from jaxsched.penalties import table_capacity
+    from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
+    from pallas_kernels.backends import choose
+
+    dtype = args.dtype
+    if dtype == "auto":
+        # XLA:CPU runs float32 matmuls faster than bfloat16 ones; accelerators get the checkpoint's
+        # 16-bit dtype (float16 checkpoints run in bfloat16, which has float32's range).
+        dtype = "float32" if platform == "cpu" or model.dtype in ("float32", "float64") else "bfloat16"
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype)
+    for why in skipped:
+        logger.warning("attention_backend auto: %s", why)
+    P = args.block_size or backend.default_block_size
+
+    max_len = args.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
+            f"({model.max_position_embeddings}); lower max_model_len"
+        )
+    if model.sliding_window is not None and max_len > model.sliding_window:
+        raise ValueError(
+            f"the model uses sliding-window attention (window {model.sliding_window}), which this engine "
+            f"does not implement; set max_model_len <= {model.sliding_window}"
+        )
+    if args.enable_chunked_prefill:
+        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+    else:
+        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
+        if budget < max_len:
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
+                f"max_model_len ({max_len}) so that any prompt fits in one step"
+            )
+    max_seqs = min(args.max_num_seqs, budget)
+
+    max_useful = max_seqs * -(-max_len // P) + 1  # every sequence at full length, plus the null page
+    num_blocks = args.num_gpu_blocks_override or num_blocks_for_memory(
+        model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(dtype), budget, max_seqs,
+        max_useful)
+    num_host_blocks = 0
+    if args.preemption_mode != "recompute" and args.swap_space > 0:
+        num_host_blocks = min(int(args.swap_space * 2**30 // kv_bytes_per_block(model, P, kv_dtype)), 2 * max_useful)
+    sched = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+        enable_chunked_prefill=args.enable_chunked_prefill, token_buckets=token_buckets(budget, max_seqs),
+        seq_buckets=seq_buckets(max_seqs), preemption_mode=args.preemption_mode,
+        swap_min_tokens=swap_min_tokens(model, kv_dtype, platform), num_host_blocks=num_host_blocks,
+        swap_threshold=args.swap_threshold, max_paddings=args.max_paddings,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_queued_requests=args.max_num_queued_requests)
+    return EngineConfig(
+        model_path=model_path, tokenizer_path=args.tokenizer or model_path, model=model,
+        cache=CacheConfig(block_size=P, num_blocks=num_blocks, dtype=kv_dtype), scheduler=sched, dtype=dtype,
+        attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
+        max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy)

@@ -1,13 +1,11 @@
 """Scheduling policies: which request goes first. Plain Python: no jax, no clocks.
 
-A policy orders requests; the scheduler serves running requests in that order, admits waiting and
-swapped ones in that order, and preempts from the end of it. Any object with
-`prioritize(requests) -> ordered list` is a policy (the SchedulerPolicy protocol), so users can plug
-in their own rule; the scheduler calls it once per step on each queue.
-
-The built-in policies also expose `sort_key(request)`, a key that never changes while a request
-lives. With it the scheduler keeps its queues sorted by insertion instead of re-sorting them every
-step, which is what keeps a step under a millisecond with thousands of requests waiting.
+The contract is the SchedulerPolicy ABC, and it is exactly what the scheduler uses: a `sort_key`
+per request (smaller runs first) that never changes while the request lives, and whether a waiting
+request may preempt a running one that ranks below it. A static key lets the scheduler keep its
+queues sorted by insertion instead of re-sorting them every step, which keeps a step under a
+millisecond with thousands of requests waiting. The built-in policies go through the same path as
+any user's.
 
 Aging without clocks: PriorityPolicy's key is priority + arrival_step / aging_steps. Between two
 requests waiting at the same time the step count cancels out, so the key is static, and a request
@@ -17,34 +15,38 @@ arrived less than d * aging_steps steps after it. That bounds how long any reque
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Any
 
 from jaxsched.request import Request
 
 
-@runtime_checkable
-class SchedulerPolicy(Protocol):
-    """Orders requests, most urgent first."""
+class SchedulerPolicy(ABC):
+    """Orders requests. The scheduler serves running requests in key order, admits swapped and
+    waiting ones in key order, and preempts from the end of the running queue."""
 
-    def prioritize(self, requests: Sequence[Request]) -> list[Request]: ...
+    name = "custom"
+    # May a waiting request that does not fit preempt the lowest-ranked running request, when that
+    # one's key is larger? (vLLM's priority scheduling does; FCFS never preempts for rank.)
+    preempts_for_priority = False
+
+    @abstractmethod
+    def sort_key(self, request: Request) -> Any:
+        """The request's rank, smaller first. It is read when the request enters a queue (arrival,
+        preemption, admission) and must not change while it sits there; break ties with
+        request.seq_no (arrival order)."""
 
 
-class FCFSPolicy:
+class FCFSPolicy(SchedulerPolicy):
     """First come, first served: arrival order."""
 
     name = "fcfs"
-    preempts_for_priority = False
 
-    @staticmethod
-    def sort_key(request: Request) -> tuple[float, int]:
-        return (0.0, request.seq_no)
-
-    def prioritize(self, requests: Sequence[Request]) -> list[Request]:
-        return sorted(requests, key=self.sort_key)
+    def sort_key(self, request: Request) -> int:
+        return request.seq_no
 
 
-class PriorityPolicy:
+class PriorityPolicy(SchedulerPolicy):
     """Lower `priority` first, ties by arrival (vLLM's "priority"), with aging: every
     `aging_steps` steps a request has waited count as one priority level.
 
@@ -68,21 +70,17 @@ class PriorityPolicy:
         below them no longer outrank it: only a finite set of arrivals can ever overtake it."""
         return priority_gap * self.aging_steps
 
-    def prioritize(self, requests: Sequence[Request]) -> list[Request]:
-        return sorted(requests, key=self.sort_key)
+
+POLICIES: dict[str, type[SchedulerPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
 
 
 def make_policy(policy: str | SchedulerPolicy) -> SchedulerPolicy:
-    """A policy from scheduling_policy: "fcfs", "priority" or an instance."""
-    if isinstance(policy, str):
-        if policy == "fcfs":
-            return FCFSPolicy()
-        if policy == "priority":
-            return PriorityPolicy()
-        raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or a SchedulerPolicy, got {policy!r}")
-    if not callable(getattr(policy, "prioritize", None)):
-        raise ValueError(  # noqa: TRY004 - a bad engine argument is a ValueError throughout
-            f"scheduling_policy {policy!r} has no prioritize(requests) method; subclass "
-            "jaxsched.policy.SchedulerPolicy or pass 'fcfs' / 'priority'"
-        )
-    return policy
+    """A policy from scheduling_policy: "fcfs", "priority" or a SchedulerPolicy instance."""
+    if isinstance(policy, SchedulerPolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise ValueError(
+        f"scheduling_policy must be one of {sorted(POLICIES)} or an instance of a jaxsched.policy.SchedulerPolicy "
+        f"subclass (which defines sort_key(request)), got {policy!r}"
+    )

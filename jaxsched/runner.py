@@ -1,10 +1,12 @@
 """ModelRunner: the weights and the KV pool on the device, one compiled program per (T, S) bucket,
-and execute(batch) -> sampled tokens.
+and execute(scheduler output) -> sampled tokens.
 
-All compilation happens in warm_up(), ahead of time, one executable per bucket pair; execute()
-only looks an executable up, so a step can never compile. The KV pool is donated to every call and
-updated in place. Per step: two host-to-device copies (the batch's flat buffers) and two
-device-to-host copies (sampled ids + logprobs, packed).
+execute() runs a SchedulerOutput: the step's block moves (swap out, copy-on-write, swap in), then
+the batch packed into fixed-shape arrays and one jitted call (model + sampler). All compilation
+happens in warm_up(), ahead of time, one executable per bucket pair; a step only looks an
+executable up, so it can never compile. The KV pool is donated to every call and updated in place.
+Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
+(sampled ids + logprobs, packed).
 """
 
 from __future__ import annotations
@@ -12,25 +14,35 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.batch import BatchDescriptor, flat_sizes
+from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.block_manager import cdiv
 from jaxsched.buckets import bucket_pairs
-from jaxsched.config import CacheConfig, ModelConfig, SchedulerConfig
-from jaxsched.penalties import PENALTY_CAPACITY
+from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.paths import cache_dir
 from jaxsched.sampler import SamplerOutput, sample
+from jaxsched.scheduler import SchedulerOutput
 from pallas_kernels import tuning
 from pallas_kernels.kv_cache import pool_dtype, pool_shapes
 
 logger = logging.getLogger(__name__)
 
-_JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SWAP_CHUNKS = (8, 32, 128)  # blocks per swap copy call
+
+
+@dataclass
+class StepResult:
+    """What executing one SchedulerOutput gives back."""
+
+    sampled: SamplerOutput | None  # None for a step with no rows
+    started: float  # time.monotonic() when the step began
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be stored
 
 
 def _chunked(pairs: list[tuple[int, int]]):
@@ -46,19 +58,6 @@ def _chunked(pairs: list[tuple[int, int]]):
 def _with_blocks(pool_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     """A pool's shape [L, NB, ...] (either page layout) with n blocks instead of NB."""
     return (pool_shape[0], n, *pool_shape[2:])
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_JNP[dtype]).itemsize
-
-
-def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str) -> int:
-    """A generous bound on one step's live activations: per-token hidden states of a layer plus the
-    logits and the sampler's sorted copy, with a factor 2 for XLA's temporaries."""
-    itemsize = jnp.dtype(_JNP[dtype]).itemsize
-    per_token = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                 + 3 * cfg.intermediate_size) * itemsize
-    return 2 * (max_tokens * per_token + 4 * max_seqs * cfg.vocab_size * 4)
 
 
 def device_memory() -> tuple[int, int]:
@@ -80,66 +79,49 @@ def device_memory() -> tuple[int, int]:
     return total, free
 
 
-def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, utilization: float,
-                          weights_bytes: int, max_tokens: int, max_seqs: int, max_useful: int,
-                          kv_dtype: str | None = None) -> int:
-    """vLLM's rule: the pool gets utilization * total memory minus what the process already holds
-    (weights) and the peak activations. On a CPU the same rule runs over host memory, also capped
-    by what is free now. Never more than `max_useful` blocks (null page included)."""
-    total, free = device_memory()
-    budget = min(utilization * total, free) - weights_bytes - activation_bytes(cfg, max_tokens, max_seqs, dtype)
-    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype or dtype))
-    if n < 2:
-        raise ValueError(
-            f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "
-            f"weights {weights_bytes / 2**30:.2f} GiB; raise gpu_memory_utilization, lower "
-            "max_num_batched_tokens / max_num_seqs, or set num_gpu_blocks_override"
-        )
-    return min(n, max_useful)
+def weights_bytes(model_config: ModelConfig, dtype: str) -> int:
+    """The model's weights in `dtype`, from its shapes alone (nothing is allocated)."""
+    from jaxsched.models.loader import build_model
+
+    abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(abstract)))
 
 
 def enable_compilation_cache() -> None:
     """Turn on jax's persistent compilation cache (in the jaxsched cache folder) unless the user
     chose a folder already, so a second start of the same model and buckets skips compilation."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    from jaxsched.models.demo import cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, max_logprobs: int,
-                 penalty_capacity: int = PENALTY_CAPACITY) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.max_logprobs = max_logprobs
+    def __init__(self, model: nnx.Module, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = cfg = config.model
+        self.cache_config = cache = config.cache
+        self.scheduler_config = sched = config.scheduler
+        self.max_logprobs = config.max_logprobs
         self.graphdef, self.state = nnx.split(model)
-        cfg = model_config
-        self.max_blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)  # M
-        # [L, NB, K, P, H] each, K pages transposed for the "xla" backend (kv_cache.pool_shapes)
-        shapes = pool_shapes(cfg.num_layers, cache_config.num_blocks, cfg.num_kv_heads, cache_config.block_size,
-                             cfg.head_dim, model.attention_backend)
-        # the pool's array dtype: a bfloat16 pool is uint16 bits for the XLA backends (kv_cache.py)
-        dt = pool_dtype(cache_config.dtype, model.attention_backend)
+        self.max_blocks_per_seq = M = cdiv(sched.max_model_len, cache.block_size)
+        self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
+                                  config.penalty_capacity)
+        # [L, NB, K, P, H] each, K pages transposed for the CPU backends (kv_cache.pool_shapes)
+        shapes = pool_shapes(cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cache.block_size,
+                             cfg.head_dim, config.attention_backend)
+        # the pool's array dtype: a bfloat16 pool is uint16 bits for the CPU backends (kv_cache.py)
+        dt = pool_dtype(cache.dtype, config.attention_backend)
         self.kv = (jnp.zeros(shapes[0], dt), jnp.zeros(shapes[1], dt))
         self._executables: dict[tuple[int, int], object] = {}
         self._use_compiler_options = True  # off once jaxlib rejects them (compile())
         self.warmup_seconds = 0.0
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
-        nh = scheduler_config.num_host_blocks
+        nh = sched.num_host_blocks
         self.host_kv = tuple(np.zeros(_with_blocks(x.shape, nh), dt) for x in self.kv) if nh else None
         self._swap_out_exe: dict[int, object] = {}
         self._swap_in_exe: dict[int, object] = {}
         self._copy_exe: dict[int, object] = {}
-        self.penalty_capacity = penalty_capacity  # W of the penalty tables
+        self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
         self._no_penalties: dict[int, tuple] = {}
-
-    @property
-    def weights_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.state))
 
     def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
         model = nnx.merge(self.graphdef, state)
@@ -254,7 +236,19 @@ class ModelRunner:
                     self.warmup_seconds)
         return self.warmup_seconds
 
-    def execute(self, batch: BatchDescriptor) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: its block moves (even an empty step may have some), then its rows."""
+        started = time.monotonic()
+        if out.has_block_moves:
+            self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if out.is_empty:
+            self.packer.penalties.forget(out.finished_ids)
+            return StepResult(None, started)
+        batch = self.packer.pack(out)
+        return StepResult(self.run(batch), started, batch.rejected)
+
+    def run(self, batch: BatchDescriptor) -> SamplerOutput:
+        """The jitted model + sampler over one packed batch."""
         T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
         exe = self._executables.get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets

@@ -27,26 +27,32 @@ budget, and read best together; the pools live in block_manager.py and the order
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxsched.block_manager import BlockManager, SwapPool, cdiv
 from jaxsched.buckets import round_up, seq_buckets_for
 from jaxsched.config import SchedulerConfig
+from jaxsched.errors import QueueFullError
 from jaxsched.policy import SchedulerPolicy, make_policy
 from jaxsched.request import Request, RequestStatus
+from jaxsched.stats import EngineStats
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_num_queued_requests already: retry later (HTTP 503)."""
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of a step: the request, the tokens it gets, and its KV blocks after the step."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: tuple[int, ...] = ()  # filled when the step's decisions are final
 
 
 @dataclass
 class SchedulerOutput:
     """One step's decisions: a plain value a test can inspect."""
 
-    requests: list[Request]  # scheduled, in batch order
-    num_new_tokens: list[int]  # tokens each gets this step
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)  # request id -> its row, in batch order
     preempted: list[str] = field(default_factory=list)  # preempted by recompute this step
     swapped_out: list[str] = field(default_factory=list)  # preempted by swap this step
     swapped_in: list[str] = field(default_factory=list)
@@ -61,28 +67,20 @@ class SchedulerOutput:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.requests)
+        return len(self.scheduled)
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.scheduled
+
+    @property
+    def has_block_moves(self) -> bool:
+        """Whether the step copies blocks (swap out / in, copy-on-write): even an empty step may."""
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
     @property
     def num_padding(self) -> int:
         return self.token_bucket - self.num_tokens
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int  # since start, swap and recompute
-    num_swap_outs: int
-    num_steps: int
-    num_tokens: int  # real tokens scheduled, since start
-    num_padding: int  # padded tokens, since start
-    last_padding: int  # padded tokens of the last step
 
 
 class Scheduler:
@@ -91,9 +89,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.policy = make_policy(policy)
-        # Built-in policies give a static key, so queues stay sorted by insertion; a user policy
-        # without one re-orders the queues with prioritize() every step.
-        self._key: Callable[[Request], object] | None = getattr(self.policy, "sort_key", None)
+        self._key = self.policy.sort_key  # static per request: queues stay sorted by insertion
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -112,10 +108,7 @@ class Scheduler:
 
     # -- queue management ----------------------------------------------------------------------
     def _insert(self, queue: list[Request], req: Request) -> None:
-        if self._key is not None:
-            bisect.insort(queue, req, key=self._key)
-        else:
-            queue.append(req)
+        bisect.insort(queue, req, key=self._key)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -165,15 +158,36 @@ class Scheduler:
             )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside a step (abort, stop string). Unknown ids are ignored."""
+        """End requests from outside a step (abort, stop string, error). Unknown ids are ignored."""
         ids = {rid for rid in request_ids if rid in self.requests}
         if not ids:
             return
+        if status == RequestStatus.FINISHED_ERROR:
+            # A failed request's blocks may hold K/V of other tokens than their hashes say (a row
+            # that could not be stored ran with zeros): forget the cache (rare path).
+            self.block_manager.reset_prefix_cache()
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
         self.swapped = [r for r in self.swapped if r.request_id not in ids]
         for rid in ids:
             self._finish(self.requests[rid], status)
+
+    def recover(self, out: SchedulerOutput) -> list[str]:
+        """Make the state consistent again after step `out` failed on the device. No block the step
+        registered in the prefix cache and no host copy it made can be trusted: the cache is
+        forgotten and requests swapped out by this step go back to waiting, to be recomputed.
+        Returns the ids of the requests whose device KV is suspect (every running one: the step
+        held the whole pool); the caller ends them."""
+        self.block_manager.reset_prefix_cache()
+        for rid in out.swapped_out:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self.swap_pool.release(rid)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self._insert(self.waiting, req)
+        return [r.request_id for r in self.running]
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -188,21 +202,22 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), self.num_preemptions,
-                              self.num_swap_outs, self.step_count, self.num_tokens, self.num_padding,
-                              self.last_padding)
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
+            num_requests_swapped=len(self.swapped), kv_cache_usage_perc=bm.usage,
+            num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs,
+            num_block_copies=self.num_block_copies, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits, num_steps=self.step_count, num_scheduled_tokens=self.num_tokens,
+            num_padded_tokens=self.num_padding, last_step_padded_tokens=self.last_padding)
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         bm = self.block_manager
-        if self._key is None:
-            self.waiting = list(self.policy.prioritize(self.waiting))
-            self.running = list(self.policy.prioritize(self.running))
-            self.swapped = list(self.policy.prioritize(self.swapped))
-        out = SchedulerOutput(requests=[], num_new_tokens=[])
-        sched, num_new = out.requests, out.num_new_tokens
+        out = SchedulerOutput()
+        sched = out.scheduled
         budget = cfg.max_num_batched_tokens
         self._preempted_now: set[str] = set()
 
@@ -221,8 +236,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                sched.append(req)
-                num_new.append(n)
+                sched[req.request_id] = ScheduledRequest(req, n)
                 budget -= n
                 i += 1
 
@@ -233,9 +247,10 @@ class Scheduler:
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
         if sched:
-            total = self._fit_bucket(sched, num_new, total)
-            for req in sched:
-                bm.register(req)
+            total = self._fit_bucket(list(sched.values()), total)
+            for row in sched.values():
+                bm.register(row.request)
+                row.block_ids = tuple(bm.block_ids(row.request.request_id))
             out.num_tokens = total
             out.token_bucket = round_up(cfg.token_buckets, total)
             out.seq_bucket = round_up(seq_buckets_for(cfg.seq_buckets, out.token_bucket), len(sched))
@@ -298,7 +313,7 @@ class Scheduler:
             cand_s = self.swapped[k] if k < len(self.swapped) else None
             if cand_s is None and cand_w is None:
                 break
-            use_swapped = cand_s is not None and (cand_w is None or key is None or key(cand_s) <= key(cand_w))
+            use_swapped = cand_s is not None and (cand_w is None or key(cand_s) <= key(cand_w))
             req = cand_s if use_swapped else cand_w
             if len(self.running) >= cfg.max_num_seqs:
                 fits = False
@@ -341,8 +356,7 @@ class Scheduler:
                 del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self._insert(self.running, req)
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
+            out.scheduled[req.request_id] = ScheduledRequest(req, n)
             budget -= n
         return budget
 
@@ -351,21 +365,16 @@ class Scheduler:
         request ranks below cand. Returns the budget it gave back (its tokens if it was scheduled
         this step), or None when there is no such request."""
         key = self._key
-        if key is None or not self.running or not getattr(self.policy, "preempts_for_priority", False):
+        if not self.running or not self.policy.preempts_for_priority:
             return None
         victim = self.running[-1]
         if key(victim) <= key(cand):
             return None
         self.running.pop()
-        freed = 0
-        for i, r in enumerate(out.requests):
-            if r is victim:  # un-schedule it: its KV so far stays valid, this step's tokens were not run
-                freed = out.num_new_tokens[i]
-                del out.requests[i]
-                del out.num_new_tokens[i]
-                break
+        # un-schedule it if it was scheduled this step: its KV so far stays valid, this step's tokens were not run
+        row = out.scheduled.pop(victim.request_id, None)
         self._preempt(victim, out)
-        return freed
+        return row.num_new_tokens if row is not None else 0
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Give a running request's blocks back. By swap: its computed KV is copied to host blocks
@@ -399,7 +408,7 @@ class Scheduler:
         self._insert(self.waiting, req)
         out.preempted.append(rid)
 
-    def _fit_bucket(self, sched: list[Request], num_new: list[int], total: int) -> int:
+    def _fit_bucket(self, rows: list[ScheduledRequest], total: int) -> int:
         """Trim prefill chunks (latest first, each keeps >= 1 token) so the step lands exactly on
         the bucket below when rounding up would pad more than max_paddings tokens. The trimmed
         tokens simply run next step."""
@@ -409,15 +418,15 @@ class Scheduler:
         if buckets[k] - total <= cfg.max_paddings or k == 0 or not cfg.enable_chunked_prefill:
             return total
         excess = total - buckets[k - 1]
-        if sum(n - 1 for n in num_new) < excess:
+        if sum(row.num_new_tokens - 1 for row in rows) < excess:
             return total
         bm = self.block_manager
-        for j in range(len(sched) - 1, -1, -1):
-            cut = min(excess, num_new[j] - 1)
+        for row in reversed(rows):
+            cut = min(excess, row.num_new_tokens - 1)
             if cut > 0:
-                num_new[j] -= cut
+                row.num_new_tokens -= cut
                 excess -= cut
-                bm.set_slots(sched[j], sched[j].num_computed_tokens + num_new[j])
+                bm.set_slots(row.request, row.request.num_computed_tokens + row.num_new_tokens)
                 if excess == 0:
                     break
         return buckets[k - 1]
@@ -425,17 +434,18 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[int]:
         """Apply a step's results. Returns the batch indices of requests that got a new token.
 
-        sampled_token_ids[i] is the token sampled for out.requests[i]; it only counts when that
-        request's KV caught up with all its tokens this step (a partial prefill chunk samples a
-        token that is thrown away).
+        sampled_token_ids[i] is the token sampled for the i-th row of out.scheduled; it only counts
+        when that request's KV caught up with all its tokens this step (a partial prefill chunk
+        samples a token that is thrown away).
         """
         max_model_len = self.config.max_model_len
         got_token: list[int] = []
         any_finished = False
-        for i, req in enumerate(out.requests):
-            if req.status != RequestStatus.RUNNING:  # aborted or preempted since schedule()
+        for i, row in enumerate(out.scheduled.values()):
+            req = row.request
+            if req.status != RequestStatus.RUNNING:  # aborted, failed or preempted since schedule()
                 continue
-            req.num_computed_tokens += out.num_new_tokens[i]
+            req.num_computed_tokens += row.num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue
             token = int(sampled_token_ids[i])

@@ -10,7 +10,7 @@ import os
 import shutil
 from typing import Any
 
-from jaxsched.models.demo import cache_dir
+from jaxsched.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

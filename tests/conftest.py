@@ -11,11 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny
 
-MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma")
 
 
 # The user's cache, where the demo model is downloaded once and reused by later runs.
-from jaxsched.models.demo import cache_dir
+from jaxsched.paths import cache_dir
 
 USER_CACHE = cache_dir()
 

@@ -20,11 +20,12 @@ def test_pack_mixed_step():
     s.add_request(c)
     out = s.schedule()  # a and b decode one token each; c prefills its whole prompt (2 + 25 <= 32)
     packer = BatchPacker(32, 8, 16, 8)
-    batch = packer.pack(out, bm)
+    batch = packer.pack(out)
     T, S = out.token_bucket, out.seq_bucket
     assert (batch.num_tokens_bucket, batch.num_seqs_bucket) == (T, S)
-    n_c = out.num_new_tokens[2]
-    assert out.num_new_tokens[:2] == [1, 1] and n_c == 25
+    assert list(out.scheduled) == ["a", "b", "c"]
+    n_c = out.scheduled["c"].num_new_tokens
+    assert [out.scheduled[r].num_new_tokens for r in "ab"] == [1, 1] and n_c == 25
     total = 2 + n_c
     assert batch.num_seqs[0] == 3
     np.testing.assert_array_equal(batch.query_start_loc[:4], [0, 1, 2, total])
@@ -36,8 +37,9 @@ def test_pack_mixed_step():
     assert (batch.seq_lens[3:] == 0).all()
     np.testing.assert_array_equal(batch.logits_indices[:3], [0, 1, total - 1])
     # slot mapping goes through each request's block table
-    for row, r in enumerate(out.requests):
-        blocks = bm.block_ids(r.request_id)
+    for row, (rid, sr) in enumerate(out.scheduled.items()):
+        blocks = bm.block_ids(rid)
+        assert list(sr.block_ids) == blocks  # the scheduler's output carries the block table
         np.testing.assert_array_equal(batch.block_tables[row, : len(blocks)], blocks)
         assert (batch.block_tables[row, len(blocks):] == 0).all()
         lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]
@@ -60,15 +62,15 @@ def test_pack_mixed_step():
 
 
 def test_pack_reuses_buffers_without_stale_values():
-    s, bm = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
+    s, _ = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
     packer = BatchPacker(32, 8, 16, 8)
     for rid in "abcd":
         s.add_request(Request(rid, [5] * 7, SamplingParams(temperature=0.7)))
-    big = packer.pack(s.schedule(), bm)
+    big = packer.pack(s.schedule())
     assert big.num_seqs[0] == 4
-    s2, bm2 = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
+    s2, _ = make_sched(num_blocks=32, block_size=8, max_num_seqs=8, budget=32)
     s2.add_request(Request("z", [9], SamplingParams()))
-    small = packer.pack(s2.schedule(), bm2)
+    small = packer.pack(s2.schedule())
     assert small.num_seqs[0] == 1
     assert (small.token_ids[1:] == 0).all() and (small.seq_lens[1:] == 0).all()
     assert (small.temperature[1:] == 0).all() and (small.block_tables[1:] == 0).all()

@@ -16,7 +16,7 @@ from test_parity import SENTENCES, hf_greedy, hf_model
 from tiny import needs_torch
 
 from jaxsched import LLM, EngineArgs, SamplingParams
-from jaxsched.config import default_block_size
+from pallas_kernels import backends
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 
@@ -122,7 +122,7 @@ def test_engine_argument_errors(llama_dir, tmp_path):
 def test_block_size_defaults_per_attention_backend(llama_dir):
     """block_size=None (the default) picks 128 for the XLA path, 16 for the Pallas kernel."""
     assert EngineArgs().block_size is None
-    assert default_block_size("xla") == 128 and default_block_size("pallas") == 16
+    assert backends.get("xla").default_block_size == 128 and backends.get("pallas").default_block_size == 16
     llm = LLM(llama_dir, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32, attention_backend="xla")
     cc = llm.llm_engine.cache_config
     assert cc.block_size == 128

@@ -29,13 +29,13 @@ def make_req(rid, n_prompt=10, max_tokens=4, **kw) -> Request:
 
 def step(s: Scheduler, token: int = 5, per_request: dict[str, int] | None = None):
     out = s.schedule()
-    s.update(out, [(per_request or {}).get(r.request_id, token) for r in out.requests])
+    s.update(out, [(per_request or {}).get(rid, token) for rid in out.scheduled])
     s.block_manager.check_invariants()
     return out
 
 
 def scheduled(out) -> dict[str, int]:
-    return {r.request_id: n for r, n in zip(out.requests, out.num_new_tokens)}
+    return {rid: row.num_new_tokens for rid, row in out.scheduled.items()}
 
 
 def test_continuous_batching_fcfs():
@@ -70,7 +70,7 @@ def test_token_budget_and_seq_cap():
     for i in range(6):
         s.add_request(make_req(str(i), n_prompt=10))
     out = step(s)
-    assert sum(out.num_new_tokens) <= 25 and out.num_seqs <= 3
+    assert out.num_tokens <= 25 and out.num_seqs <= 3
     assert scheduled(out) == {"0": 10, "1": 10, "2": 5}  # the third gets a chunk
     for _ in range(3):
         out = step(s)
@@ -175,7 +175,7 @@ def run_trace(seed: int) -> list[tuple]:
         out = s.schedule()
         assert out.num_tokens <= 24 and out.num_seqs <= 4 and len(s.running) <= 4
         decisions.append((tuple(scheduled(out).items()), tuple(out.preempted)))
-        s.update(out, [rnd.choice([5, 6, 7, 8, EOS]) for _ in out.requests])
+        s.update(out, [rnd.choice([5, 6, 7, 8, EOS]) for _ in out.scheduled])
         bm.check_invariants()
     while s.has_unfinished_requests():
         out = s.schedule()

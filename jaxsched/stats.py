@@ -1,0 +1,31 @@
+"""EngineStats: one snapshot of the engine's figures, named as vLLM's metrics (without the prefix).
+
+The scheduler fills it (it owns the queues and the block manager); LLMEngine.stats() returns it,
+the AsyncEngine publishes it between steps, and the /metrics gauges read it. One structure, one
+path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_requests_swapped: int = 0
+    kv_cache_usage_perc: float = 0.0  # fraction of usable KV blocks in use (0 to 1)
+    num_preemptions: int = 0  # since start, swap and recompute
+    num_swap_outs: int = 0
+    num_block_copies: int = 0  # copy-on-write of n > 1 tails
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # real tokens, since start
+    num_padded_tokens: int = 0  # padding tokens, since start
+    last_step_padded_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
