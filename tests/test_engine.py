@@ -16,6 +16,7 @@ from test_parity import SENTENCES, hf_greedy, hf_model
 from tiny import needs_torch
 
 from jaxsched import LLM, EngineArgs, SamplingParams
+from jaxsched.errors import StepFailedError
 from pallas_kernels import backends
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
@@ -204,6 +205,33 @@ def test_abort_frees_blocks_and_spares_others(llm):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
+def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monkeypatch):
+    """StepFailedError carries the final outputs of the requests the step held (error set); the
+    scheduler is consistent afterwards and the next requests generate as before."""
+    eng = llm.llm_engine
+    ps = prompts_of(llm, 3)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+    for i, p in enumerate(ps):
+        eng.add_request(f"f{i}", p, greedy if i else SamplingParams(n=2, temperature=0, max_tokens=6))
+
+    def on_fire(batch):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(eng.runner, "run", on_fire)
+    with pytest.raises(StepFailedError, match="device on fire") as failed:
+        eng.step()
+    outs = failed.value.outputs
+    assert sorted(o.request_id for o in outs) == ["f0", "f1", "f2"]  # the n = 2 request under its own id
+    assert all(o.finished and "device on fire" in o.error for o in outs)
+    assert all(c.finish_reason == "error" for o in outs for c in o.outputs) and len(outs[0].outputs) == 2
+    assert not eng.has_unfinished_requests()
+    eng.scheduler.check_invariants()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
+
+
 def test_chat_uses_the_template(llm):
     tok = llm.get_tokenizer()
     msgs = [{"role": "user", "content": "what is a cat ?"}]
@@ -217,7 +245,9 @@ def test_chat_uses_the_template(llm):
 
 
 HOST_ONLY = ["jaxsched/scheduler.py", "jaxsched/block_manager.py", "jaxsched/request.py", "jaxsched/buckets.py",
-             "jaxsched/policy.py", "jaxsched/penalties.py", "jaxsched/batch.py", "jaxsched/detokenizer.py"]
+             "jaxsched/policy.py", "jaxsched/penalties.py", "jaxsched/batch.py", "jaxsched/detokenizer.py",
+             "jaxsched/output_processor.py", "jaxsched/config.py", "jaxsched/sizing.py", "jaxsched/stats.py",
+             "jaxsched/errors.py", "jaxsched/paths.py"]
 
 
 def test_host_modules_do_not_import_jax():
@@ -229,7 +259,8 @@ def test_host_modules_do_not_import_jax():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "jax" or n.startswith(("jax.", "flax")) for n in names), f"{rel} imports {names}"
-    code = "import sys, jaxsched.scheduler, jaxsched.batch; print('jax' in sys.modules)"
+    code = ("import sys, jaxsched.scheduler, jaxsched.batch, jaxsched.output_processor, jaxsched.sizing; "
+            "print('jax' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     assert res.stdout.strip() == "False", "importing the scheduler must not load jax"
 

@@ -172,3 +172,29 @@ def test_prefix_cache_counts_each_admission_once():
     s.update(s.schedule(), [7, 7])
     st_ = s.block_manager.stats()
     assert (st_.prefix_queries, st_.prefix_hits) == (80, 32)  # b hits a's 4 full blocks of 8
+
+
+def test_recover_after_a_failed_step_requeues_this_steps_swaps_and_names_the_running():
+    """A step that failed on the device leaves no trusted prefix-cache entry and no trusted host
+    copy: requests it swapped out go back to waiting (recomputed from scratch), and recover()
+    names every running request (their KV lived in the pool the failed step held)."""
+    s = build("swap", 8, 32, 3, True, "fcfs", 32)
+    for rid in "abc":
+        s.add_request(Request(rid, [5 + ord(rid)] * 12, SamplingParams(max_tokens=20), eos_token_ids=(EOS,)))
+    out = s.schedule()
+    while not out.swapped_out:  # decode until the 7 usable blocks run out and someone is swapped
+        s.update(out, [7] * out.num_seqs)
+        out = s.schedule()
+    assert s.block_manager.cached  # full blocks were registered
+    swapped = list(out.swapped_out)
+    suspect = s.recover(out)
+    assert sorted(suspect) == sorted(r.request_id for r in s.running) and suspect
+    assert not s.block_manager.cached
+    for rid in swapped:
+        req = s.requests[rid]
+        assert req.status == RequestStatus.WAITING and req.num_computed_tokens == 0 and req in s.waiting
+        assert rid not in s.swap_pool.req_blocks
+    s.finish_requests(suspect, RequestStatus.FINISHED_ERROR)
+    s.check_invariants()
+    out = s.schedule()  # the swapped ones are admitted again, by recompute
+    assert set(out.scheduled) == set(swapped)
