@@ -140,7 +140,7 @@ def main() -> None:
         "preemptions": engine.scheduler.num_preemptions,
         "kv_blocks": engine.cache_config.num_blocks - 1,
         "block_size": engine.cache_config.block_size,
-        "attention_backend": engine.attention_backend,
+        "attention_backend": engine.config.attention_backend,
         "kv_cache_dtype": engine.cache_config.dtype,
     }
     print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s "

@@ -50,7 +50,7 @@ def run(R: int, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        packer.pack(out, bm)
+        packer.pack(out)
         t2 = time.perf_counter()
         sched.update(out, sampled[: out.num_seqs])
         t3 = time.perf_counter()

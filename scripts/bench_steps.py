@@ -53,9 +53,9 @@ def main() -> None:
 
     llm = make_llm(args)
     engine = llm.llm_engine
-    if args.no_prefill_attention and engine.attention_backend != "xla":
+    if args.no_prefill_attention and engine.config.attention_backend != "xla":
         raise SystemExit(f"--no-prefill-attention switches off the xla backend's prefill tiles, but this engine "
-                         f"runs attention_backend={engine.attention_backend!r}; add --engine-arg "
+                         f"runs attention_backend={engine.config.attention_backend!r}; add --engine-arg "
                          "attention_backend=xla")
     runner = engine.runner
     prompts, params, _, _ = workload(args, engine.model_config.vocab_size)
@@ -63,7 +63,7 @@ def main() -> None:
     seconds: dict[tuple, float] = collections.defaultdict(float)
     count: collections.Counter = collections.Counter()
     captured: dict[str, tuple] = {}  # kind -> ((T, S), (flat_i32, flat_f32)) of its largest bucket
-    execute = runner.execute
+    execute = runner.run
 
     def timed_execute(batch):
         T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
@@ -77,11 +77,11 @@ def main() -> None:
         count[(kind, T, S)] += 1
         return out
 
-    runner.execute = timed_execute
+    runner.run = timed_execute
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - t0
-    runner.execute = execute
+    runner.run = execute
 
     stepped = sum(seconds.values())
     print(f"{sum(count.values())} steps in {total:.1f} s: {stepped:.1f} s in model steps, "
