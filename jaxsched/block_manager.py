@@ -88,11 +88,6 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Extra blocks `request` needs so its first num_computed + num_new_tokens tokens have slots."""
-        have = len(self.req_blocks.get(request.request_id, ()))
-        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - have)
-
     def uses_cache(self, request: Request) -> bool:
         # The samples of one n > 1 request always share their prompt's blocks, caching on or off.
         return self.enable_prefix_caching or request.group_size > 1

@@ -63,7 +63,6 @@ class SchedulerOutput:
     num_tokens: int = 0  # real tokens this step
     token_bucket: int = 0  # T
     seq_bucket: int = 0  # S
-    num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted this step
 
     @property
     def num_seqs(self) -> int:
@@ -349,7 +348,6 @@ class Scheduler:
                     bm.prefix_queries += req.num_tokens
                     bm.prefix_hits += hit_tokens
                 req.num_computed_tokens = hit_tokens
-                out.num_cached_tokens += hit_tokens
                 copied = self._copy_tail(req, len(hits), n, out)
                 req.num_computed_tokens += copied
                 n -= copied
