@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxsched.config import EngineArgs, EngineConfig, resolve
-from jaxsched.errors import StepFailedError
+from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
 from jaxsched.penalties import check_penalty_capacity
@@ -84,7 +84,7 @@ class LLMEngine:
         """A prompt as token ids (+ its text). Raises ValueError on an empty or malformed prompt."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty: pass at least one character or token id")
+                raise InvalidRequestError("prompt is empty: pass at least one character or token id", "prompt")
             return list(self.tokenizer.encode(prompt)), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -92,18 +92,21 @@ class LLMEngine:
             elif "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
             else:
-                raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+                raise InvalidRequestError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)",
+                                          "prompt")
         elif isinstance(prompt, (list, tuple)):
             ids, text = prompt, None
         else:
-            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")  # noqa: TRY004 - vLLM's bad-input error
+            raise InvalidRequestError(
+                f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}", "prompt")
         V = self.model_config.vocab_size
         ids = list(ids)
         if not ids:
-            raise ValueError("prompt_token_ids is empty: pass at least one token id")
+            raise InvalidRequestError("prompt_token_ids is empty: pass at least one token id", "prompt")
         for t in ids:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
-                raise ValueError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {t!r}")
+                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {t!r}",
+                                          "prompt")
         return [int(t) for t in ids], text
 
     def make_request(self, request_id: str, prompt: PromptType | Sequence[int],
@@ -112,16 +115,19 @@ class LLMEngine:
         """Validate and build a Request without adding it (so a batch can be checked up front)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params")
         if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-            raise ValueError(f"priority must be a 64-bit integer (lower runs first), got {priority!r}")
+            raise InvalidRequestError(f"priority must be a 64-bit integer (lower runs first), got {priority!r}",
+                                      "priority")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}")
+            raise InvalidRequestError(
+                f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}", "logprobs")
         V = self.model_config.vocab_size
         for t in params.stop_token_ids:
             if t >= V:
-                raise ValueError(f"stop_token_ids must be token ids in [0, {V}) (the vocab size), got {t}")
+                raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {V}) (the vocab size), got {t}",
+                                          "stop_token_ids")
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)

@@ -8,6 +8,16 @@ if TYPE_CHECKING:
     from jaxsched.outputs import RequestOutput
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine refuses as given. Still a ValueError (bad input is one throughout the
+    API); `param` names the argument or SamplingParams field to change (None when no single one is
+    to blame), so that a server can name it without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_num_queued_requests already: retry later (HTTP 503)."""
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from jaxsched.errors import InvalidRequestError
 from jaxsched.request import Request, SamplingParams
 
 PENALTY_CAPACITY = 256  # W when none is given (tests); engines size it with table_capacity()
@@ -76,7 +77,7 @@ def max_penalty_entries(params: SamplingParams, prompt_token_ids: Sequence[int],
 
 def check_penalty_capacity(params: SamplingParams, prompt_token_ids: Sequence[int], eos_token_ids: Sequence[int],
                            max_model_len: int, vocab_size: int, capacity: int = PENALTY_CAPACITY) -> None:
-    """Refuse a penalised request whose token table could outgrow `capacity` (ValueError)."""
+    """Refuse a penalised request whose token table could outgrow `capacity` (InvalidRequestError)."""
     need = max_penalty_entries(params, prompt_token_ids, eos_token_ids, max_model_len, vocab_size)
     if need <= capacity:
         return
@@ -85,10 +86,10 @@ def check_penalty_capacity(params: SamplingParams, prompt_token_ids: Sequence[in
     room = capacity - n_prompt - (len(masked_token_ids(params, eos_token_ids)) if params.min_tokens else 0)
     hint = (f"set max_tokens <= {room}" if room > 0 else
             "shorten the prompt or drop repetition_penalty (it tracks every distinct prompt token)")
-    raise ValueError(
+    raise InvalidRequestError(
         f"penalties track at most {capacity} distinct tokens per request, and this one could need {need} "
         f"({n_prompt} distinct prompt tokens for repetition_penalty, plus one per output token up to max_tokens "
-        f"or max_model_len): {hint}"
+        f"or max_model_len): {hint}", "max_tokens" if room > 0 else "repetition_penalty"
     )
 
 

@@ -12,6 +12,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from jaxsched.errors import InvalidRequestError
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -60,7 +62,7 @@ def short_repr(v: object) -> str:
 def _int(name: str, v: object, lo: int, hi: int | None, meaning: str) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
         where = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an integer {where} ({meaning}), got {short_repr(v)}")
+        raise InvalidRequestError(f"{name} must be an integer {where} ({meaning}), got {short_repr(v)}", name)
 
 
 def _float(name: str, v: object, lo: float, hi: float | None, meaning: str, low_open: bool = False) -> None:
@@ -71,7 +73,8 @@ def _float(name: str, v: object, lo: float, hi: float | None, meaning: str, low_
     ok = ok and (v > lo if low_open else v >= lo) and (hi is None or v <= hi)
     if not ok:
         where = f"{'(' if low_open else '['}{lo:g}, {f'{hi:g}]' if hi is not None else 'inf)'}"
-        raise ValueError(f"{name} must be a finite number in {where} ({meaning}), got {short_repr(v)}")
+        raise InvalidRequestError(f"{name} must be a finite number in {where} ({meaning}), got {short_repr(v)}",
+                                  name)
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,13 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (tuple, list)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")  # noqa: TRY004 - bad input is a ValueError throughout the API
+            raise InvalidRequestError(
+                f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.stop_token_ids, (tuple, list, type(None))):
-            raise ValueError(  # noqa: TRY004 - bad input is a ValueError throughout the API
-                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}",
+                "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         # Every integer is bounded here, where it enters: what reaches the device's int32 arrays must
         # fit them (token ids are checked against the vocabulary in LLMEngine.make_request).
@@ -132,13 +137,14 @@ class SamplingParams:
         if self.seed is not None:
             _int("seed", self.seed, SEED_MIN, SEED_MAX, "any 64-bit integer, signed or unsigned")
         if len(self.stop) > MAX_STOP:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed")
+            raise InvalidRequestError(f"stop has {len(self.stop)} strings; at most {MAX_STOP} are allowed", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
-                                 f"got {short_repr(s)}")
+                raise InvalidRequestError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} "
+                                          f"characters, got {short_repr(s)}", "stop")
         if len(self.stop_token_ids) > MAX_STOP:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP} are allowed")
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP} are "
+                                      "allowed", "stop_token_ids")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, INT32_MAX, "token ids of the vocabulary")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -147,7 +153,8 @@ class SamplingParams:
                low_open=True)
         _int("min_tokens", self.min_tokens, 0, INT32_MAX, "0 = off")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                                      "min_tokens")
         object.__setattr__(self, "_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from jaxsched.block_manager import BlockManager, SwapPool, cdiv
 from jaxsched.buckets import round_up, seq_buckets_for
 from jaxsched.config import SchedulerConfig
-from jaxsched.errors import QueueFullError
+from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.policy import SchedulerPolicy, make_policy
 from jaxsched.request import Request, RequestStatus
 from jaxsched.stats import EngineStats
@@ -132,28 +132,29 @@ class Scheduler:
         cfg = self.config
         n_prompt = request.num_prompt_tokens
         if n_prompt >= cfg.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt is {n_prompt} tokens but max_model_len is {cfg.max_model_len}: the prompt must "
-                f"be shorter than max_model_len (shorten it or raise max_model_len)"
+                f"be shorter than max_model_len (shorten it or raise max_model_len)", "prompt"
             )
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and n_prompt + max_tokens > cfg.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
-                f"max_model_len ({cfg.max_model_len}): lower max_tokens to at most {cfg.max_model_len - n_prompt}"
+                f"max_model_len ({cfg.max_model_len}): lower max_tokens to at most {cfg.max_model_len - n_prompt}",
+                "max_tokens"
             )
         if not cfg.enable_chunked_prefill and n_prompt > cfg.max_num_batched_tokens:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt is {n_prompt} tokens but max_num_batched_tokens is {cfg.max_num_batched_tokens} "
-                "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens"
+                "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens", "prompt"
             )
         final_len = n_prompt + max_tokens if max_tokens is not None else cfg.max_model_len
         bm = self.block_manager
         if cdiv(final_len, bm.block_size) > bm.num_usable_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request needs {cdiv(final_len, bm.block_size)} KV blocks ({final_len} tokens) but the "
                 f"pool has {bm.num_usable_blocks}: lower max_tokens or enlarge the pool "
-                "(gpu_memory_utilization / num_gpu_blocks_override)"
+                "(gpu_memory_utilization / num_gpu_blocks_override)", "max_tokens"
             )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
