@@ -28,7 +28,7 @@ from jaxsched.batch import BatchDescriptor, BatchPacker
 from jaxsched.block_manager import BlockManager, cdiv
 from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.models.llama import LAYER_WEIGHTS
+from jaxsched.models.layers import LAYER_WEIGHTS
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.request import Request
 from jaxsched.request import SamplingParams as SP
@@ -94,7 +94,7 @@ def test_tiny_checkpoints_load_into_transformers_whole(kind, model_dirs, tokeniz
 @pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_logits_match_transformers(kind, layer_weights, model_dirs, tokenizer_dir):
-    """Both weight layouts (llama.py), whichever one this platform uses by default."""
+    """Both weight layouts (layers.py), whichever one this platform uses by default."""
     check_logits(model_dirs[kind], layer_weights, tokenizer_dir)
 
 
@@ -127,7 +127,7 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     P, budget, max_len = 8, 16, 128
     M = cdiv(max_len, P)
     sched = Scheduler(SchedulerConfig(4, budget, max_len, True, token_buckets(budget), seq_buckets(4)),
-                      bm := BlockManager(128, P))
+                      BlockManager(128, P))
     packer = BatchPacker(budget, 4, M, P)
     for i, ids in enumerate(prompts):
         sched.add_request(Request(str(i), ids, SP(max_tokens=6)))
@@ -140,11 +140,11 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     n_steps = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        batch = packer.pack(out, bm)
+        batch = packer.pack(out)
         logits, kv = forward(state, kv, batch.flat_i32, batch.flat_f32, out.token_bucket, out.seq_bucket)
         logits = np.asarray(logits)
-        for i, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-            seen.append((req, req.num_computed_tokens + n - 1, logits[i]))
+        for i, row in enumerate(out.scheduled.values()):
+            seen.append((row.request, row.request.num_computed_tokens + row.num_new_tokens - 1, logits[i]))
         sched.update(out, logits[: out.num_seqs].argmax(-1))
         n_steps += 1
     assert n_steps > 8  # chunked prefills, then decodes

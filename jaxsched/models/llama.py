@@ -1,134 +1,118 @@
-"""The Llama-family decoder as a Flax NNX module: Llama (incl. Llama 3 rope scaling), Mistral,
-Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, free head_dim), GQA, tied or untied embeddings.
+"""The Llama family: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k
+RMSNorm, free head_dim), GQA, tied or untied embeddings. One model class; the members differ only in
+how their config.json reads (the adapters below, one registry entry each) and in GGUF names.
 
-The forward pass is one lax.scan over layers, so the program compiles the attention of one layer
-instead of L, which is what keeps warm-up of every bucket short. Layer weights are either stacked
-along a leading L axis (the scan slices them) or held per layer and reached through lax.switch on
-the layer index (on a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.
-layer_weights has the figures). q/k/v and gate/up are fused into one matmul each (fewer, larger
-dots run faster on every backend).
+q/k/v and gate/up are fused into one matmul each (fewer, larger dots run faster on every backend).
 
 forward: (kv pool, batch) -> (logits f32[S, V] at batch.logits_indices, new kv pool)
 """
 
 from __future__ import annotations
 
-import functools
-import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsched.config import ModelConfig
-from pallas_kernels import paged_attention, tuning, write_kv
-from pallas_kernels.kv_cache import k_transposed
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def rms_norm(x, weight, eps: float):
-    """HF's LlamaRMSNorm: normalise in float32, scale in the weight's dtype."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight * x32.astype(weight.dtype)).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig):
-    """Inverse frequencies f32[H/2], with the configured scaling applied."""
-    H = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-    sc = dict(cfg.rope_scaling or ())
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / sc["factor"]
-    if kind == "llama3":
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-        return jnp.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
+from jaxsched.models.hf_config import decoder_config
+from jaxsched.models.layers import (
+    DTYPES,
+    DecoderLayers,
+    LayerSpec,
+    fused_linear,
+    layers_from_checkpoint,
+    paged_attend,
+    param,
+    rms_norm,
+    rope_cos_sin,
+)
 
 
-def apply_rope(x, cos, sin):
-    """HF's rotate-half convention. x [T, heads, H]; cos, sin [T, H/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+# -- config adapters (config.json dict -> ModelConfig), one per registry entry ----------------------
+def llama_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Llama and Mistral."""
+    return decoder_config(hf, architecture)
 
 
-_WEIGHT_NAMES = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_norm",
-                 "gate_up", "gate_up_bias", "down", "down_bias")
-LAYER_WEIGHTS = ("stacked", "per_layer")
+def _qwen_window(hf: dict[str, Any]) -> int | None:
+    # Qwen configs carry a window size they do not use
+    window = hf.get("sliding_window")
+    return int(window) if window and hf.get("use_sliding_window", False) else None
 
 
-class LayerWeights(nnx.Module):
-    """One decoder layer's weights, or with lead=(L,) all L layers' stacked along axis 0. Linear
-    weights are [in, out]; q/k/v and gate/up are fused."""
-
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        init = nnx.initializers.normal(0.02)
-
-        def w(*shape):
-            return nnx.Param(init(rngs.params(), (*lead, *shape), jnp.float32).astype(dtype))
-
-        def const(fill, *shape):
-            return nnx.Param(jnp.full((*lead, *shape), fill, dtype))
-
-        self.input_norm = const(1, D)
-        self.qkv = w(D, (N + 2 * K) * H)
-        self.qkv_bias = const(0, (N + 2 * K) * H) if cfg.qkv_bias else None
-        self.q_norm = const(1, H) if cfg.qk_norm else None
-        self.k_norm = const(1, H) if cfg.qk_norm else None
-        self.o_proj = w(N * H, D)
-        self.o_bias = const(0, D) if cfg.o_bias else None
-        self.post_norm = const(1, D)
-        self.gate_up = w(D, 2 * F)
-        self.gate_up_bias = const(0, 2 * F) if cfg.mlp_bias else None
-        self.down = w(F, D)
-        self.down_bias = const(0, D) if cfg.mlp_bias else None
-
-    def arrays(self) -> dict:
-        return {n: getattr(self, n)[...] for n in _WEIGHT_NAMES if getattr(self, n) is not None}
+def qwen2_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen2: q/k/v biases always."""
+    return decoder_config(hf, architecture, qkv_bias=True, sliding_window=_qwen_window(hf))
 
 
-class DecoderLayers(nnx.Module):
-    """All L decoder layers' weights in one of two layouts (tuning.layer_weights says which a platform
-    gets, and why): "stacked", one LayerWeights with a leading L axis, or "per_layer", L of them."""
+def qwen3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen3: RMSNorm over head_dim on q and k before rope."""
+    return decoder_config(hf, architecture, qk_norm=True, sliding_window=_qwen_window(hf))
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layout: str):
-        if layout not in LAYER_WEIGHTS:
-            raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, got {layout!r}")
-        self.layout = layout
-        L = cfg.num_layers
-        self.stacked = LayerWeights(cfg, dtype, rngs, (L,)) if layout == "stacked" else None
-        self.per_layer = nnx.List([LayerWeights(cfg, dtype, rngs) for _ in range(L)]) if layout == "per_layer" else None
+
+# -- GGUF (llama.cpp's names) ---------------------------------------------------------------------
+# HF name suffix (per layer) -> GGUF name suffix
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+# llama.cpp's converter permutes the rows of q/k of these for its rope layout (not Qwen's)
+_GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def _layer_spec(cfg: ModelConfig) -> LayerSpec:
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    spec: LayerSpec = {"input_norm": ((D,), 1.0), "qkv": ((D, (N + 2 * K) * H), None)}
+    if cfg.qkv_bias:
+        spec["qkv_bias"] = (((N + 2 * K) * H,), 0.0)
+    if cfg.qk_norm:
+        spec["q_norm"] = ((H,), 1.0)
+        spec["k_norm"] = ((H,), 1.0)
+    spec["o_proj"] = ((N * H, D), None)
+    if cfg.o_bias:
+        spec["o_bias"] = ((D,), 0.0)
+    spec["post_norm"] = ((D,), 1.0)
+    spec["gate_up"] = ((D, 2 * F), None)
+    if cfg.mlp_bias:
+        spec["gate_up_bias"] = ((2 * F,), 0.0)
+    spec["down"] = ((F, D), None)
+    if cfg.mlp_bias:
+        spec["down_bias"] = ((D,), 0.0)
+    return spec
 
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", layer_weights: str | None = None):
-        """layer_weights: "stacked" or "per_layer"; None picks tuning.layer_weights for the platform."""
+        """layer_weights: "stacked" or "per_layer" (layers.py); None picks tuning.layer_weights for
+        the platform."""
         self.cfg = cfg
         self.attention_backend = attention_backend
-        jdt = _DTYPES[dtype]
-        init = nnx.initializers.normal(0.02)
+        jdt = DTYPES[dtype]
         V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed = nnx.Param(init(rngs.params(), (V, D), jnp.float32).astype(jdt))
-        layout = layer_weights or tuning.layer_weights(jax.devices()[0].platform)
-        self.layers = DecoderLayers(cfg, jdt, rngs, layout)
-        self.norm = nnx.Param(jnp.ones((D,), jdt))
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
-            init(rngs.params(), (D, V), jnp.float32).astype(jdt))
+        self.embed = param(rngs, (V, D), jdt)
+        self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
+        self.norm = param(rngs, (D,), jdt, 1.0)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
     def __call__(self, kv, batch):
         """kv: (k_cache, v_cache) as kv_cache.pool_shapes gives them for this model's attention
@@ -139,12 +123,6 @@ class LlamaForCausalLM(nnx.Module):
         embed = self.embed[...]
         T = batch.token_ids.shape[0]
 
-        h = embed[batch.token_ids]  # [T, D]
-        angles = batch.positions.astype(jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, H/2]
-        scale = H**-0.5
-
-        # A layer is: before(weights) -> attention over the pool (no weights) -> after(weights).
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
             x = rms_norm(h, p["input_norm"], eps)
             qkv = x @ p["qkv"]
@@ -173,53 +151,67 @@ class LlamaForCausalLM(nnx.Module):
                 d = d + p["down_bias"]
             return h + d
 
-        def attend(q, k, v, k_cache, v_cache, li):
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping,
-                                        k_transposed=k_transposed(self.attention_backend))
-            o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
-                                batch.query_start_loc, batch.num_seqs, sm_scale=scale,
-                                backend=self.attention_backend)
-            return o.reshape(T, N * H), k_cache, v_cache
-
-        k_cache, v_cache = kv
-        if self.layers.stacked is not None:
-            def layer(carry, p):  # p: this layer's slice of the stacked weights
-                h, k_cache, v_cache, li = carry
-                o, k_cache, v_cache = attend(*before(p, h), k_cache, v_cache, li)
-                return (after(p, h, o), k_cache, v_cache, li + 1), None
-
-            (h, k_cache, v_cache, _), _ = jax.lax.scan(
-                layer, (h, k_cache, v_cache, jnp.int32(0)), self.layers.stacked.arrays())
-        else:
-            # One switch per layer, between two attentions: branch i runs the end of layer i and the
-            # start of layer i + 1 with their own arrays (the other layers' pass through untouched);
-            # layer 0's start runs before the scan.
-            # The halves are jitted so that they trace and lower once for all L branches (each branch
-            # calls the same function); XLA still compiles L copies (tuning.layer_weights: the cost).
-            ws = [lw.arrays() for lw in self.layers.per_layer]
-            L = len(ws)
-            before_once, after_once = jax.jit(before), jax.jit(after)
-
-            def between(i, ws, h, o):
-                h = after_once(ws[i], h, o)
-                if i + 1 < L:
-                    return (h, *before_once(ws[i + 1], h))
-                return h, jnp.zeros((T, N, H), h.dtype), jnp.zeros((T, K, H), h.dtype), jnp.zeros((T, K, H), h.dtype)
-
-            branches = [functools.partial(between, i) for i in range(L)]
-
-            def layer(carry, _):
-                h, q, k, v, k_cache, v_cache, li = carry
-                o, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, li)
-                h, q, k, v = jax.lax.switch(li, branches, ws, h, o)
-                return (h, q, k, v, k_cache, v_cache, li + 1), None
-
-            (h, *_, k_cache, v_cache, _), _ = jax.lax.scan(
-                layer, (h, *before_once(ws[0], h), k_cache, v_cache, jnp.int32(0)), None, length=L)
+        cos, sin = rope_cos_sin(cfg, batch.positions)
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5)
+        h, kv = self.layers(embed[batch.token_ids], kv, before, after, attend)  # h [T, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
         hs = rms_norm(h[batch.logits_indices], self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
         logits = jnp.dot(hs, w, preferred_element_type=jnp.float32)
-        return logits, (k_cache, v_cache)
+        return logits, kv
+
+    @classmethod
+    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+        """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`."""
+        def lw(i: int, name: str) -> np.ndarray:
+            return get(f"model.layers.{i}.{name}")
+
+        def fused(i: int, names: list[str]) -> np.ndarray:
+            return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
+
+        # spec name -> that weight of layer i
+        per_name: dict[str, Callable[[int], np.ndarray]] = {
+            "input_norm": lambda i: lw(i, "input_layernorm.weight"),
+            "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
+            "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
+            "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
+            "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
+            "down": lambda i: lw(i, "mlp.down_proj.weight").T,
+        }
+        if cfg.qkv_bias:
+            per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
+        if cfg.o_bias:
+            per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
+            per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
+        if cfg.mlp_bias:
+            per_name["gate_up_bias"] = lambda i: np.concatenate([lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")])
+            per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
+        pure: dict[str, Any] = {
+            "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
+            "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
+            "norm": jnp.asarray(get("model.norm.weight"), dtype),
+        }
+        if not cfg.tie_word_embeddings:
+            pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
+        return pure
+
+    @staticmethod
+    def gguf_name(name: str) -> str:
+        """llama.cpp's name of the HF-named tensor `name`."""
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}"
+        return _GGUF_TOP_NAMES[name]
+
+    @staticmethod
+    def from_gguf(hf: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray:
+        """Tensor `name` as read from a GGUF file (float32) -> as HF holds it: q/k rows un-permuted.
+        hf: the file's metadata as a config.json dict (loader.gguf_config)."""
+        if hf["architectures"][0] not in _GGUF_ROPE_PERMUTED or not name.endswith(("q_proj.weight", "q_proj.bias",
+                                                                           "k_proj.weight", "k_proj.bias")):
+            return w
+        heads = hf["num_attention_heads"] if ".q_proj." in name else hf["num_key_value_heads"]
+        # the converter did reshape(heads, 2, d).swapaxes(1, 2); this is its inverse
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

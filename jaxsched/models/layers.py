@@ -1,0 +1,199 @@
+"""What every decoder architecture shares: its L layers' weights in one of two layouts, the loop that
+runs them, the attention step between a layer's two halves, RMSNorm and rotary embeddings, and the
+stacking of checkpoint tensors into those layouts.
+
+An architecture file (llama.py, gemma.py) describes one layer as two halves around attention:
+    before(p, h) -> q [T, N, H], k, v [T, K, H]     e.g. norm and the fused q/k/v projection
+    after(p, h, o) -> h [T, D]                      o [T, N * H]: o projection, residual, MLP
+where p is that layer's weights (a dict of arrays named as in the architecture's layer spec).
+Attention itself (rope, the KV write, paged attention over the pool) holds no weights and runs
+between them; `paged_attend` builds it.
+
+The loop is one lax.scan over layers, so a program compiles the attention of one layer instead of
+L, which is what keeps warm-up of every bucket short. Weights are either stacked along a leading L
+axis (the scan slices them) or held per layer and reached through lax.switch on the layer index (on
+a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.layer_weights has the
+figures).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsched.config import ModelConfig
+from pallas_kernels import paged_attention, tuning, write_kv
+from pallas_kernels.kv_cache import k_transposed
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LAYER_WEIGHTS = ("stacked", "per_layer")
+
+# One layer's weights: name -> (shape without the L axis, constant fill, or None for random init).
+# Linear weights are [in, out].
+LayerSpec = dict[str, tuple[tuple[int, ...], float | None]]
+# attend(q, k, v, k_cache, v_cache, layer index) -> (o [T, N * H], k_cache, v_cache)
+Attend = Callable[..., tuple[Any, Any, Any]]
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fill: float | None = None) -> nnx.Param:
+    """A constant `fill`, or N(0, 0.02) as transformers initialises linear weights (random init is
+    for tests and benchmarks: real weights replace it)."""
+    if fill is not None:
+        return nnx.Param(jnp.full(shape, fill, dtype))
+    return nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+def _layer_params(spec: LayerSpec, dtype, rngs: nnx.Rngs, lead: tuple[int, ...]) -> nnx.Dict:
+    return nnx.Dict({name: param(rngs, (*lead, *shape), dtype, fill) for name, (shape, fill) in spec.items()})
+
+
+def _arrays(params: nnx.Dict) -> dict[str, Any]:
+    return {name: p[...] for name, p in params.items()}
+
+
+class DecoderLayers(nnx.Module):
+    """All L layers' weights in one layout: "stacked", one dict of arrays with a leading L axis, or
+    "per_layer", L dicts. layout None picks tuning.layer_weights for this platform."""
+
+    def __init__(self, spec: LayerSpec, num_layers: int, dtype, rngs: nnx.Rngs, layout: str | None = None):
+        layout = layout or tuning.layer_weights(jax.devices()[0].platform)
+        if layout not in LAYER_WEIGHTS:
+            raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, got {layout!r}")
+        self.layout = layout
+        L = num_layers
+        self.stacked = _layer_params(spec, dtype, rngs, (L,)) if layout == "stacked" else None
+        self.per_layer = nnx.List([_layer_params(spec, dtype, rngs, ()) for _ in range(L)]) \
+            if layout == "per_layer" else None
+
+    def __call__(self, h, kv, before: Callable, after: Callable, attend: Attend):
+        """h [T, D] through every layer; kv: (k_cache, v_cache) with a leading L axis. -> (h, kv)"""
+        k_cache, v_cache = kv
+        if self.stacked is not None:
+            def layer(carry, p):  # p: this layer's slice of the stacked weights
+                h, k_cache, v_cache, li = carry
+                o, k_cache, v_cache = attend(*before(p, h), k_cache, v_cache, li)
+                return (after(p, h, o), k_cache, v_cache, li + 1), None
+
+            (h, k_cache, v_cache, _), _ = jax.lax.scan(
+                layer, (h, k_cache, v_cache, jnp.int32(0)), _arrays(self.stacked))
+            return h, (k_cache, v_cache)
+        # One switch per layer, between two attentions: branch i runs the end of layer i and the start
+        # of layer i + 1 with their own arrays (the other layers' pass through untouched); layer 0's
+        # start runs before the scan. The halves are jitted so that they trace and lower once for all
+        # L branches (each branch calls the same function); XLA still compiles L copies
+        # (tuning.layer_weights: the cost).
+        ws = [_arrays(p) for p in self.per_layer]
+        L = len(ws)
+        before_once, after_once = jax.jit(before), jax.jit(after)
+        qkv0 = before_once(ws[0], h)
+
+        def between(i, ws, h, o):
+            h = after_once(ws[i], h, o)
+            if i + 1 < L:
+                return (h, *before_once(ws[i + 1], h))
+            return (h, *(jnp.zeros(x.shape, x.dtype) for x in qkv0))  # after the last layer: unused
+
+        branches = [functools.partial(between, i) for i in range(L)]
+
+        def layer(carry, _):
+            h, q, k, v, k_cache, v_cache, li = carry
+            o, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, li)
+            h, q, k, v = jax.lax.switch(li, branches, ws, h, o)
+            return (h, q, k, v, k_cache, v_cache, li + 1), None
+
+        (h, *_, k_cache, v_cache, _), _ = jax.lax.scan(
+            layer, (h, *qkv0, k_cache, v_cache, jnp.int32(0)), None, length=L)
+        return h, (k_cache, v_cache)
+
+
+def paged_attend(batch, backend: str, cos, sin, sm_scale: float) -> Attend:
+    """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
+    and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
+    q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin."""
+
+    def attend(q, k, v, k_cache, v_cache, li):
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping,
+                                    k_transposed=k_transposed(backend))
+        o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
+                            batch.query_start_loc, batch.num_seqs, sm_scale=sm_scale, backend=backend)
+        T, N, H = o.shape
+        return o.reshape(T, N * H), k_cache, v_cache
+
+    return attend
+
+
+def rms_norm(x, weight, eps: float):
+    """HF's LlamaRMSNorm: normalise in float32, scale in the weight's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight * x32.astype(weight.dtype)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse frequencies f32[H/2], with the configured scaling applied."""
+    H = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    sc = dict(cfg.rope_scaling or ())
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return jnp.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+    """cos, sin f32[T, H/2] of positions i32[T]."""
+    angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """HF's rotate-half convention. x [T, heads, H]; cos, sin [T, H/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num_layers: int, dtype,
+                           layout: str) -> dict[str, Any]:
+    """DecoderLayers' pure state dict: per_name maps each name of the layer spec to a function of
+    the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
+    L = num_layers
+    if layout == "per_layer":
+        return {"per_layer": {i: {n: jnp.asarray(fn(i), dtype) for n, fn in per_name.items()} for i in range(L)}}
+
+    def stack(fn: Callable[[int], np.ndarray]):
+        first = fn(0)
+        out = np.empty((L, *first.shape), np.float32)  # filled in place: one host copy at a time
+        out[0] = first
+        for i in range(1, L):
+            out[i] = fn(i)
+        return jnp.asarray(out, dtype)
+
+    return {"stacked": {n: stack(fn) for n, fn in per_name.items()}}
+
+
+def fused_linear(get: Callable[[str], np.ndarray], names: list[str]) -> np.ndarray:
+    """HF linear weights [out, in] of `names`, transposed and concatenated: [in, sum of outs], so
+    that one matmul computes them all (fewer, larger dots run faster on every backend)."""
+    return np.concatenate([get(n).T for n in names], axis=1)
