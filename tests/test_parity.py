@@ -33,6 +33,7 @@ from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.request import Request
 from jaxsched.request import SamplingParams as SP
 from jaxsched.scheduler import Scheduler
+from pallas_kernels import tuning
 from pallas_kernels.kv_cache import pool_shapes
 
 SENTENCES = [
@@ -161,20 +162,28 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     assert worst < 1e-4, f"max relative logit error {worst:.2e}"
 
 
-# (kind, engine args): each family once, the hard settings spread across them.
+# (kind, engine args, layer weights): each family once, the hard settings spread across them; the
+# platform's layer weights layout (None) unless one is named.
 GENERATE_CASES = [
-    ("llama", {"max_num_batched_tokens": 128}),  # ample budget and pool: continuous batching
-    ("llama3", {"max_num_batched_tokens": 16}),  # chunked prefill with a small token budget
-    ("mistral", {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 9}),  # preemption, small pool
-    ("qwen2", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}),  # chunked + preemption
-    ("qwen3", {"max_num_batched_tokens": 24, "num_gpu_blocks_override": 10}),  # chunked + preemption
+    ("llama", {"max_num_batched_tokens": 128}, None),  # ample budget and pool: continuous batching
+    ("llama3", {"max_num_batched_tokens": 16}, None),  # chunked prefill with a small token budget
+    ("mistral", {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 9}, None),  # preemption, small pool
+    ("qwen2", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, None),  # chunked + preemption
+    ("qwen3", {"max_num_batched_tokens": 24, "num_gpu_blocks_override": 10}, None),  # chunked + preemption
+    # the architecture outside the Llama family, in both layouts (the engine has no option for it)
+    ("gemma", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, "per_layer"),  # chunked + preemption
+    ("gemma", {"max_num_batched_tokens": 128}, "stacked"),
 ]
 
 
 @tiny.needs_torch
-@pytest.mark.parametrize("kind,engine_args", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES])
-def test_greedy_generation_matches_transformers(kind, engine_args, model_dirs):
+@pytest.mark.parametrize("kind,engine_args,layer_weights", GENERATE_CASES,
+                         ids=[c[0] + (f"-{c[2]}" if c[2] else "") for c in GENERATE_CASES])
+def test_greedy_generation_matches_transformers(kind, engine_args, layer_weights, model_dirs, monkeypatch):
     folder = model_dirs[kind]
+    if layer_weights is not None:
+        chosen: list[str] = []
+        monkeypatch.setattr(tuning, "layer_weights", lambda platform: chosen.append(platform) or layer_weights)
     llm = LLM(folder, max_model_len=96, max_num_seqs=8, block_size=8, **engine_args)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(s) for s in SENTENCES]
@@ -189,6 +198,8 @@ def test_greedy_generation_matches_transformers(kind, engine_args, model_dirs):
     if "num_gpu_blocks_override" in engine_args:
         assert eng.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    if layer_weights is not None:
+        assert chosen, "the engine's model did not ask for its layer weights layout"
 
 
 def test_unknown_layer_weights_layout_is_refused(model_dirs):

@@ -1,5 +1,5 @@
 """Tiny test fixtures built from public libraries: a BPE tokenizer trained with `tokenizers`, and
-random Llama / Mistral / Qwen2 / Qwen3 checkpoints: transformers' config classes for config.json, the
+random Llama / Mistral / Qwen2 / Qwen3 / Gemma checkpoints: transformers' config classes for config.json, the
 weights drawn in numpy under Hugging Face's tensor names and saved with safetensors. Nothing here
 needs torch; tests that compare with transformers' PyTorch models carry `needs_torch`."""
 
@@ -70,6 +70,10 @@ def hf_config(kind: str, vocab_size: int, **overrides):
         cfg = tf.Qwen2Config(**common)
     elif kind == "qwen3":  # q/k norm, head_dim != hidden / heads
         cfg = tf.Qwen3Config(**common, head_dim=32)
+    elif kind == "gemma":  # tied embeddings (Gemma's default), head_dim != hidden / heads
+        # larger weights put the GeGLU's inputs where gelu's tanh approximation and the exact gelu
+        # differ by more than the parity tests' 1e-4 (at 0.02 they would not tell them apart)
+        cfg = tf.GemmaConfig(**{**common, "tie_word_embeddings": True}, head_dim=32, initializer_range=0.05)
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
@@ -81,21 +85,24 @@ def hf_config(kind: str, vocab_size: int, **overrides):
 # they are scaled by this so greedy tokens are decided by clear margins rather than 1e-7 ties that
 # float reordering could flip.
 SHARPEN = 4.0
+GEMMA_NORM_STD = 0.3
 
 
 def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.ndarray]:
     """Float32 weights of `cfg`'s architecture under Hugging Face's tensor names: 2-D weights from
     N(0, initializer_range * SHARPEN) with the padding token's embedding row zero, norms ones, biases
-    zero as transformers initialises them (or N(0, bias_std) when a test needs them to count)."""
+    zero as transformers initialises them (or N(0, bias_std) when a test needs them to count).
+    Gemma's norms scale by (1 + w) and start at w = 0; here w is drawn from N(0, GEMMA_NORM_STD) so
+    that the (1 + w) and the per-channel scales count."""
     rng = np.random.default_rng(seed)
     arch = cfg.model_type
-    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         raise ValueError(f"no weight layout for model_type {arch!r}")
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     N = cfg.num_attention_heads
     K = cfg.num_key_value_heads or N
     H = getattr(cfg, "head_dim", None) or D // N
-    attention_bias = bool(getattr(cfg, "attention_bias", False)) and arch in ("llama", "qwen3")
+    attention_bias = bool(getattr(cfg, "attention_bias", False)) and arch in ("llama", "qwen3", "gemma")
     qkv_bias = arch == "qwen2" or attention_bias  # Qwen2: q/k/v biases always, o never
     mlp_bias = bool(getattr(cfg, "mlp_bias", False)) and arch == "llama"
 
@@ -105,7 +112,9 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
     def bias(n: int) -> np.ndarray:
         return (rng.standard_normal(n) * bias_std).astype(np.float32)
 
-    def ones(n: int) -> np.ndarray:
+    def norm_weight(n: int) -> np.ndarray:
+        if arch == "gemma":
+            return (rng.standard_normal(n) * GEMMA_NORM_STD).astype(np.float32)
         return np.ones(n, np.float32)
 
     w = {"model.embed_tokens.weight": matrix(V, D)}
@@ -113,28 +122,29 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
         w["model.embed_tokens.weight"][cfg.pad_token_id] = 0.0
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = ones(D)
-        w[p + "post_attention_layernorm.weight"] = ones(D)
+        w[p + "input_layernorm.weight"] = norm_weight(D)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(D)
         for name, rows, cols, has_bias in (("q_proj", N * H, D, qkv_bias), ("k_proj", K * H, D, qkv_bias),
                                            ("v_proj", K * H, D, qkv_bias), ("o_proj", D, N * H, attention_bias)):
             w[p + f"self_attn.{name}.weight"] = matrix(rows, cols)
             if has_bias:
                 w[p + f"self_attn.{name}.bias"] = bias(rows)
         if arch == "qwen3":
-            w[p + "self_attn.q_norm.weight"] = ones(H)
-            w[p + "self_attn.k_norm.weight"] = ones(H)
+            w[p + "self_attn.q_norm.weight"] = norm_weight(H)
+            w[p + "self_attn.k_norm.weight"] = norm_weight(H)
         for name, rows, cols in (("gate_proj", F, D), ("up_proj", F, D), ("down_proj", D, F)):
             w[p + f"mlp.{name}.weight"] = matrix(rows, cols)
             if mlp_bias:
                 w[p + f"mlp.{name}.bias"] = bias(rows)
-    w["model.norm.weight"] = ones(D)
+    w["model.norm.weight"] = norm_weight(D)
     if not cfg.tie_word_embeddings:
         w["lm_head.weight"] = matrix(V, D)
     return w
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+# model_type -> the HF architecture name its checkpoints are saved as
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
 
 
 def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, *, bias_std: float = 0.0,
@@ -148,7 +158,7 @@ def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, *,
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
     cfg = hf_config(kind, vocab_size=len(tok), **overrides)
-    cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
+    cfg.architectures = [ARCHITECTURES[cfg.model_type]]
     cfg.dtype = "float32"
     os.makedirs(folder, exist_ok=True)
     cfg.save_pretrained(folder)

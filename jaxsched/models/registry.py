@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxsched.config import ModelConfig
+from jaxsched.models.gemma import GemmaForCausalLM, gemma_config
 from jaxsched.models.llama import LlamaForCausalLM, llama_config, qwen2_config, qwen3_config
 
 
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(llama_config, LlamaForCausalLM, gguf="mistral"),
     "Qwen2ForCausalLM": Architecture(qwen2_config, LlamaForCausalLM, gguf="qwen2"),
     "Qwen3ForCausalLM": Architecture(qwen3_config, LlamaForCausalLM, gguf="qwen3"),
+    "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

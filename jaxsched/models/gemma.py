@@ -1,0 +1,153 @@
+"""Gemma (GemmaForCausalLM, the first Gemma): the pre-norm decoder of Llama with its own RMSNorm,
+which scales by (1 + w) in float32, embeddings scaled by sqrt(D), a GeGLU MLP (gelu, tanh
+approximation), embeddings tied to the lm_head by default and a free head_dim (256 in the released
+models). Optional q/k/v/o biases (attention_bias). GGUF files of it do not load (no gguf entry in
+the registry).
+
+q/k/v and gate/up are fused into one matmul each, as in llama.py.
+
+forward: (kv pool, batch) -> (logits f32[S, V] at batch.logits_indices, new kv pool)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsched.config import ModelConfig
+from jaxsched.models.hf_config import decoder_config
+from jaxsched.models.layers import (
+    DTYPES,
+    DecoderLayers,
+    LayerSpec,
+    fused_linear,
+    layers_from_checkpoint,
+    paged_attend,
+    param,
+    rope_cos_sin,
+)
+
+
+def gemma_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """GemmaConfig's own defaults where config.json leaves a key out."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with use_bidirectional_attention is an encoder, not a causal LM this engine runs")
+    act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+    # transformers reads the "gelu" of the original releases as the tanh approximation too
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"Gemma hidden_act {act!r} is not supported; supported: gelu_pytorch_tanh")
+    return decoder_config(hf, architecture, head_dim=int(hf.get("head_dim") or 256),
+                          tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                          max_position_embeddings=int(hf.get("max_position_embeddings", 8192)))
+
+
+def gemma_rms_norm(x, weight, eps: float):
+    """HF's GemmaRMSNorm: normalise and scale by (1 + weight), both in float32; the weight starts at
+    zero."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _layer_spec(cfg: ModelConfig) -> LayerSpec:
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    spec: LayerSpec = {"input_norm": ((D,), 0.0), "qkv": ((D, (N + 2 * K) * H), None)}
+    if cfg.qkv_bias:
+        spec["qkv_bias"] = (((N + 2 * K) * H,), 0.0)
+    spec["o_proj"] = ((N * H, D), None)
+    if cfg.o_bias:
+        spec["o_bias"] = ((D,), 0.0)
+    spec["post_norm"] = ((D,), 0.0)
+    spec["gate_up"] = ((D, 2 * F), None)
+    spec["down"] = ((F, D), None)
+    return spec
+
+
+class GemmaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
+                 attention_backend: str = "xla", layer_weights: str | None = None):
+        """layer_weights: "stacked" or "per_layer" (layers.py); None picks tuning.layer_weights for
+        the platform."""
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        jdt = DTYPES[dtype]
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = param(rngs, (V, D), jdt)
+        self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
+        self.norm = param(rngs, (D,), jdt, 0.0)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
+
+    def __call__(self, kv, batch):
+        """kv: (k_cache, v_cache) as kv_cache.pool_shapes gives them for this model's attention
+        backend; batch: a BatchDescriptor of jax arrays."""
+        cfg = self.cfg
+        N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        eps = cfg.rms_norm_eps
+        embed = self.embed[...]
+        T = batch.token_ids.shape[0]
+
+        def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
+            qkv = gemma_rms_norm(h, p["input_norm"], eps) @ p["qkv"]
+            if "qkv_bias" in p:
+                qkv = qkv + p["qkv_bias"]
+            q = qkv[:, : N * H].reshape(T, N, H)
+            k = qkv[:, N * H : (N + K) * H].reshape(T, K, H)
+            v = qkv[:, (N + K) * H :].reshape(T, K, H)
+            return q, k, v
+
+        def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
+            o = o @ p["o_proj"]
+            if "o_bias" in p:
+                o = o + p["o_bias"]
+            h = h + o
+            g, u = jnp.split(gemma_rms_norm(h, p["post_norm"], eps) @ p["gate_up"], 2, axis=-1)
+            return h + (jax.nn.gelu(g, approximate=True) * u) @ p["down"]
+
+        # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
+        h = embed[batch.token_ids] * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
+        cos, sin = rope_cos_sin(cfg, batch.positions)
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5)
+        h, kv = self.layers(h, kv, before, after, attend)
+        # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
+        # unscaled embedding.
+        hs = gemma_rms_norm(h[batch.logits_indices], self.norm[...], eps)
+        w = embed.T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(hs, w, preferred_element_type=jnp.float32), kv
+
+    @classmethod
+    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+        """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`. Norm
+        weights stay as HF holds them (w of 1 + w)."""
+        def lw(i: int, name: str) -> np.ndarray:
+            return get(f"model.layers.{i}.{name}")
+
+        def fused(i: int, names: list[str]) -> np.ndarray:
+            return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
+
+        # spec name -> that weight of layer i
+        per_name: dict[str, Callable[[int], np.ndarray]] = {
+            "input_norm": lambda i: lw(i, "input_layernorm.weight"),
+            "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
+            "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
+            "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
+            "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
+            "down": lambda i: lw(i, "mlp.down_proj.weight").T,
+        }
+        if cfg.qkv_bias:
+            per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
+        if cfg.o_bias:
+            per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
+        pure: dict[str, Any] = {
+            "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
+            "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
+            "norm": jnp.asarray(get("model.norm.weight"), dtype),
+        }
+        if not cfg.tie_word_embeddings:
+            pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
+        return pure

@@ -1,0 +1,116 @@
+"""The architecture registry (jaxsched/models/registry.py) and the contract its model classes keep:
+config adapters, the HF weight map of every class in both layer layouts, GGUF names, and a loader
+that knows no architecture. Numerics are test_parity.py's (against transformers' PyTorch models)."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import numpy as np
+import pytest
+import tiny
+from conftest import MODEL_KINDS
+from flax import nnx
+
+from jaxsched.models import loader
+from jaxsched.models.layers import LAYER_WEIGHTS
+from jaxsched.models.registry import (
+    ARCHITECTURES,
+    architecture_of_gguf,
+    model_class,
+    model_config_from_hf,
+)
+
+
+def tiny_hf(kind: str, **overrides) -> dict:
+    cfg = tiny.hf_config(kind, vocab_size=96, **overrides)
+    return {**cfg.to_dict(), "architectures": [tiny.ARCHITECTURES[cfg.model_type]]}
+
+
+def test_every_architecture_has_a_tiny_checkpoint_in_the_parity_tests():
+    """A registry line comes with its tests: test_parity.py runs every kind of MODEL_KINDS."""
+    covered = {tiny.ARCHITECTURES[tiny.hf_config(k, vocab_size=96).model_type] for k in MODEL_KINDS}
+    assert covered == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_model_classes_keep_the_contract(kind):
+    cfg = model_config_from_hf(tiny_hf(kind))
+    cls = model_class(cfg.architecture)
+    params = inspect.signature(cls.__init__).parameters
+    assert list(params)[:3] == ["self", "cfg", "dtype"]
+    assert {n: params[n].default for n in ("attention_backend", "layer_weights")} == \
+        {"attention_backend": "xla", "layer_weights": None}
+    assert params["rngs"].kind is inspect.Parameter.KEYWORD_ONLY
+    model = cls(cfg, "float32", rngs=nnx.Rngs(0), attention_backend="numba", layer_weights="stacked")
+    assert model.attention_backend == "numba" and model.layers.layout == "stacked"
+    if ARCHITECTURES[cfg.architecture].gguf is not None:
+        assert callable(cls.gguf_name) and callable(cls.from_gguf)
+
+
+@pytest.mark.parametrize("layer_weights", LAYER_WEIGHTS)
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_hf_weights_fill_exactly_the_models_state(kind, layer_weights):
+    """Every array of the model comes from the checkpoint, with the model's own shapes (the
+    abstract model refuses a pure dict with missing or extra entries), and is not the random init."""
+    hf = tiny_hf(kind, attention_bias=True) if kind in ("llama", "gemma") else tiny_hf(kind)
+    cfg = model_config_from_hf(hf)
+    weights = tiny.random_weights(tiny.hf_config(kind, vocab_size=96, **(
+        {"attention_bias": True} if kind in ("llama", "gemma") else {})), seed=1, bias_std=0.5)
+    read: set[str] = set()
+
+    def get(name: str) -> np.ndarray:
+        read.add(name)
+        return weights[name]
+
+    loaded = nnx.state(loader.build_model(cfg, "float32", get, layer_weights=layer_weights))
+    fresh = nnx.state(loader.build_model(cfg, "float32", None, layer_weights=layer_weights))
+    shapes = jax.tree.map(lambda x: x.shape, (loaded, fresh))
+    assert shapes[0] == shapes[1]
+    assert read == set(weights) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    first_layer = (loaded["layers"]["stacked"] if layer_weights == "stacked" else loaded["layers"]["per_layer"][0])
+    assert float(np.abs(np.asarray(loaded["embed"][...]) - np.asarray(fresh["embed"][...])).max()) > 0
+    assert all(np.isfinite(np.asarray(v[...])).all() for v in first_layer.values())
+
+
+def test_config_adapters_read_each_familys_differences():
+    llama = model_config_from_hf(tiny_hf("llama", attention_bias=True))
+    assert (llama.qkv_bias, llama.o_bias, llama.qk_norm) == (True, True, False)
+    qwen2 = model_config_from_hf(tiny_hf("qwen2", sliding_window=64, use_sliding_window=False))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.sliding_window) == (True, False, None)
+    qwen3 = model_config_from_hf(tiny_hf("qwen3"))
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    gemma = model_config_from_hf(tiny_hf("gemma"))
+    assert (gemma.architecture, gemma.tie_word_embeddings, gemma.head_dim) == ("GemmaForCausalLM", True, 32)
+
+
+def test_gemma_config_defaults_and_refusals():
+    """GemmaConfig's defaults where config.json leaves keys out; what this engine cannot run is
+    refused with a reason."""
+    hf = tiny_hf("gemma")
+    for key in ("tie_word_embeddings", "head_dim", "hidden_act", "max_position_embeddings"):
+        hf.pop(key, None)
+    cfg = model_config_from_hf(hf)
+    assert (cfg.tie_word_embeddings, cfg.head_dim, cfg.max_position_embeddings) == (True, 256, 8192)
+    assert model_config_from_hf({**hf, "hidden_act": "gelu"}).architecture == "GemmaForCausalLM"
+    with pytest.raises(ValueError, match="hidden_act 'silu' is not supported"):
+        model_config_from_hf({**hf, "hidden_act": "silu"})
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        model_config_from_hf({**hf, "use_bidirectional_attention": True})
+
+
+def test_gguf_architecture_names():
+    assert [architecture_of_gguf(n) for n in ("llama", "mistral", "qwen2", "qwen3")] == \
+        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    with pytest.raises(ValueError, match="unknown GGUF architecture 'gemma'; supported: llama, mistral"):
+        architecture_of_gguf("gemma")
+    with pytest.raises(ValueError, match="unknown GGUF architecture None"):
+        architecture_of_gguf(None)
+
+
+def test_loader_names_no_architecture():
+    """Adding an architecture is its model file and a registry line: the loader stays generic."""
+    source = inspect.getsource(loader)
+    for word in ("ForCausalLM", "Llama", "Qwen", "Mistral", "Gemma", "q_proj", "model.layers"):
+        assert word not in source, word
