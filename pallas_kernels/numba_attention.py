@@ -2,7 +2,8 @@
 they lie, called from the jitted step through XLA's FFI.
 
 Same arguments, pool layout and result as the "xla" backend (K pages stored [H, P], a bfloat16 pool
-as uint16 bits). The kernels are numba_kernels.py; cpu_ffi.py makes them XLA FFI handlers.
+as uint16 bits; backends.py records both). The kernels are numba_kernels.py; cpu_ffi.py makes them
+XLA FFI handlers.
 
 Why: decode attention is bound by moving K/V, and XLA:CPU can only reach pages through a gather that
 copies them, after which the score and value dots read the copy again: three passes over every
@@ -20,13 +21,14 @@ import jax
 import jax.numpy as jnp
 
 
-def unsupported_reason() -> str | None:
-    """None when the backend can run here, else why not (for attention_backend='auto')."""
+def unsupported_reason(platform: str | None = None) -> str | None:
+    """None when the backend can run on `platform` (jax's name; None: this process's first device),
+    else why not. backends.py asks this when choosing a backend."""
     try:
         import numba  # noqa: F401
     except ImportError as e:
         return f"numba is not importable ({e}); install it with `pip install numba`"
-    if jax.devices()[0].platform != "cpu":
+    if (platform or jax.devices()[0].platform) != "cpu":
         return "the numba kernels run on a CPU only"
     return None
 
@@ -43,8 +45,8 @@ def _target(bits: bool) -> str:
 
 def _kernel_storage(pool):
     """The kernel reads float32 or uint16 (bfloat16 bits) pages. The engine's pools are one of those
-    (kv_cache.pool_dtype); a bfloat16 array is reinterpreted as its bits, anything else converted
-    (a copy of the pool: for tests and odd callers only)."""
+    (AttentionBackend.pool_dtype); a bfloat16 array is reinterpreted as its bits, anything else
+    converted (a copy of the pool: for tests and odd callers only)."""
     if pool.dtype in (jnp.float32, jnp.uint16):
         return pool
     if pool.dtype == jnp.bfloat16:

@@ -1,7 +1,7 @@
 """The CPU attention kernels of the "numba" backend, in numba-compiled Python: ragged paged
 attention over decode rows and prefill chunks, reading K/V pages where they lie in the pool.
 
-Layouts are the "xla" backend's (kv_cache.py): k_cache [L, NB, K, H, P] (pages transposed, so a
+Layouts are the "xla" backend's (backends.py): k_cache [L, NB, K, H, P] (pages transposed, so a
 score row is a sum of contiguous page rows), v_cache [L, NB, K, P, H], float32 or uint16 holding
 bfloat16 bits. All math is float32 with an online softmax, page by page.
 

@@ -52,15 +52,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
-    """Why backend "pallas" cannot run these shapes, or None. For callers choosing a backend ("auto")."""
+    """Why backend "pallas" cannot run these shapes, or None. The other backend to use instead is
+    not named here: backends.choose names the one "auto" would pick on the platform."""
     H, P = head_dim, block_size
     if H < 16 or H & (H - 1):
         return (f"q: head_dim H={H} is not supported by attention backend 'pallas'; it needs a power of "
-                f"two >= 16 (16, 32, 64, 128, 256); use attention_backend='xla'")
+                f"two >= 16 (16, 32, 64, 128, 256)")
     if P not in PAGE_SIZES:
         return (f"k_cache: block size P={P} is not supported by attention backend 'pallas'; it needs one "
-                f"of {PAGE_SIZES} (Triton tiles are powers of two); set block_size to one of them or use "
-                f"attention_backend='xla'")
+                f"of {PAGE_SIZES} (Triton tiles are powers of two); set block_size to one of them")
     if jnp.dtype(dtype).name not in DTYPES:
         return f"q: dtype {jnp.dtype(dtype).name} is not supported by attention backend 'pallas'; use one of {DTYPES}"
     return None

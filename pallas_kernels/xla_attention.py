@@ -1,7 +1,7 @@
 """The "xla" attention backend: ragged paged attention in plain jnp, organised for XLA:CPU.
 
 Same arguments and result as pallas_kernels.paged_attention (see its docstring for shapes), except
-that K pages are stored transposed: k_cache is f[L, NB, K, H, P] (kv_cache.k_transposed says why).
+that K pages are stored transposed: k_cache is f[L, NB, K, H, P] (backends.py says why).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
-from pallas_kernels.kv_cache import pool_values
+from pallas_kernels.pool_storage import pool_values
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention, write_kv
+from pallas_kernels import BACKENDS, paged_attention, reference_attention, write_kv
+from pallas_kernels.backends import auto_order
 from pallas_kernels.kv_cache import pool_dtype
-from pallas_kernels.paged_attention import reference_attention
 
 
 def make_case(rng, q_lens, ctx_lens, *, N, K, H, P, S, T, NB=96, L=2, M=12, dtype=jnp.float32):
@@ -49,12 +49,19 @@ def kT(k):
     return jnp.swapaxes(k, -1, -2)
 
 
-# One shape per (N, K, P) so each backend compiles once per head layout, not once per case. The
-# "xla" and "numba" backends share a pool with K pages transposed.
-_cpu = {b: jax.jit(lambda q, k, *a, b=b: paged_attention(q, kT(k), *a, sm_scale=0.25, backend=b))
-        for b in ("xla", "numba")}
+def k_pool(k, backend):
+    """A [L, NB, K, P, H] K pool in `backend`'s layout."""
+    return kT(k) if BACKENDS[backend].k_transposed else k
+
+
+# The backends "auto" may run on a CPU get the many cases below ("pallas" has its own file: in
+# interpret mode it is too slow for them). One shape per (N, K, P) so each backend compiles once
+# per head layout, not once per case.
+CPU_NAMES = [b.name for b in auto_order("cpu")]
+_cpu = {b: jax.jit(lambda q, k, *a, b=b: paged_attention(q, k_pool(k, b), *a, sm_scale=0.25, backend=b))
+        for b in CPU_NAMES}
 _ref = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend="reference"))
-CPU_BACKENDS = pytest.mark.parametrize("backend", ["xla", "numba"])
+CPU_BACKENDS = pytest.mark.parametrize("backend", CPU_NAMES)
 
 
 @CPU_BACKENDS
@@ -146,19 +153,19 @@ def test_bfloat16_inputs(backend):
     q, k, v, bt, sl, qsl, ns = args
     want = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 0, bt, sl,
                                qsl, ns, sm_scale=0.25)
-    got = paged_attention(q, kT(k), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend=backend)
+    got = paged_attention(q, k_pool(k, backend), v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend=backend)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["xla", "numba", "reference"])
+@pytest.mark.parametrize("backend", [b.name for b in BACKENDS.values() if b.bf16_as_bits])
 def test_uint16_pool_holds_bfloat16_bits(backend):
     """A bfloat16 pool stored as uint16 bits (kv_cache.pool_dtype) writes and attends exactly like a
     bfloat16 pool: same rounding on write, same values read back."""
     rng = np.random.default_rng(2)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=8, K=2, H=16, P=8, S=4, T=16)
-    kt = backend != "reference"
-    bf_k, bf_v = (kT(k) if kt else k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    kt = BACKENDS[backend].k_transposed
+    bf_k, bf_v = k_pool(k, backend).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     u_k, u_v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (bf_k, bf_v))
     assert pool_dtype("bfloat16", backend) == jnp.uint16 and pool_dtype("bfloat16", "pallas") == jnp.bfloat16
     want = paged_attention(q, bf_k.astype(jnp.float32), bf_v.astype(jnp.float32), 0, bt, sl, qsl, ns,

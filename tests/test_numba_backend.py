@@ -24,7 +24,7 @@ def test_auto_picks_numba_on_cpu_and_matches_xla(llama_dir):
     """Chunked prefill (a 45-token prompt through 32-token steps) and decode rows of different
     lengths side by side: the numba kernel's tokens and logprobs equal the XLA path's."""
     auto = LLM(llama_dir, **ENGINE)
-    assert auto.llm_engine.attention_backend == "numba"
+    assert auto.llm_engine.config.attention_backend == "numba"
     got, got_lp = _greedy(auto)
     del auto
     want, want_lp = _greedy(LLM(llama_dir, attention_backend="xla", **ENGINE))
@@ -40,7 +40,7 @@ def test_without_numba_auto_falls_back_and_explicit_numba_says_why(llama_dir, mo
     monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
     with caplog.at_level(logging.WARNING, logger="jaxsched.engine"):
         llm = LLM(llama_dir, **ENGINE)
-    assert llm.llm_engine.attention_backend == "xla"
+    assert llm.llm_engine.config.attention_backend == "xla"
     assert "using 'xla' because numba is not importable" in caplog.text
     del llm
     with pytest.raises(ValueError, match="attention_backend='numba' cannot run here: numba is not importable.*"

@@ -1,0 +1,156 @@
+"""The attention backends: one record each, in one registry.
+
+A record holds everything that depends on which backend runs attention: its attend function, how
+its KV pool is laid out and stored, its default block size, where attention_backend="auto" tries
+it, and what it cannot run. Adding a backend is one kernel file and one entry in BACKENDS.
+
+The engine resolves EngineArgs.attention_backend with choose(); paged_attention and kv_cache look
+records up by name with get().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+# numba_attention imports numba only when its kernel is first called or its support is checked
+from pallas_kernels import numba_attention
+from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
+from pallas_kernels.pallas_attention import unsupported_reason as pallas_unsupported
+from pallas_kernels.pool_storage import BF16_BITS
+from pallas_kernels.reference_attention import reference_attention
+from pallas_kernels.xla_attention import xla_attention
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    # (q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale)
+    # -> o f[T, N, H]; arguments as in paged_attention's docstring, checked by its validate first
+    attend: Callable = field(repr=False)
+    # K pages stored [H, P] instead of [P, H] (see the "xla" entry below for why)
+    k_transposed: bool
+    # a bfloat16 pool stored as uint16 bits (pool_storage.py says why)
+    bf16_as_bits: bool
+    # tokens per KV block P when EngineArgs.block_size is None
+    default_block_size: int
+    # platforms (jax's names: "cpu", "gpu", ...) on which "auto" tries this backend; None: every
+    # platform. "auto" tries backends in BACKENDS order, so a fallback comes last.
+    auto_on: tuple[str, ...] | None
+    # (head_dim, block_size, dtype, kv_dtype, platform) -> why this backend cannot run them, or None.
+    # dtype is the model's, kv_dtype the pool's values' (kv_cache_dtype resolved: "auto" is dtype).
+    why_unsupported: Callable[[int, int, str, str, str], str | None] = field(repr=False)
+
+    def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
+        """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
+        v = (L, NB, K, P, H)
+        return ((L, NB, K, H, P) if self.k_transposed else v), v
+
+    def pool_dtype(self, dtype: str):
+        """The array dtype of a pool of `dtype` values ("float32" / "bfloat16")."""
+        if self.bf16_as_bits and jnp.dtype(dtype) == jnp.bfloat16:
+            return BF16_BITS
+        return jnp.dtype(dtype)
+
+
+def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale):
+    validate_pallas(q, k_cache, block_tables)  # the Triton lowering's own rules, named before tracing
+    return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
+                            sm_scale=sm_scale)
+
+
+def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
+    if platform not in ("gpu", "cpu"):
+        return (f"attention backend 'pallas' runs its Triton kernels on a GPU (interpreted on a CPU, for "
+                f"tests), not on {platform!r}")
+    if jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        # the kernels load K/V tiles straight into dots with q, which Triton wants in one dtype
+        return (f"kv_cache_dtype {jnp.dtype(kv_dtype).name!r} differs from the model dtype "
+                f"{jnp.dtype(dtype).name!r}, which attention backend 'pallas' does not support; use "
+                f"kv_cache_dtype='auto'")
+    return pallas_unsupported(head_dim, block_size, dtype)
+
+
+def _numba_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
+    return numba_attention.unsupported_reason(platform)
+
+
+def _runs_anything(head_dim, block_size, dtype, kv_dtype, platform):
+    return None
+
+
+# In order of preference for "auto".
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
+    # The Pallas kernels with the Triton lowering (pallas_attention.py). They load [P, H] tiles and
+    # bfloat16 natively. 16-token blocks, as vLLM's GPU backends use.
+    AttentionBackend("pallas", _pallas, k_transposed=False, bf16_as_bits=False, default_block_size=16,
+                     auto_on=("gpu",), why_unsupported=_pallas_unsupported),
+    # A numba kernel called through XLA's FFI that reads pages where they lie (numba_attention.py).
+    # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
+    # scores too.
+    AttentionBackend("numba", numba_attention.numba_attention, k_transposed=True, bf16_as_bits=True,
+                     default_block_size=128, auto_on=("cpu",), why_unsupported=_numba_unsupported),
+    # The jnp implementation tuned for XLA:CPU (xla_attention.py); runs anywhere, so the fallback.
+    # K pages [H, P]: its score dot contracts over H, and XLA:CPU feeds that dot a [.., H, C]
+    # operand, so with [P, H] pages every gathered K chunk went through a transpose copy on top of
+    # the gather (decode attention 8.8 -> 7.0 ms per layer at S=128, contexts 64-640, 128-token
+    # pages). V pages stay [P, H] (the PV dot contracts over P). 128-token blocks, as vLLM's CPU
+    # backend uses: XLA:CPU's gathers copy a page per index, and decode attention went 12.8 -> 8.8
+    # ms per layer from 16 to 128 (docs/PERFORMANCE.md).
+    AttentionBackend("xla", xla_attention, k_transposed=True, bf16_as_bits=True, default_block_size=128,
+                     auto_on=None, why_unsupported=_runs_anything),
+    # The obviously-correct version every other backend is tested against (reference_attention.py);
+    # O(T * M * P) memory, so never chosen by "auto".
+    AttentionBackend("reference", reference_attention, k_transposed=False, bf16_as_bits=True,
+                     default_block_size=128, auto_on=(), why_unsupported=_runs_anything),
+)}
+
+
+def get(name: str) -> AttentionBackend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"attention backend must be one of {tuple(BACKENDS)}, got {name!r}") from None
+
+
+def auto_order(platform: str) -> list[AttentionBackend]:
+    """The backends "auto" tries on `platform`, best first."""
+    return [b for b in BACKENDS.values() if b.auto_on is None or platform in b.auto_on]
+
+
+def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtype: str,
+           kv_dtype: str) -> tuple[AttentionBackend, list[str]]:
+    """The backend for attention_backend=`name` ("auto" or a name in BACKENDS) running a model of
+    `head_dim` and `dtype` with a pool of `kv_dtype` values in blocks of `block_size` tokens (None:
+    each backend's default_block_size) on `platform` (jax's name: "cpu", "gpu", ...).
+
+    Returns the record and, for "auto", one line per backend it preferred but skipped ("using 'xla'
+    because <why not 'pallas'>") for the caller to log. A name that is neither "auto" nor in BACKENDS,
+    or one that cannot run, raises ValueError saying what to change; for the latter that includes
+    the backend "auto" would pick instead.
+    """
+    def why(b: AttentionBackend) -> str | None:
+        P = b.default_block_size if block_size is None else block_size
+        return b.why_unsupported(head_dim, P, dtype, kv_dtype, platform)
+
+    if name != AUTO:
+        if name not in BACKENDS:
+            raise ValueError(f"attention_backend must be {AUTO!r} or one of {tuple(BACKENDS)}, got {name!r}")
+        backend = BACKENDS[name]
+        reason = why(backend)
+        if reason is not None:
+            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype)
+            raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; or use "
+                             f"attention_backend={instead.name!r} (what 'auto' picks here)")
+        return backend, []
+    skipped = []
+    for backend in auto_order(platform):
+        reason = why(backend)
+        if reason is None:
+            return backend, [f"using {backend.name!r} because {r}" for r in skipped]
+        skipped.append(reason)
+    raise ValueError(f"attention_backend='auto': no backend can run here: {'; '.join(skipped)}")

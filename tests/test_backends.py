@@ -1,0 +1,142 @@
+"""The registry of attention backends: what "auto" picks on each platform and why it skips a backend,
+what an explicit backend that cannot run says, each record's pool, and every registered backend
+against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention import make_case
+
+from pallas_kernels import BACKENDS, backends, choose, paged_attention, reference_attention
+
+BF16 = "bfloat16"
+
+
+def _say(monkeypatch, name: str, reason: str | None):
+    """Make backend `name` answer `reason` (None: it can run) whatever this machine has."""
+    monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], why_unsupported=lambda *a: reason))
+
+
+def test_auto_on_cpu_prefers_numba(monkeypatch):
+    _say(monkeypatch, "numba", None)
+    backend, skipped = choose("auto", "cpu", 64, None, BF16, BF16)
+    assert backend.name == "numba" and skipped == []
+    assert backend.default_block_size == 128
+
+
+def test_auto_on_cpu_falls_back_to_xla_saying_why(monkeypatch):
+    _say(monkeypatch, "numba", "numba is broken here")
+    backend, skipped = choose("auto", "cpu", 64, None, BF16, BF16)
+    assert backend.name == "xla" and skipped == ["using 'xla' because numba is broken here"]
+
+
+def test_numba_check_sees_a_missing_numba(monkeypatch):
+    """The numba record's own check, not a stand-in: `import numba` failing is a reason to skip it."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
+    backend, skipped = choose("auto", "cpu", 64, None, BF16, BF16)
+    assert backend.name == "xla"
+    assert len(skipped) == 1 and skipped[0].startswith("using 'xla' because numba is not importable")
+
+
+def test_auto_on_gpu_picks_pallas_with_its_block_size():
+    backend, skipped = choose("auto", "gpu", 128, None, BF16, BF16)
+    assert backend.name == "pallas" and skipped == []
+    assert backend.default_block_size == 16
+
+
+@pytest.mark.parametrize("head_dim,block_size,kv_dtype,reason", [
+    (80, None, BF16, "q: head_dim H=80 is not supported by attention backend 'pallas'"),
+    (128, 24, BF16, r"k_cache: block size P=24 is not supported .* set block_size to one of them"),
+    (128, 256, BF16, "block size P=256"),
+    (128, None, "float32", "kv_cache_dtype 'float32' differs from the model dtype 'bfloat16'"),
+])
+def test_auto_on_gpu_falls_back_to_xla_saying_why(head_dim, block_size, kv_dtype, reason):
+    backend, skipped = choose("auto", "gpu", head_dim, block_size, BF16, kv_dtype)
+    assert backend.name == "xla"
+    assert len(skipped) == 1 and skipped[0].startswith("using 'xla' because "), skipped
+    assert re.search(reason, skipped[0]), skipped
+
+
+def test_auto_elsewhere_is_the_portable_backend():
+    assert choose("auto", "tpu", 128, None, BF16, BF16) == (BACKENDS["xla"], [])
+
+
+@pytest.mark.parametrize("args,match", [
+    (("pallas", "gpu", 80, None, BF16, BF16),
+     r"attention_backend='pallas' cannot run here: q: head_dim H=80 .*; or use attention_backend='xla'"),
+    (("pallas", "cpu", 64, 16, BF16, "float32"),
+     (r"attention_backend='pallas' cannot run here: kv_cache_dtype 'float32' differs from the model dtype "
+      r"'bfloat16'.*use kv_cache_dtype='auto'; or use attention_backend='numba'")),
+    (("pallas", "tpu", 64, None, BF16, BF16), r"not on 'tpu'; or use attention_backend='xla'"),
+])
+def test_explicit_backend_that_cannot_run_says_what_to_change(monkeypatch, args, match):
+    _say(monkeypatch, "numba", None)  # so that "auto" on a CPU means numba whatever this machine has
+    with pytest.raises(ValueError, match=match):
+        choose(*args)
+
+
+def test_explicit_numba_on_a_gpu_names_pallas():
+    pytest.importorskip("numba")  # without it the reason is that numba is missing
+    with pytest.raises(ValueError, match=r"attention_backend='numba' cannot run here: the numba kernels run on "
+                                         r"a CPU only; or use attention_backend='pallas'"):
+        choose("numba", "gpu", 64, None, BF16, BF16)
+
+
+def test_explicit_backend_that_can_run_is_taken_without_reasons():
+    assert choose("xla", "gpu", 80, None, BF16, "float32") == (BACKENDS["xla"], [])
+    assert choose("pallas", "cpu", 16, 8, "float32", "float32") == (BACKENDS["pallas"], [])  # interpret mode
+
+
+def test_unknown_name_lists_the_backends():
+    with pytest.raises(ValueError, match=r"attention_backend must be 'auto' or one of \('pallas', 'numba', 'xla', "
+                                         r"'reference'\), got 'tpu-magic'"):
+        choose("tpu-magic", "cpu", 64, None, BF16, BF16)
+    with pytest.raises(ValueError, match="must be one of"):
+        backends.get("auto")  # "auto" is a choice among backends, not one
+
+
+def test_pool_layout_and_dtype_of_each_record():
+    L, NB, K, P, H = 2, 10, 4, 16, 64
+    for b in BACKENDS.values():
+        k_shape, v_shape = b.pool_shapes(L, NB, K, P, H)
+        assert v_shape == (L, NB, K, P, H)
+        assert k_shape == ((L, NB, K, H, P) if b.k_transposed else v_shape)
+        assert b.pool_dtype("float32") == jnp.float32
+    assert [b.name for b in BACKENDS.values() if b.k_transposed] == ["numba", "xla"]
+    assert BACKENDS["pallas"].pool_dtype(BF16) == jnp.bfloat16
+    assert all(BACKENDS[n].pool_dtype(BF16) == jnp.uint16 for n in ("numba", "xla", "reference"))
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_each_backend_matches_the_reference(name):
+    """A mixed step (decode rows, a prefill chunk over a cached prefix, a fresh prompt, padding rows)
+    through paged_attention with the pool in the record's own layout and storage."""
+    b = BACKENDS[name]
+    rng = np.random.default_rng(3)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1, 5], [20, 7, 0, 0], N=4, K=2, H=16, P=8, S=6, T=32,
+                                         NB=16, M=6, dtype=jnp.float32)
+    want = np.asarray(reference_attention(q, k, v, 1, bt, sl, qsl, ns, sm_scale=0.25))
+    storage = b.pool_dtype("float32")
+    k_pool = (jnp.swapaxes(k, -1, -2) if b.k_transposed else k).astype(storage)
+    assert k_pool.shape == b.pool_shapes(*v.shape)[0]
+    got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name))(
+        q, k_pool, v.astype(storage), jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0), "padding tokens must produce zeros"
+
+
+def test_importing_the_registry_does_not_import_numba():
+    """numba takes seconds to import and is absent on some machines; only the numba backend needs it."""
+    code = "import sys, pallas_kernels.backends; assert 'numba' not in sys.modules, 'numba imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1],
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
