@@ -23,7 +23,7 @@ class IncrementalDetokenizer:
         # As in vLLM, stop strings are not looked for before min_tokens outputs exist.
         self.min_tokens = params.min_tokens
         self.num_outputs = 0
-        # Streaming holds back this many characters: they could be the start of a stop string.
+        # A stop string ending in new text may start up to this many characters before it.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -66,9 +66,3 @@ class IncrementalDetokenizer:
             i, s = best
             self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
             self.stop_string = s
-
-    def stream_text_end(self, finished: bool) -> int:
-        """How much of self.text may be sent to a streaming client now."""
-        if finished or not self.stop:
-            return len(self.text)
-        return max(0, len(self.text) - self.holdback)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -27,26 +28,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import jaxsched
+from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.outputs import RequestOutput
-from serving.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStepError,
-    RequestStream,
-)
+from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from serving.convert import Converter
 from serving.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
@@ -56,16 +44,14 @@ from serving.protocol import (
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
-    UsageInfo,
     decode_request,
 )
+from serving.responses import ChatResponder, CompletionResponder, Responder
 from serving.streaming import DeltaTracker, EventStream, merge, sse
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
-# request fields LLMEngine.make_request checks (its messages start with the field's name)
-_ENGINE_CHECKED = frozenset({"prompt", "priority", "logprobs", "stop_token_ids"})
 _enc = msgspec.json.Encoder()
 
 
@@ -106,9 +92,9 @@ class _Server:
         self.name = name
         self.max_request_bytes = max_request_bytes
         self.max_model_len = llm.scheduler_config.max_model_len
-        self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.args.max_logprobs,
+        self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.config.max_logprobs,
                               trust_request_chat_template=trust_request_chat_template)
-        self.root = getattr(llm, "model_path", None)
+        self.root = llm.config.model_path
 
     # -- plumbing ------------------------------------------------------------------------------
     async def body(self, request: Request) -> bytes:
@@ -139,27 +125,24 @@ class _Server:
             raise RequestError(f"the model `{model}` does not exist; this server serves `{self.name}`",
                                status=404, param="model", code="model_not_found")
 
-    async def submit(self, prompts: list[list[int]], texts: list[str | None], params: list[Any],
-                     rid: str, priority: int) -> list[RequestStream]:
+    async def submit(self, r: Responder, prompts: list[list[int]], params: list[Any]) -> list[RequestStream]:
         """Queue one engine request per prompt; all are accepted or none is."""
         res = await asyncio.gather(*(
-            self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, sp, request_id=f"{rid}-{i}",
-                                    priority=priority)
-            for i, (ids, text, sp) in enumerate(zip(prompts, texts, params))), return_exceptions=True)
-        errors = [r for r in res if isinstance(r, BaseException)]
+            self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, sp, request_id=f"{r.rid}-{i}",
+                                    priority=r.req.priority)
+            for i, (ids, text, sp) in enumerate(zip(prompts, r.texts, params))), return_exceptions=True)
+        errors = [x for x in res if isinstance(x, BaseException)]
         if errors:
-            for r in res:
-                if isinstance(r, RequestStream):
-                    r.close()
+            for x in res:
+                if isinstance(x, RequestStream):
+                    x.close()
             e = errors[0]
-            if isinstance(e, EngineOverloadedError):
+            if isinstance(e, QueueFullError):
                 raise RequestError(str(e), status=503, code="server_overloaded", headers={"Retry-After": "1"})
             if isinstance(e, EngineDeadError):
                 raise RequestError(str(e), status=503, code="engine_dead")
-            if isinstance(e, ValueError):  # the engine's validation: LLMEngine.make_request
-                first = str(e).split(" ", 1)[0]
-                param = {"prompt_token_ids": "prompt"}.get(first, first)
-                raise RequestError(str(e), param=param if param in _ENGINE_CHECKED else None)
+            if isinstance(e, InvalidRequestError):  # the engine's own checks (LLMEngine.make_request)
+                raise RequestError(str(e), param=r.prompt_param if e.param == "prompt" else e.param)
             raise e
         return list(res)
 
@@ -195,13 +178,9 @@ class _Server:
         prompts = await self.conv.completion_prompts(req.prompt)
         params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids, _ in prompts]
         self.conv.check_sequences(len(prompts), req.n)  # n is valid now
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        texts = [t for _, t in prompts]
-        streams = await self.submit([ids for ids, _ in prompts], texts, params, rid, req.priority)
-        ctx = _Ctx(rid, int(time.time()), req, [len(ids) for ids, _ in prompts], texts, chat=False)
-        if req.stream:
-            return EventStream(self.stream(ctx, streams))
-        return await self.until_disconnect(request, self.collect(ctx, streams))
+        r = CompletionResponder(self.conv, f"cmpl-{uuid.uuid4().hex}", self.name, req,
+                                [len(ids) for ids, _ in prompts], [text for _, text in prompts])
+        return await self.respond(request, r, [ids for ids, _ in prompts], params)
 
     async def chat(self, request: Request) -> Response:
         req, unknown = decode_request(await self.body(request), ChatCompletionRequest)
@@ -213,14 +192,16 @@ class _Server:
                                           req.chat_template)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit([ids], [None], [sp], rid, req.priority)
-        ctx = _Ctx(rid, int(time.time()), req, [len(ids)], [None], chat=True)
-        if req.stream:
-            return EventStream(self.stream(ctx, streams))
-        return await self.until_disconnect(request, self.collect(ctx, streams))
+        r = ChatResponder(self.conv, f"chatcmpl-{uuid.uuid4().hex}", self.name, req, [len(ids)], [None])
+        return await self.respond(request, r, [ids], [sp])
 
-    async def collect(self, ctx: _Ctx, streams: list[RequestStream]) -> Response:
+    async def respond(self, request: Request, r: Responder, prompts: list[list[int]], params: list[Any]) -> Response:
+        streams = await self.submit(r, prompts, params)
+        if r.req.stream:
+            return EventStream(self.stream(r, streams))
+        return await self.until_disconnect(request, self.collect(r, streams))
+
+    async def collect(self, r: Responder, streams: list[RequestStream]) -> Response:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for i, out in merge(streams):
@@ -228,66 +209,34 @@ class _Server:
         finally:
             for s in streams:
                 s.close()
-        req, conv, n = ctx.req, self.conv, ctx.req.n
         choices: list[Any] = []
         completion_tokens = 0
         for i, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
-                if ctx.chat:
-                    lp = conv.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if c.logprobs else None
-                    choices.append(ChatChoice(i * n + c.index, ChatResponseMessage("assistant", c.text), lp,
-                                              c.finish_reason, c.stop_reason))
-                else:
-                    prefix = (ctx.texts[i] or "") if req.echo else ""
-                    lp = conv.completion_logprobs(c.token_ids, c.logprobs, len(prefix)) if c.logprobs else None
-                    choices.append(CompletionChoice(i * n + c.index, prefix + c.text, lp, c.finish_reason,
-                                                    c.stop_reason))
-        usage = UsageInfo(sum(ctx.prompt_lens), completion_tokens, sum(ctx.prompt_lens) + completion_tokens)
-        if ctx.chat:
-            return _json(ChatCompletionResponse(ctx.rid, "chat.completion", ctx.created, self.name, choices, usage))
-        return _json(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, choices, usage))
+                choices.append(r.choice(i, c))
+        return _json(r.response(choices, r.usage(completion_tokens)))
 
-    async def stream(self, ctx: _Ctx, streams: list[RequestStream]) -> AsyncIterator[bytes]:
-        req, conv, n = ctx.req, self.conv, ctx.req.n
-        trackers = [DeltaTracker(ctx.stops) for _ in streams]
+    async def stream(self, r: Responder, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+        trackers = [DeltaTracker(r.stops) for _ in streams]
         completion_tokens = 0
         try:
-            if ctx.chat:
-                role = [ChatStreamChoice(j, DeltaMessage(role="assistant", content=""), None, None) for j in range(n)]
-                yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, role))
-            elif req.echo:
-                for i, text in enumerate(ctx.texts):
-                    echo = [CompletionChoice(i * n + j, text or "", None, None) for j in range(n)]
-                    yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, echo))
+            for chunk in r.opening():
+                yield sse(chunk)
             async for i, out in merge(streams):
                 for c in sorted(out.outputs, key=lambda c: c.index):
                     d = trackers[i].delta(c)
                     completion_tokens += len(d.token_ids)
-                    if not d.text and not d.finish_reason and not d.logprobs:
-                        continue
-                    idx = i * n + d.index
-                    if ctx.chat:
-                        lp = conv.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0) if d.logprobs else None
-                        ch = ChatStreamChoice(idx, DeltaMessage(content=d.text), lp, d.finish_reason)
-                        yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, [ch]))
-                    else:
-                        lp = conv.completion_logprobs(d.token_ids, d.logprobs, 0) if d.logprobs else None
-                        ch = CompletionChoice(idx, d.text, lp, d.finish_reason, d.stop_reason)
-                        yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, [ch]))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                p = sum(ctx.prompt_lens)
-                usage = UsageInfo(p, completion_tokens, p + completion_tokens)
-                if ctx.chat:
-                    yield sse(ChatCompletionChunk(ctx.rid, "chat.completion.chunk", ctx.created, self.name, [], usage))
-                else:
-                    yield sse(CompletionResponse(ctx.rid, "text_completion", ctx.created, self.name, [], usage))
+                    if d.text or d.finish_reason or d.logprobs:
+                        yield sse(r.chunk([r.delta_choice(i, d)]))
+            if r.include_usage:
+                yield sse(r.chunk([], r.usage(completion_tokens)))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
-            logger.warning("stream %s ended: %s", ctx.rid, e)
+            logger.warning("stream %s ended: %s", r.rid, e)
             code = "engine_dead" if isinstance(e, EngineDeadError) else "request_failed"
             yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, code)))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
-            logger.exception("stream %s failed", ctx.rid)
+            logger.exception("stream %s failed", r.rid)
             yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, type(e).__name__)))
         finally:
             for s in streams:
@@ -303,8 +252,7 @@ class _Server:
         return Response(status_code=200 if self.engine.is_running else 503)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.engine.metrics.render(model_name=self.name),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.engine.metrics.render(model_name=self.name), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self, request: Request) -> Response:
         return _json({"version": jaxsched.__version__})
@@ -326,16 +274,6 @@ class _Server:
         req, _ = decode_request(await self.body(request), DetokenizeRequest)
         self.check_model(req.model)
         return _json(DetokenizeResponse(await self.conv.detokenize(req.tokens)))
-
-
-class _Ctx:
-    """What a response needs besides the outputs."""
-
-    def __init__(self, rid: str, created: int, req: Any, prompt_lens: list[int], texts: list[str | None],
-                 chat: bool) -> None:
-        self.rid, self.created, self.req, self.prompt_lens, self.texts, self.chat = (
-            rid, created, req, prompt_lens, texts, chat)
-        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
 
 
 def _log_unknown(unknown: list[str], route: str) -> None:
@@ -376,14 +314,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_num_queued_requests: int | None = None, trust_request_chat_template: bool = False) -> Starlette:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, trust_request_chat_template: bool = False) -> Starlette:
     """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
-    /v1/*; beyond `max_num_queued_requests` queued requests new ones get 503 with Retry-After;
-    chat templates sent in requests are refused unless `trust_request_chat_template`."""
-    name = served_model_name or getattr(engine.engine, "model_path", None) or "jaxsched"
-    if max_num_queued_requests is not None:
-        engine.max_num_queued_requests = max_num_queued_requests
+    /v1/*; chat templates sent in requests are refused unless `trust_request_chat_template`. Beyond
+    the engine's max_num_queued_requests (EngineArgs) queued requests, new ones get 503 with Retry-After."""
+    name = served_model_name or engine.engine.config.model_path
     s = _Server(engine, name, max_request_bytes, trust_request_chat_template)
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),

@@ -13,8 +13,11 @@ text that could still be the start of a stop string).
 Threads. LLMEngine is not thread-safe, so only the engine thread touches it: adds, aborts and calls
 from the asyncio side go through a thread-safe command queue and are applied between steps. Results
 come back with loop.call_soon_threadsafe, one call per event loop per step. An idle engine sleeps on
-a threading.Event. A step that raises fails the requests it touched (their streams raise
-EngineStepError) and the loop carries on with the rest.
+a threading.Event. A step that fails on the device has already ended the requests it may have
+spoiled (LLMEngine.step raises StepFailedError with their final outputs): their streams raise
+EngineStepError and the loop carries on with the rest. Any other exception out of a step is a bug on
+the host, after which no request's state can be trusted: every request in flight fails and is
+aborted, so that nothing hangs.
 """
 
 from __future__ import annotations
@@ -28,21 +31,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
+from jaxsched.errors import InvalidRequestError, QueueFullError, StepFailedError
 from jaxsched.outputs import RequestOutput
-from jaxsched.request import RequestStatus, SamplingParams
+from jaxsched.request import SamplingParams
+from jaxsched.stats import EngineStats
 from serving.metrics import EngineMetrics
 from serving.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "DeltaTracker", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "EngineStepError", "RequestStream"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests are queued than max_num_queued_requests allows; retry later (HTTP 503)."""
+__all__ = ["AsyncEngine", "DeltaTracker", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream"]
 
 
 class EngineDeadError(RuntimeError):
@@ -51,15 +51,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """An engine step failed while this request was in it; the request was aborted."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use
-    num_preemptions: int = 0  # since start
 
 
 _ACCEPTED = object()  # posted once the engine thread has validated and queued a request
@@ -110,17 +101,33 @@ class RequestStream:
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished."""
         if not self.finished:
-            self.engine._submit(("abort", self.request_id))
+            self.engine._submit(_Abort(self.request_id))
             self._done()
 
-    async def aclose(self) -> None:
-        self.close()
 
-    async def __aenter__(self) -> Self:
-        return self
+# -- commands from the asyncio side, applied by the engine thread between steps ---------------------
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams | None
+    priority: int
+    arrival_time: float  # time.monotonic() when add_request was called
+    stream: RequestStream
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+
+
+_Command = _Add | _Abort | _Call
 
 
 @dataclass
@@ -135,11 +142,10 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_num_queued_requests: int | None = None, start: bool = True) -> None:
+    def __init__(self, engine: Any, start: bool = True) -> None:
         self.engine = engine  # an LLMEngine; touched only by the engine thread once started
-        self.max_num_queued_requests = max_num_queued_requests
         self.metrics = EngineMetrics()
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
         self._stop_reason = "the engine was shut down"
@@ -148,15 +154,9 @@ class AsyncEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}  # engine thread only
         self._lock = threading.Lock()
         self._in_flight = 0  # streams not finished yet (asyncio side)
-        self._stats = EngineStats()
+        self._stats = EngineStats()  # the engine's, as of the last step (engine thread writes, any reads)
         if start:
             self.start()
-
-    @classmethod
-    def from_engine_args(cls, args: Any, **kwargs: Any) -> AsyncEngine:
-        from jaxsched.engine import LLMEngine
-
-        return cls(LLMEngine(args), max_num_queued_requests=args.max_num_queued_requests, **kwargs)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,26 +184,29 @@ class AsyncEngine:
     def num_queued(self) -> int:
         """Requests accepted (or being accepted) that are not in the running batch."""
         with self._lock:
-            return max(0, self._in_flight - self._stats.num_running)
+            return max(0, self._in_flight - self._stats.num_requests_running)
 
     def stats(self) -> EngineStats:
+        """The engine's figures as of its last step (LLMEngine.stats() is for the engine thread only)."""
         return self._stats
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises ValueError for
-        bad input (as LLMEngine.make_request), EngineOverloadedError when the queue is full."""
+        bad input (as LLMEngine.make_request), QueueFullError when max_num_queued_requests are queued."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or never started)")
-        limit = self.max_num_queued_requests
+        # Refused here, before the command queue, so that a flood never reaches the engine thread;
+        # the scheduler checks the same limit against its waiting queue.
+        limit = self.engine.scheduler_config.max_num_queued_requests
         if limit is not None and self.num_queued >= limit:
-            raise EngineOverloadedError(f"{self.num_queued} requests are queued (max_num_queued_requests is "
-                                        f"{limit}); retry later")
+            raise QueueFullError(f"{self.num_queued} requests are queued (max_num_queued_requests is {limit}); "
+                                 "retry later")
         rid = request_id if request_id is not None else uuid.uuid4().hex
         stream = RequestStream(self, rid, asyncio.get_running_loop())
         with self._lock:
             self._in_flight += 1
-        self._submit(("add", rid, prompt, sampling_params, priority, time.monotonic(), stream))
+        self._submit(_Add(rid, prompt, sampling_params, priority, time.monotonic(), stream))
         try:
             await stream._accepted
         except asyncio.CancelledError:
@@ -226,17 +229,17 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an output whose finish_reason is "abort"."""
-        self._submit(("abort", request_id))
+        self._submit(_Abort(request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(llm_engine) on the engine thread between two steps (to inspect its state safely)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or never started)")
         fut = asyncio.get_running_loop().create_future()
-        self._submit(("call", fn, fut))
+        self._submit(_Call(fn, fut))
         return await fut
 
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, cmd: _Command) -> None:
         self._commands.put(cmd)
         self._wakeup.set()
 
@@ -259,9 +262,12 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 try:
                     outs = eng.step()
+                except StepFailedError as e:  # the engine ended the requests it spoiled; the rest go on
+                    logger.error("%s: %s", e, e.request_ids, exc_info=e.__cause__)
+                    outs = e.outputs
                 except Exception as e:
-                    logger.exception("engine step failed; failing the requests it touched")
-                    self._fail_step(e)
+                    logger.exception("engine step failed on the host; failing every request in flight")
+                    self._fail_all(e)
                     outs = []
                 self._emit(outs)
                 if not outs and time.perf_counter() - t0 < 2e-4:
@@ -278,11 +284,11 @@ class AsyncEngine:
             self._post(live.stream, dead)
         self._live.clear()
         while not self._commands.empty():  # commands that came in while stopping
-            cmd = self._commands.get_nowait()
-            if cmd[0] == "add":
-                self._post(cmd[-1], dead)
-            elif cmd[0] == "call":
-                cmd[2].get_loop().call_soon_threadsafe(resolve_future, cmd[2], None, dead)
+            match self._commands.get_nowait():
+                case _Add(stream=stream):
+                    self._post(stream, dead)
+                case _Call(future=fut):
+                    fut.get_loop().call_soon_threadsafe(resolve_future, fut, None, dead)
         self._flush()
 
     def _apply_commands(self) -> None:
@@ -291,33 +297,31 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            kind = cmd[0]
-            if kind == "add":
-                self._add(*cmd[1:])
-            elif kind == "abort":
-                self._abort(cmd[1])
-            else:
-                fn, fut = cmd[1], cmd[2]
-                try:
-                    res, exc = fn(self.engine), None
-                except Exception as e:  # noqa: BLE001 - handed to the caller's await
-                    res, exc = None, e
-                fut.get_loop().call_soon_threadsafe(resolve_future, fut, res, exc)
+            match cmd:
+                case _Add():
+                    self._add(cmd)
+                case _Abort(request_id=rid):
+                    self._abort(rid)
+                case _Call(fn=fn, future=fut):
+                    try:
+                        res, exc = fn(self.engine), None
+                    except Exception as e:  # noqa: BLE001 - handed to the caller's await
+                        res, exc = None, e
+                    fut.get_loop().call_soon_threadsafe(resolve_future, fut, res, exc)
 
-    def _add(self, rid: str, prompt: Any, params: SamplingParams | None, priority: int, arrival: float,
-             stream: RequestStream) -> None:
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.request_id
         try:
             if rid in self._live:
-                raise ValueError(f"request_id {rid!r} is already in flight; use a unique id")
+                raise InvalidRequestError(f"request_id {rid!r} is already in flight; use a unique id", "request_id")
             eng = self.engine
-            eng.add_request_obj(eng.make_request(rid, prompt, params, arrival_time=arrival, priority=priority))
-        except Exception as e:  # noqa: BLE001 - bad input: the caller's add_request raises it
-            if type(e).__name__ == "QueueFullError":  # the scheduler's own max_num_queued_requests
-                e = EngineOverloadedError(str(e))
-            self._post(stream, e)
+            eng.add_request_obj(eng.make_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                                 priority=cmd.priority))
+        except Exception as e:  # noqa: BLE001 - bad input or a full queue: the caller's add_request raises it
+            self._post(cmd.stream, e)
             return
-        self._live[rid] = _Live(stream, arrival)
-        self._post(stream, _ACCEPTED)
+        self._live[rid] = _Live(cmd.stream, cmd.arrival_time)
+        self._post(cmd.stream, _ACCEPTED)
 
     def _abort(self, rid: str) -> None:
         live = self._live.pop(rid, None)
@@ -348,44 +352,21 @@ class AsyncEngine:
         if n > live.num_tokens:
             live.num_tokens, live.last_token_time = n, now
 
-    def _fail_step(self, exc: Exception) -> None:
-        """Fail the requests a failed step may have touched: all but those still only waiting."""
-        eng = self.engine
-        untouched: dict[str, bool] = {}
+    def _fail_all(self, exc: Exception) -> None:
+        """After a step failed outside the device: fail and abort every request in flight."""
+        err = EngineStepError(f"an engine step failed ({type(exc).__name__}: {exc}); the request was aborted "
+                              "(retry it)")
+        live, self._live = self._live, {}
         try:
-            for r in eng.scheduler.requests.values():
-                key = getattr(r, "group_id", None) or r.request_id
-                waiting = r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED)
-                untouched[key] = untouched.get(key, True) and waiting
-        except Exception:  # noqa: BLE001 - cannot tell who was touched: fail everything in flight
-            untouched = {}
-        err = EngineStepError(f"an engine step failed ({type(exc).__name__}: {exc}); the request was aborted")
-        for rid in [rid for rid in self._live if not untouched.get(rid, False)]:
-            live = self._live.pop(rid)
-            try:
-                eng.abort_request(rid)
-            except Exception:
-                logger.exception("could not abort %s after a failed step", rid)
-            self._post(live.stream, err)
+            self.engine.abort_request(list(live))
+        except Exception:
+            logger.exception("could not abort %d requests after a failed step", len(live))
+        for entry in live.values():
+            self._post(entry.stream, err)
 
     def _publish_stats(self) -> None:
-        eng, m = self.engine, self.metrics
-        sched = eng.scheduler
-        usage = float(eng.block_manager.stats().usage)
-        stats = EngineStats(
-            num_running=len(getattr(sched, "running", ())),
-            num_waiting=len(getattr(sched, "waiting", ())),
-            num_swapped=len(getattr(sched, "swapped", ())),
-            kv_cache_usage=usage,
-            num_preemptions=int(getattr(sched, "num_preemptions", 0)),
-        )
-        with self._lock:
-            self._stats = stats
-        m.num_requests_running.set(stats.num_running)
-        m.num_requests_waiting.set(stats.num_waiting)
-        m.num_requests_swapped.set(stats.num_swapped)
-        m.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        m.num_preemptions.set_total(stats.num_preemptions)
+        self._stats = self.engine.stats()  # one reference swap: readers on other threads see old or new
+        self.metrics.publish(self._stats)
 
     def _post(self, stream: RequestStream, item: Any) -> None:
         self._outbox.setdefault(stream.loop, []).append((stream, item))

@@ -81,10 +81,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     sc, cc = eng.scheduler_config, eng.cache_config
     pairs = eng.runner.bucket_pairs()
     log.info("serving %s as %r on http://%s:%d | KV pool %d blocks x %d = %d tokens | %d bucket pairs compiled "
-             "(T in %s, S in %s) | warm-up %.1f s", eng.model_path, name, ns.host, ns.port, cc.num_usable_blocks,
+             "(T in %s, S in %s) | warm-up %.1f s", eng.config.model_path, name, ns.host, ns.port, cc.num_usable_blocks,
              cc.block_size, cc.num_usable_blocks * cc.block_size, len(pairs), list(sc.token_buckets),
              list(sc.seq_buckets), eng.runner.warmup_seconds)
-    engine = AsyncEngine(eng, max_num_queued_requests=args.max_num_queued_requests)
+    engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template)

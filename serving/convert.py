@@ -13,6 +13,7 @@ import logging
 import re
 from typing import Any
 
+from jaxsched.errors import InvalidRequestError
 from jaxsched.gguf_tokenizer import byte_alphabet
 from jaxsched.outputs import Logprob
 from jaxsched.request import SamplingParams, short_repr
@@ -229,8 +230,8 @@ class Converter:
         }
         try:
             return SamplingParams(**kw)
-        except ValueError as e:
-            raise RequestError(str(e), param=_param_of(str(e), kw)) from e
+        except InvalidRequestError as e:  # its param is a SamplingParams field, named as the request's
+            raise RequestError(str(e), param=e.param) from e
 
     # -- outputs -------------------------------------------------------------------------------
     def token_bytes(self, token_id: int) -> bytes:
@@ -281,13 +282,6 @@ class Converter:
             lp = entry[t].logprob if t in entry else float("nan")
             content.append(ChatLogprobEntry(s, lp, list(self.token_bytes(t)), alts))
         return ChatLogprobs(content=content)
-
-
-
-def _param_of(message: str, kw: dict[str, Any]) -> str | None:
-    """SamplingParams errors start with the field's name; map it back to the request's."""
-    first = message.split(" ", 1)[0]
-    return first if first in kw else None
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -1,139 +1,22 @@
-"""Prometheus metrics in the text exposition format (0.0.4), named as vLLM's with a `jaxsched:` prefix.
+"""Prometheus metrics, named as vLLM's with a `jaxsched:` prefix, on prometheus_client.
 
-Three tiny metric types instead of a prometheus_client dependency: they are observed on the engine
-thread and rendered on the server's event loop, so each holds a lock. Every sample carries a
-`model_name` label, as vLLM's do, added when rendering.
+Each AsyncEngine has its own CollectorRegistry (a process may hold several engines: tests build many),
+observed on the engine thread and rendered on the server's event loop; prometheus_client's metrics
+are thread-safe. Every sample carries a `model_name` label, as vLLM's do, added when rendering: the
+served name is the app's to choose, after the engine is built.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from jaxsched.stats import EngineStats
+
 PREFIX = "jaxsched:"
-
-
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    esc = {k: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_: str, label_names: Sequence[str] = ()) -> None:
-        self.name = PREFIX + name
-        self.help = help_
-        self.label_names = tuple(label_names)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
-        if set(labels) != set(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {sorted(labels)}")
-        return tuple(str(labels[k]) for k in self.label_names)
-
-    def header(self, name: str) -> list[str]:
-        return [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}"]
-
-
-class Counter(_Metric):
-    """A monotonic count; rendered with the `_total` suffix, as Prometheus clients do."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_: str, label_names: Sequence[str] = ()) -> None:
-        super().__init__(name, help_, label_names)
-        self._values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name} can only go up, got {amount}")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def set_total(self, value: float, **labels: str) -> None:
-        """Mirror a count kept elsewhere (e.g. the scheduler's preemptions), never moving it down."""
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = max(self._values.get(key, 0.0), float(value))
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def render(self, extra: dict[str, str]) -> list[str]:
-        name = self.name + "_total"
-        with self._lock:
-            items = sorted(self._values.items()) or ([((), 0.0)] if not self.label_names else [])
-        lines = self.header(name)
-        for key, v in items:
-            lines.append(f"{name}{_labels({**extra, **dict(zip(self.label_names, key))})} {_fmt(v)}")
-        return lines
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def __init__(self, name: str, help_: str) -> None:
-        super().__init__(name, help_)
-        self._value = 0.0
-
-    def set(self, value: float) -> None:
-        with self._lock:
-            self._value = float(value)
-
-    def render(self, extra: dict[str, str]) -> list[str]:
-        with self._lock:
-            v = self._value
-        return [*self.header(self.name), f"{self.name}{_labels(extra)} {_fmt(v)}"]
-
-
-class Histogram(_Metric):
-    """Cumulative buckets (`le`), `_sum` and `_count`, as Prometheus histograms are exposed."""
-
-    kind = "histogram"
-
-    def __init__(self, name: str, help_: str, buckets: Sequence[float]) -> None:
-        super().__init__(name, help_)
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self._sum = 0.0
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)  # `le` buckets: value <= bound
-        with self._lock:
-            self._counts[i] += 1
-            self._sum += value
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(self._counts)
-
-    def render(self, extra: dict[str, str]) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        lines = self.header(self.name)
-        acc = 0
-        for bound, c in zip((*self.buckets, math.inf), counts):
-            acc += c
-            lines.append(f"{self.name}_bucket{_labels({**extra, 'le': _fmt(bound)})} {acc}")
-        lines.append(f"{self.name}_sum{_labels(extra)} {_fmt(total)}")
-        lines.append(f"{self.name}_count{_labels(extra)} {acc}")
-        return lines
-
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -141,23 +24,47 @@ _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50
 
 
 class EngineMetrics:
-    """The metrics the AsyncEngine records (vLLM's names, `jaxsched:` prefix)."""
+    """The metrics the AsyncEngine records: request latencies and token counts from its outputs,
+    the gauges and the preemption count from the engine's EngineStats."""
 
     def __init__(self) -> None:
-        self.time_to_first_token = Histogram("time_to_first_token_seconds", "Time to first token.", _TTFT)
-        self.inter_token_latency = Histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL)
-        self.e2e_request_latency = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", _E2E)
-        self.request_queue_time = Histogram("request_queue_time_seconds",
-                                            "Time from arrival to first scheduling.", _E2E)
-        self.num_requests_running = Gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = Gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.num_requests_swapped = Gauge("num_requests_swapped", "Requests swapped out to host memory.")
-        self.kv_cache_usage_perc = Gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
-        self.num_preemptions = Counter("num_preemptions", "Preemptions since start.")
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of requests that produced output.")
-        self.generation_tokens = Counter("generation_tokens", "Generated tokens.")
-        self.request_success = Counter("request_success", "Requests that finished (not aborted).",
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, registry=self.registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _E2E)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                            _E2E)
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter("request_success", "Requests that finished (not aborted).",
                                        ("finished_reason",))
+        self._preemptions_seen = 0
+
+    def publish(self, stats: EngineStats) -> None:
+        """Set the gauges from the engine's figures. The scheduler counts preemptions itself; the
+        counter follows it by the difference (a prometheus_client Counter cannot be set)."""
+        self.num_requests_running.set(stats.num_requests_running)
+        self.num_requests_waiting.set(stats.num_requests_waiting)
+        self.num_requests_swapped.set(stats.num_requests_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
 
     def observe(self, out: Any, arrival_time: float, prev_tokens: int, prev_token_time: float, now: float) -> int:
         """Record one cumulative RequestOutput of a request, given what its previous one had (tokens,
@@ -176,14 +83,30 @@ class EngineMetrics:
                 self.request_queue_time.observe(max(0.0, out.metrics.first_scheduled_time - arrival_time))
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
             if reason not in ("abort", "error"):
-                self.request_success.inc(finished_reason=reason)
+                self.request_success.labels(finished_reason=reason).inc()
         return n
 
-    def all(self) -> list[_Metric]:
-        return [m for m in vars(self).values() if isinstance(m, _Metric)]
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value by its exposed name without the prefix (e.g. "request_success_total"),
+        0 if it has none yet."""
+        return self.registry.get_sample_value(PREFIX + name, labels) or 0.0
 
-    def render(self, **labels: str) -> str:
-        lines: list[str] = []
-        for m in self.all():
-            lines += m.render(labels)
-        return "\n".join(lines) + "\n"
+    def render(self, **labels: str) -> bytes:
+        """The text exposition (prometheus_client.CONTENT_TYPE_LATEST), `labels` added to every sample."""
+        return generate_latest(_Labelled(self.registry, labels))
+
+
+class _Labelled:
+    """A registry's metrics with constant labels added to each sample, and without the `_created`
+    timestamps prometheus_client adds to counters and histograms (series this server never exposed)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples
+                           if not s.name.endswith("_created")]
+            yield out

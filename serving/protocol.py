@@ -29,8 +29,8 @@ class RequestError(Exception):
         self.headers = headers or {}
 
 
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
+# OpenAI's error type of each status this server answers with; the others are invalid_request_error
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_overloaded"}
 
 
 class ErrorInfo(Struct):

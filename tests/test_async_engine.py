@@ -7,16 +7,12 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxsched import LLM, SamplingParams
+from jaxsched.errors import QueueFullError
 from jaxsched.outputs import CompletionOutput
-from serving.async_engine import (
-    AsyncEngine,
-    DeltaTracker,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStepError,
-)
+from serving.async_engine import AsyncEngine, DeltaTracker, EngineDeadError, EngineStepError
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 PROMPTS = ["the capital of france is", "hello world , how are you", "one two three", "what is a cat ?"]
@@ -102,13 +98,13 @@ def test_a_failing_step_fails_its_requests_not_the_loop(setup):
     engine, reference = setup
 
     def break_next_step(eng):
-        real = eng.runner.execute
+        real = eng.runner.run
 
-        def execute(batch):
-            eng.runner.execute = real
+        def run(batch):
+            eng.runner.run = real
             raise RuntimeError("device on fire")
 
-        eng.runner.execute = execute
+        eng.runner.run = run
 
     async def main():
         await engine.call(break_next_step)
@@ -118,6 +114,36 @@ def test_a_failing_step_fails_its_requests_not_the_loop(setup):
         return [o async for o in engine.generate(PROMPTS[0], GREEDY)][-1]
 
     final = asyncio.run(main())
+    assert final.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert owned_blocks(engine) == {}
+
+
+def test_a_host_side_step_failure_fails_every_request_in_flight_and_the_loop_goes_on(setup):
+    engine, reference = setup
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    def break_next_update(eng):  # a bug on the host, after the device step: no request can be trusted
+        real = eng.scheduler.update
+
+        def update(*args):
+            eng.scheduler.update = real
+            raise RuntimeError("bookkeeping bug")
+
+        eng.scheduler.update = update
+
+    async def drain(stream):
+        async for _ in stream:
+            pass
+
+    async def main():
+        streams = [await engine.add_request(p, long) for p in PROMPTS[:2]]
+        await streams[0].__anext__()  # both are in the running batch
+        await engine.call(break_next_update)
+        results = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        return results, [o async for o in engine.generate(PROMPTS[0], GREEDY)][-1]
+
+    results, final = asyncio.run(main())
+    assert all(isinstance(e, EngineStepError) and "bookkeeping bug" in str(e) for e in results), results
     assert final.outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert owned_blocks(engine) == {}
 
@@ -147,10 +173,17 @@ def test_idle_engine_sleeps_instead_of_spinning(setup):
         asyncio.run(engine.call(lambda eng: setattr(eng, "step", real)))
 
 
-def test_queue_limit_and_stats(setup):
-    engine, _ = setup
+@pytest.fixture
+def limited(llama_dir):
+    """An engine whose EngineArgs allow two queued requests."""
+    engine = AsyncEngine(LLM(llama_dir, **ENGINE, max_num_queued_requests=2).llm_engine)
+    yield engine
+    engine.shutdown()
+
+
+def test_queue_limit_and_stats(limited):
+    engine = limited
     m = engine.metrics
-    before = m.request_success.value(finished_reason="length"), m.generation_tokens.value()
 
     async def main():
         # Hold the engine thread while the six arrive, so that none starts running (which would free
@@ -159,15 +192,11 @@ def test_queue_limit_and_stats(setup):
         gate = threading.Event()
         held = asyncio.ensure_future(engine.call(lambda eng: gate.wait(30)))
         await asyncio.sleep(0.05)
-        engine.max_num_queued_requests = 2
-        try:
-            adds = [asyncio.ensure_future(engine.add_request(PROMPTS[0], GREEDY)) for _ in range(6)]
-            await asyncio.sleep(0)  # each add checks the limit before its first await
-            gate.set()
-            res = await asyncio.gather(*adds, return_exceptions=True)
-            await held
-        finally:
-            engine.max_num_queued_requests = None
+        adds = [asyncio.ensure_future(engine.add_request(PROMPTS[0], GREEDY)) for _ in range(6)]
+        await asyncio.sleep(0)  # each add checks the limit before its first await
+        gate.set()
+        res = await asyncio.gather(*adds, return_exceptions=True)
+        await held
         streams = [r for r in res if not isinstance(r, BaseException)]
         errors = [r for r in res if isinstance(r, BaseException)]
         for s in streams:
@@ -177,15 +206,17 @@ def test_queue_limit_and_stats(setup):
 
     streams, errors = asyncio.run(main())
     assert len(streams) == 2 and len(errors) == 4
-    assert all(isinstance(e, EngineOverloadedError) and "max_num_queued_requests is 2" in str(e) for e in errors)
-    assert m.request_success.value(finished_reason="length") == before[0] + 2
-    assert m.generation_tokens.value() == before[1] + 24
-    assert m.time_to_first_token.count >= 2 and m.inter_token_latency.count >= 22
-    stats = engine.stats()
-    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
-    text = m.render(model_name="tiny")
-    assert 'jaxsched:request_success_total{model_name="tiny",finished_reason="length"}' in text
-    assert "# TYPE jaxsched:time_to_first_token_seconds histogram" in text
+    assert all(isinstance(e, QueueFullError) and "max_num_queued_requests is 2" in str(e) for e in errors)
+    assert m.value("request_success_total", finished_reason="length") == 2
+    assert m.value("generation_tokens_total") == 24
+    assert m.value("time_to_first_token_seconds_count") == 2 and m.value("inter_token_latency_seconds_count") >= 22
+    stats = engine.stats()  # the engine's EngineStats, as of its last step
+    assert stats.num_requests_running == stats.num_requests_waiting == 0 and stats.kv_cache_usage_perc == 0.0
+    assert stats.num_steps > 0 and stats.num_scheduled_tokens > 0
+    families = {f.name: f for f in text_string_to_metric_families(engine.metrics.render(model_name="tiny").decode())}
+    assert families["jaxsched:time_to_first_token_seconds"].type == "histogram"
+    [success] = families["jaxsched:request_success"].samples
+    assert success.labels == {"model_name": "tiny", "finished_reason": "length"} and success.value == 2
 
 
 def test_delta_tracker_holds_back_possible_stop_strings():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from servers import uvicorn_thread
 
 from jaxsched import LLM, SamplingParams
@@ -156,30 +157,42 @@ def test_other_routes(server):
     assert chat_tok["count"] > tok["count"]
 
 
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def scrape(client: httpx.Client) -> dict[str, tuple[str, dict]]:
+    """GET /metrics parsed: family name -> (type, {(sample name, sorted labels): value})."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {f.name: (f.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples})
+            for f in text_string_to_metric_families(r.text)}
+
+
+def total(families: dict, family: str, sample: str) -> float:
+    """The sum of a family's samples named `sample` (over their labels)."""
+    return sum(v for (name, _), v in families.get(family, ("", {}))[1].items() if name == sample)
 
 
 def test_metrics_move(server):
     c = httpx.Client(base_url=server.url, timeout=30)
-    before = c.get("/metrics")
-    assert before.headers["content-type"].startswith("text/plain")
+    before = scrape(c)
     server.client.completions.create(model="tiny", prompt=PROMPTS[0], **greedy_extra())
-    after = c.get("/metrics").text
-    for name, delta in [("jaxsched:request_success_total", 1), ("jaxsched:generation_tokens_total", 12),
-                        ("jaxsched:prompt_tokens_total", server.refs["prompt_lens"][0]),
-                        ("jaxsched:time_to_first_token_seconds_count", 1),
-                        ("jaxsched:e2e_request_latency_seconds_count", 1),
-                        ("jaxsched:inter_token_latency_seconds_count", 11)]:
-        assert metric(after, name) - metric(before.text, name) == delta, name
+    after = scrape(c)
+    for family, sample, delta in [
+            ("request_success", "request_success_total", 1), ("generation_tokens", "generation_tokens_total", 12),
+            ("prompt_tokens", "prompt_tokens_total", server.refs["prompt_lens"][0]),
+            ("time_to_first_token_seconds", "time_to_first_token_seconds_count", 1),
+            ("e2e_request_latency_seconds", "e2e_request_latency_seconds_count", 1),
+            ("inter_token_latency_seconds", "inter_token_latency_seconds_count", 11)]:
+        family, sample = "jaxsched:" + family, "jaxsched:" + sample
+        assert total(after, family, sample) - total(before, family, sample) == delta, sample
+    assert after["jaxsched:request_success"][1][("jaxsched:request_success_total", (
+        ("finished_reason", "length"), ("model_name", "tiny")))] >= 1
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
-        assert re.search(rf'^jaxsched:{gauge}{{model_name="tiny"}} 0\.0$', after, re.MULTILINE), gauge
-    assert "# TYPE jaxsched:num_preemptions_total counter" in after
-    assert 'jaxsched:request_queue_time_seconds_bucket{model_name="tiny",le="+Inf"}' in after
+        kind, samples = after["jaxsched:" + gauge]
+        assert kind == "gauge" and samples == {("jaxsched:" + gauge, (("model_name", "tiny"),)): 0.0}, gauge
+    kind, samples = after["jaxsched:num_preemptions"]
+    assert kind == "counter" and list(samples) == [("jaxsched:num_preemptions_total", (("model_name", "tiny"),))]
+    kind, samples = after["jaxsched:request_queue_time_seconds"]
+    assert kind == "histogram"
+    assert ("jaxsched:request_queue_time_seconds_bucket", (("le", "+Inf"), ("model_name", "tiny"))) in samples
 
 
 def _big(n):
@@ -257,17 +270,38 @@ def test_hostile_requests_get_openai_errors(server, what, method, path, body, he
         assert r.headers["www-authenticate"] == "Bearer"
 
 
-def test_server_still_serves_after_hostile_input_and_full_queue(server):
+def test_server_still_serves_after_hostile_input(server):
     assert len(HOSTILE) >= 25
-    c = httpx.Client(base_url=server.url, timeout=30, headers=AUTH)
-    server.engine.max_num_queued_requests = 0  # every new request finds the queue full
-    try:
-        r = c.post(CMPL, json=OK)
-    finally:
-        server.engine.max_num_queued_requests = None
-    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"]
     r = server.client.completions.create(model="tiny", prompt=PROMPTS[0], **greedy_extra())
     assert r.choices[0].text == server.refs["completions"][0]
+
+
+def test_a_full_queue_is_a_503_with_retry_after(llama_dir):
+    engine = AsyncEngine(LLM(llama_dir, **ENGINE, max_num_queued_requests=1).llm_engine)
+    gate = threading.Event()
+
+    async def main(url):
+        # Hold the engine thread, so that the first request stays queued while the second arrives.
+        held = asyncio.ensure_future(engine.call(lambda eng: gate.wait(30)))
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as client:
+            first = asyncio.ensure_future(client.post(CMPL, json=OK))
+            while engine.num_queued < 1:
+                await asyncio.sleep(0.01)
+            second = await client.post(CMPL, json=OK)
+            gate.set()
+            await held
+            return await first, second
+
+    try:
+        with uvicorn_thread(build_app(engine, served_model_name="tiny", api_key=KEY)) as url:
+            first, second = asyncio.run(main(url))
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert first.status_code == 200, first.text
+    assert second.status_code == 503 and second.headers["retry-after"] == "1", second.text
+    err = second.json()["error"]
+    assert err["code"] == "server_overloaded" and "max_num_queued_requests is 1" in err["message"]
 
 
 def test_64_streams_half_disconnect_rest_complete_and_blocks_free(server):
@@ -306,10 +340,10 @@ def test_64_streams_half_disconnect_rest_complete_and_blocks_free(server):
             await asyncio.sleep(0.05)
 
     m = server.engine.metrics
-    before = m.request_success.value(finished_reason="length"), m.generation_tokens.value()
+    before = m.value("request_success_total", finished_reason="length"), m.value("generation_tokens_total")
     results, owned = asyncio.run(main())
-    finished, generated = (m.request_success.value(finished_reason="length") - before[0],
-                           m.generation_tokens.value() - before[1])
+    finished, generated = (m.value("request_success_total", finished_reason="length") - before[0],
+                           m.value("generation_tokens_total") - before[1])
     # the abandoned half was aborted, not run to the end: 32 x 40 tokens plus some each for the rest
     assert finished == 32 and generated < 32 * 40 + 32 * 60, (finished, generated)
     for i, done, text in results:
@@ -324,11 +358,11 @@ def test_64_streams_half_disconnect_rest_complete_and_blocks_free(server):
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
     m = server.engine.metrics
-    before = m.generation_tokens.value(), m.request_success.value(finished_reason="length")
+    before = m.value("generation_tokens_total"), m.value("request_success_total", finished_reason="length")
 
     def slow_down(eng):  # 5 ms a step, so that the client surely leaves first
-        real = eng.runner.execute
-        eng.runner.execute = lambda batch: (time.sleep(0.005), real(batch))[1]
+        real = eng.runner.run
+        eng.runner.run = lambda batch: (time.sleep(0.005), real(batch))[1]
         return real
 
     real = asyncio.run(server.engine.call(slow_down))
@@ -337,14 +371,14 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
         with pytest.raises(httpx.TimeoutException):
             c.post(CMPL, json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True})
     finally:
-        asyncio.run(server.engine.call(lambda eng: setattr(eng.runner, "execute", real)))
+        asyncio.run(server.engine.call(lambda eng: setattr(eng.runner, "run", real)))
     deadline = time.monotonic() + 10
     while asyncio.run(server.engine.call(lambda eng: eng.has_unfinished_requests())):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert owned_blocks(server.engine) == {}
-    assert m.request_success.value(finished_reason="length") == before[1]  # aborted, not finished
-    assert m.generation_tokens.value() - before[0] < 100
+    assert m.value("request_success_total", finished_reason="length") == before[1]  # aborted, not finished
+    assert m.value("generation_tokens_total") - before[0] < 100
 
 
 def test_unknown_fields_are_logged(server, caplog):

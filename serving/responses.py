@@ -1,0 +1,127 @@
+"""Engine outputs to the OpenAI objects of one route: /v1/completions or /v1/chat/completions.
+
+The server streams and collects both routes the same way (app.py); all that differs between them is
+here, in two small classes: what a finished choice, a streamed choice, a whole response and a stream
+chunk look like, and what a stream sends before the first token (chat: the assistant's role;
+completions with echo: the prompts).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+from jaxsched.outputs import CompletionOutput
+from serving.convert import Converter
+from serving.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from serving.streaming import CompletionDelta
+
+
+class Responder(ABC):
+    """What one request's response needs besides the outputs, and how it is shaped."""
+
+    prompt_param = "prompt"  # the request field an engine error about the prompt points at
+
+    def __init__(self, conv: Converter, rid: str, model: str, req: Any, prompt_lens: list[int],
+                 texts: list[str | None]) -> None:
+        self.conv, self.rid, self.model, self.req = conv, rid, model, req
+        self.created = int(time.time())
+        self.prompt_lens, self.texts = prompt_lens, texts
+        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+
+    def index(self, prompt: int, c: CompletionOutput | CompletionDelta) -> int:
+        """OpenAI's choice index: the n samples of prompt 0, then those of prompt 1, ..."""
+        return prompt * self.req.n + c.index
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        p = sum(self.prompt_lens)
+        return UsageInfo(p, completion_tokens, p + completion_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.req.stream_options is not None and self.req.stream_options.include_usage
+
+    @abstractmethod
+    def choice(self, prompt: int, c: CompletionOutput) -> Any:
+        """A finished sample of a whole response."""
+
+    @abstractmethod
+    def response(self, choices: list[Any], usage: UsageInfo) -> Any:
+        """The whole response of a request that does not stream."""
+
+    @abstractmethod
+    def opening(self) -> list[Any]:
+        """The chunks a stream starts with."""
+
+    @abstractmethod
+    def delta_choice(self, prompt: int, d: CompletionDelta) -> Any:
+        """What is new in one sample, for a stream chunk."""
+
+    @abstractmethod
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> Any:
+        """One stream chunk (the last one, with the usage, has no choices)."""
+
+
+class CompletionResponder(Responder):
+    req: CompletionRequest
+
+    def choice(self, prompt: int, c: CompletionOutput) -> CompletionChoice:
+        echo = (self.texts[prompt] or "") if self.req.echo else ""
+        lp = self.conv.completion_logprobs(c.token_ids, c.logprobs, len(echo)) if c.logprobs else None
+        return CompletionChoice(self.index(prompt, c), echo + c.text, lp, c.finish_reason, c.stop_reason)
+
+    def response(self, choices: list[Any], usage: UsageInfo) -> CompletionResponse:
+        return CompletionResponse(self.rid, "text_completion", self.created, self.model, choices, usage)
+
+    def opening(self) -> list[CompletionResponse]:
+        if not self.req.echo:
+            return []
+        n = self.req.n
+        return [self.chunk([CompletionChoice(i * n + j, text or "", None, None) for j in range(n)])
+                for i, text in enumerate(self.texts)]
+
+    def delta_choice(self, prompt: int, d: CompletionDelta) -> CompletionChoice:
+        lp = self.conv.completion_logprobs(d.token_ids, d.logprobs, 0) if d.logprobs else None
+        return CompletionChoice(self.index(prompt, d), d.text, lp, d.finish_reason, d.stop_reason)
+
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(self.rid, "text_completion", self.created, self.model, choices, usage)
+
+
+class ChatResponder(Responder):
+    req: ChatCompletionRequest
+    prompt_param = "messages"
+
+    def _logprobs(self, token_ids: list[int], logprobs: Any) -> Any:
+        return self.conv.chat_logprobs(token_ids, logprobs, self.req.top_logprobs or 0) if logprobs else None
+
+    def choice(self, prompt: int, c: CompletionOutput) -> ChatChoice:
+        return ChatChoice(self.index(prompt, c), ChatResponseMessage("assistant", c.text),
+                          self._logprobs(c.token_ids, c.logprobs), c.finish_reason, c.stop_reason)
+
+    def response(self, choices: list[Any], usage: UsageInfo) -> ChatCompletionResponse:
+        return ChatCompletionResponse(self.rid, "chat.completion", self.created, self.model, choices, usage)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        role = DeltaMessage(role="assistant", content="")
+        return [self.chunk([ChatStreamChoice(j, role, None, None) for j in range(self.req.n)])]
+
+    def delta_choice(self, prompt: int, d: CompletionDelta) -> ChatStreamChoice:
+        return ChatStreamChoice(self.index(prompt, d), DeltaMessage(content=d.text),
+                                self._logprobs(d.token_ids, d.logprobs), d.finish_reason)
+
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
