@@ -21,14 +21,14 @@ import jax
 import jax.numpy as jnp
 
 
-def unsupported_reason(platform: str | None = None) -> str | None:
-    """None when the backend can run on `platform` (jax's name; None: this process's first device),
-    else why not. backends.py asks this when choosing a backend."""
+def unsupported_reason(platform: str) -> str | None:
+    """None when the backend can run on `platform` (jax's name: "cpu", "gpu", ...), else why not.
+    backends.py asks this when choosing a backend."""
     try:
         import numba  # noqa: F401
     except ImportError as e:
         return f"numba is not importable ({e}); install it with `pip install numba`"
-    if (platform or jax.devices()[0].platform) != "cpu":
+    if platform != "cpu":
         return "the numba kernels run on a CPU only"
     return None
 
