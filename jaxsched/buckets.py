@@ -6,8 +6,7 @@ step and the number of compiled programs stays logarithmic in the limits. Decode
 (from 32 up to max_num_seqs) also get steps between two doublings, a quarter of the doubling apart
 and never closer than 16 (32 -> 48 -> 64 -> 80 -> 96 -> 112 -> 128 -> 160 -> ...): decode steps are
 most of a generation's steps, and every padded row costs a full row of matmuls (vLLM captures CUDA
-graphs at batch sizes 8 apart for the same reason). On the default benchmark run the decode steps
-pad 1812 rows of 17552 instead of 2852 of 18592 with 1.5x steps only. Steps of more tokens than
+graphs at batch sizes 8 apart for the same reason; the padding saved is in docs/PERFORMANCE.md). Steps of more tokens than
 max_num_seqs carry prefill chunks; their S stays on the doubling buckets. The fine steps do
 multiply the decode-sized (T, S) pairs: 61 programs for the benchmark's limits (max_num_seqs 128,
 max_num_batched_tokens 2048) against 34 with doubling buckets only, 92 for max_num_seqs 256.

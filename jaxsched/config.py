@@ -34,10 +34,9 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None  # defaults to 2048 (or max_model_len without chunking)
-    # tokens per KV block; None picks per attention backend, as vLLM picks per platform: 16 for
-    # the Pallas kernel (a GPU), 128 for the XLA path (a CPU; vLLM's CPU backend also uses 128),
-    # whose gathers copy a page per index: decode attention 12.8 -> 8.8 ms/layer going from 16 to
-    # 128 (docs/PERFORMANCE.md)
+    # tokens per KV block; None picks the attention backend's default_block_size, as vLLM picks
+    # per platform: 16 for the Pallas kernel (a GPU), 128 for the CPU backends (as vLLM's CPU
+    # backend), whose pages are cheaper to read in bigger pieces (docs/PERFORMANCE.md)
     block_size: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None

@@ -48,8 +48,8 @@ _ARGMAX_BLOCK = 512
 
 def argmax_rows(x):
     """jnp.argmax(x, axis=-1) as i32[S] (first index on ties; NaN rows excepted), in two levels: the max of
-    each block of 512 columns, then the argmax inside the winning block. XLA:CPU's one-pass argmax
-    (a variadic reduce) takes 14 ms over [128, 49152] logits; plain max reductions take ~1 ms."""
+    each block of 512 columns, then the argmax inside the winning block: XLA:CPU's one-pass argmax
+    (a variadic reduce) is an order of magnitude slower than plain max reductions (docs/PERFORMANCE.md, "Decisions in the code")."""
     S, V = x.shape
     B = _ARGMAX_BLOCK
     if V <= B:
@@ -60,7 +60,7 @@ def argmax_rows(x):
     xb = x.reshape(S, -1, B)
     # The first block holding the row's maximum. A row with NaN logits (a broken model) gets some
     # token of the block the max reduction picks: finding NaN first would cost another pass over
-    # [S, V] (8 ms per 128-row step here), and jnp.argmax's answer, the NaN's index, is no better.
+    # [S, V] every step, and jnp.argmax's answer, the NaN's index, is no better.
     blk = jnp.argmax(xb.max(axis=-1), axis=-1)
     inner = jnp.argmax(jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0], axis=-1)
     return (blk * B + inner).astype(jnp.int32)
@@ -105,7 +105,7 @@ def apply_penalties(logits, batch):
     """penalty_updates applied: logits f32[S, V] -> f32[S, V]. The updates come out of a lax.cond
     and are scattered after it, so a step where no row has penalties pays only for an [S, W]
     scatter of dropped entries (a cond that returned the logits would copy all [S, V] of them in
-    its identity branch: 12 ms per 128-row step on a CPU)."""
+    its identity branch, every step; docs/PERFORMANCE.md, "Decisions in the code")."""
     S, V = logits.shape
     W = batch.penalty_ids.shape[1]
 

@@ -97,10 +97,9 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # The jnp implementation tuned for XLA:CPU (xla_attention.py); runs anywhere, so the fallback.
     # K pages [H, P]: its score dot contracts over H, and XLA:CPU feeds that dot a [.., H, C]
     # operand, so with [P, H] pages every gathered K chunk went through a transpose copy on top of
-    # the gather (decode attention 8.8 -> 7.0 ms per layer at S=128, contexts 64-640, 128-token
-    # pages). V pages stay [P, H] (the PV dot contracts over P). 128-token blocks, as vLLM's CPU
-    # backend uses: XLA:CPU's gathers copy a page per index, and decode attention went 12.8 -> 8.8
-    # ms per layer from 16 to 128 (docs/PERFORMANCE.md).
+    # the gather. V pages stay [P, H] (the PV dot contracts over P). 128-token blocks, as vLLM's CPU
+    # backend uses: XLA:CPU's gathers copy a page per index, so bigger pages read faster. Both
+    # measured in docs/PERFORMANCE.md, "Decisions in the code".
     AttentionBackend("xla", xla_attention, k_transposed=True, bf16_as_bits=True, default_block_size=128,
                      auto_on=None, why_unsupported=_runs_anything),
     # The obviously-correct version every other backend is tested against (reference_attention.py);

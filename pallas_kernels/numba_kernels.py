@@ -10,10 +10,10 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 reading the pages (each byte is read once, while the dots run on it in cache).
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
                 themselves: a [Q_TILE * G, H] x [H, P] block per page, 4 rows and 4 terms per pass
-                (~80-95 GFLOP/s per core on a page in cache, against ~30 one row-term at a time).
+                (about 3x one row-term at a time; docs/PERFORMANCE.md, "Prefill tiles").
 
 Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use on a
-machine compiles for ~25 s (both pool storages), later processes load the cache in under a second.
+machine compiles them (tens of seconds, both pool storages), later processes load the cache.
 The FFI handlers at the bottom are what XLA calls (cpu_ffi.py).
 """
 
@@ -55,8 +55,8 @@ _THREADS = max(1, int(config.NUMBA_NUM_THREADS))
 @njit(fastmath=True, inline="always", cache=True)
 def _exp(x):
     """exp(x) for x <= 0 in float32: 2^(x log2 e) as an exponent and a degree-6 polynomial, which
-    numba vectorises (libm's exp is a scalar call per element: 6.3 -> 4.3 ms per layer of decode
-    attention here). Relative error ~2e-7, float32's own resolution."""
+    numba vectorises (libm's exp is a scalar call per element; docs/PERFORMANCE.md, "Decisions in the code"). Relative error ~2e-7,
+    float32's own resolution."""
     t = max(x, _EXP_LO) * _LOG2E
     fi = np.floor(t)
     f = t - fi
@@ -142,9 +142,9 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
 # Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H]. numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
-# accumulator load) measured single-threaded on one page in cache (R=48, H=64, P=128): scores
-# 31 -> 94 GFLOP/s, values 30 -> 78. (The same unrolling slows decode rows, whose pages stream from
-# memory once: 8 rows of a page read side by side defeat the prefetcher.)
+# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Prefill tiles"). (The same
+# unrolling slows decode rows, whose pages stream from memory once: 8 rows of a page read side by
+# side defeat the prefetcher.)
 @njit(fastmath=True, inline="always", cache=True)
 def _matmul_acc(a, b, c, R, kdim, cols):
     """c[:R, :cols] += a[:R, :kdim] . b[:kdim, :cols] (all row-major), 4 rows of a and 4 terms of

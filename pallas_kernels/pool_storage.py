@@ -1,10 +1,9 @@
 """How a KV pool holds its values: float32, bfloat16, or bfloat16 as its uint16 bits.
 
 For the XLA:CPU backends a bfloat16 pool is kept as uint16 holding the same bits: XLA:CPU gathers
-and converts bfloat16 element by element (a bfloat16 pool made decode attention ~7x slower than
-float32, 84 vs 12 ms per layer at S=128, ctx 400), while a uint16 gather is a plain copy and
-bfloat16 -> float32 is a 16-bit shift that fuses into it (7.6 ms per layer: half the bytes of
-float32 read from memory). The Pallas kernels load bfloat16 tiles natively, so their pool stays
+and converts bfloat16 element by element (several times slower than a float32 pool), while a
+uint16 gather is a plain copy and bfloat16 -> float32 is a 16-bit shift that fuses into it, so
+half the bytes of float32 are read (docs/PERFORMANCE.md, "Decisions in the code"). The Pallas kernels load bfloat16 tiles natively, so their pool stays
 bfloat16 (which backend stores bits is AttentionBackend.bf16_as_bits). Everything that reads or
 writes the pool goes through the two helpers below, so both storages hold the same values.
 """

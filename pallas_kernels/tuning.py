@@ -15,24 +15,20 @@ class XlaCpuConfig:
 
 
 def xla_cpu_config(block_size: int) -> XlaCpuConfig:
-    # Measured with scripts/bench_attention.py at the demo model's shapes (2 cores). Decode: with
-    # 16-token pages, chunks of 2 pages (13 ms/layer at S=128, ctx 400, against 23 ms with 4: the
-    # gathered chunk stays in L2); with larger pages, one page per chunk: a gather copies a page per
-    # index, so bigger pages gather faster (contexts 64-640: 12.8 ms/layer for 16 x 2, 8.5 for 64,
-    # 8.8 for 128 tokens per page). Prefill is flat within 10 % for q tiles 16-128 and groups of 2-8
-    # tiles, and slows past that (tiles of a group loop to the group's longest context).
-    # Decode rows run as groups of rows sorted by context length, one loop per group (XLA:CPU runs
-    # independent loops on both cores, and each loop stops at its own longest row): at S=128 with
-    # contexts uniform in 64-640, 14.2 ms/layer for two unsorted groups, 13.8 for two sorted ones,
-    # 12.9 for four and 12.8 for eight.
+    # Measured with scripts/bench_attention.py at the demo model's shapes (docs/PERFORMANCE.md, "Decisions in the code"). Decode: with
+    # 16-token pages, chunks of 2 pages (the gathered chunk stays in L2); with larger pages, one
+    # page per chunk (a gather copies a page per index, so bigger pages gather faster). Prefill is
+    # flat for q tiles 16-128 and groups of 2-8 tiles, and slows past that (tiles of a group loop
+    # to the group's longest context). Decode rows run as 4 groups of rows sorted by context
+    # length, one loop per group (XLA:CPU runs independent loops on both cores, and each loop stops
+    # at its own longest row).
     return XlaCpuConfig(decode_kv_blocks=max(1, 32 // block_size), decode_row_groups=4, prefill_q_tile=32,
                         prefill_tiles_per_group=4, prefill_kv_blocks=max(1, 128 // block_size))
 
 
 # YNNPACK fusion kinds for the model step on a CPU. jaxlib hands YNNPACK only dots and reductions by
 # default; adding elementwise chains moves the attention loops' exp / select / rescale work into
-# YNNPACK's vectorised kernels: decode attention 12.97 -> 11.89 ms/layer (S=128, contexts 64-640).
-# It is an XLA option per compiled program (passed to compile()), so nothing else in the process
+# YNNPACK's vectorised kernels (faster decode attention; docs/PERFORMANCE.md, "Decisions in the code"). It is an XLA option per compiled program (passed to compile()), so nothing else in the process
 # is affected.
 _CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type":
@@ -45,15 +41,13 @@ def compiler_options(platform: str) -> dict[str, str]:
     return dict(_CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
 
 
-# How the model holds its layer weights (jaxsched/models/llama.py). Both run one lax.scan over the
+# How the model holds its layer weights (jaxsched/models/layers.py). Both run one lax.scan over the
 # layers. "stacked": every weight stacked along a leading L axis and sliced per layer as the scan's
-# xs; XLA:CPU copies that dynamic slice before each dot (14 MB per layer of the demo model, ~28 ms
-# of a 128-row decode step). "per_layer": separate arrays per layer, reached through lax.switch on
-# the layer index, whose branches read them in place: a captured 128-row decode step 330.7 ->
-# 321.4 ms (medians of 20 interleaved replays), about +2 % output tok/s end to end, for ~1 GiB more
-# peak RSS (L copies of a layer's non-attention code in every program) and ~2x the cached warm-up.
-# docs/PERFORMANCE.md ("Per-layer weights") has the measurements. GPUs keep "stacked": the
-# alternative has not been measured there (no GPU was lent to this work).
+# xs; XLA:CPU copies that dynamic slice before each dot. "per_layer": separate arrays per layer,
+# reached through lax.switch on the layer index, whose branches read them in place: a little
+# faster on a CPU, for more peak memory (L copies of a layer's non-attention code in every program)
+# and about twice the cached warm-up (docs/PERFORMANCE.md, "Per-layer weights"). GPUs keep
+# "stacked": the alternative has not been measured there (no GPU was lent to this work).
 def layer_weights(platform: str) -> str:
     return "per_layer" if platform == "cpu" else "stacked"
 
