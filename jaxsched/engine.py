@@ -180,8 +180,7 @@ class LLMEngine:
             why = f"the step failed on the device: {type(e).__name__}: {e}"
             raise StepFailedError(self.outputs.fail(dict.fromkeys(self.scheduler.recover(out), why)), e) from e
         failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
-        return failed + self.outputs.process(out, self.scheduler.update(out, res.sampled.sampled), res.sampled,
-                                             res.started)
+        return failed + self.outputs.process(out, self.scheduler.update(out, res.sampled.sampled), res)
 
     def next_request_id(self) -> str:
         self._next_id += 1

@@ -21,6 +21,7 @@ from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxsched.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from jaxsched.runner import StepResult
     from jaxsched.sampler import SamplerOutput
     from jaxsched.scheduler import SchedulerOutput
 
@@ -145,14 +146,14 @@ class OutputProcessor:
         return outputs
 
     # -- a step's outputs ----------------------------------------------------------------------
-    def process(self, out: SchedulerOutput, got: list[int], sampled: SamplerOutput,
-                started: float) -> list[RequestOutput]:
+    def process(self, out: SchedulerOutput, got: list[int], res: StepResult) -> list[RequestOutput]:
         """Outputs of the requests that got a token in step `out` (rows `got`, as Scheduler.update
-        returns them). `started` is when the step began: each request's first scheduling time."""
+        returns them). The step's start is each request's first scheduling time."""
         rows = list(out.scheduled.values())
         for row in rows:
             if not row.request.first_scheduled_time:
-                row.request.first_scheduled_time = started
+                row.request.first_scheduled_time = res.started
+        sampled = res.sampled
         now = time.monotonic()
         stopped = []
         for i in got:

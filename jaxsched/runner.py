@@ -40,7 +40,7 @@ SWAP_CHUNKS = (8, 32, 128)  # blocks per swap copy call
 class StepResult:
     """What executing one SchedulerOutput gives back."""
 
-    sampled: SamplerOutput | None  # None for a step with no rows
+    sampled: SamplerOutput  # S rows (none for a step with no rows)
     started: float  # time.monotonic() when the step began
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be stored
 
@@ -243,7 +243,8 @@ class ModelRunner:
             self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if out.is_empty:
             self.packer.penalties.forget(out.finished_ids)
-            return StepResult(None, started)
+            return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
+                                                   self.max_logprobs), started)
         batch = self.packer.pack(out)
         return StepResult(self.run(batch), started, batch.rejected)
 

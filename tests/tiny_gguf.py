@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-# HF tensor name suffix -> llama.cpp's (the inverse of jaxsched/models/loader.py's map)
+# HF tensor name suffix -> llama.cpp's (the inverse of jaxsched/models/llama.py's map)
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
