@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsched.config import default_block_size
-from pallas_kernels import tuning
-from pallas_kernels.kv_cache import pool_dtype, pool_shapes, to_pool
+from pallas_kernels import backends, tuning
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.pool_storage import to_pool
 
 
 def build(rng, seqs, q_lens, ctx, NB, K, P, H, N, M):
@@ -41,7 +40,7 @@ def build(rng, seqs, q_lens, ctx, NB, K, P, H, N, M):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="xla")
+    ap.add_argument("--backend", default="xla", choices=tuple(backends.BACKENDS))
     ap.add_argument("--seqs", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=400)
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of a prefill-only step")
@@ -51,11 +50,12 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     L, K, H, N = 2, 3, 64, 9
-    P = args.block_size or default_block_size(args.backend)
+    backend = backends.get(args.backend)
+    P = args.block_size or backend.default_block_size
     M = -(-1024 // P)
     NB = args.seqs * M + 1
-    storage = pool_dtype(args.kv_cache_dtype, args.backend)  # as the engine stores it
-    k_shape, v_shape = pool_shapes(L, NB, K, P, H, args.backend)
+    storage = backend.pool_dtype(args.kv_cache_dtype)  # as the engine stores it
+    k_shape, v_shape = backend.pool_shapes(L, NB, K, P, H)
     kc = to_pool(jnp.asarray(rng.standard_normal(k_shape, dtype=np.float32)), storage)
     vc = to_pool(jnp.asarray(rng.standard_normal(v_shape, dtype=np.float32)), storage)
     LAYERS = 30  # the demo model's depth: one call runs a layer scan, as the engine's step does

@@ -235,4 +235,4 @@ def test_penalties_over_a_whole_context(llm):
                                                                  repetition_penalty=1.3, presence_penalty=0.8),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == room and out.finish_reason == "length"
-    assert llm.llm_engine.penalty_capacity >= llm.llm_engine.scheduler_config.max_model_len
+    assert llm.llm_engine.config.penalty_capacity >= llm.llm_engine.scheduler_config.max_model_len
