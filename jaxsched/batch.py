@@ -23,7 +23,7 @@ from jaxsched.scheduler import ScheduledRequest, SchedulerOutput
 
 def _flat(kind: str, shape):
     """A field that views the `kind` ("i32" / "f32") flat buffer; shape(T, S, M) gives its shape."""
-    return field(default=None, metadata={"flat": kind, "shape": shape})
+    return field(metadata={"flat": kind, "shape": shape})
 
 
 def _tokens(T: int, S: int, M: int) -> tuple[int, ...]:

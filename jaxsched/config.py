@@ -14,7 +14,10 @@ import difflib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxsched.policy import SchedulerPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class EngineArgs:
     max_logprobs: int = 20
     # dtype of the KV pool: "auto" = the model's dtype; "bfloat16" halves the pool's memory and
     # the bytes decode attention reads (at a small precision cost); with the CPU backends the pool
-    # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/kv_cache.py)
+    # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/pool_storage.py)
     kv_cache_dtype: str = "auto"
     # "auto": the Pallas kernel on a GPU; on a CPU "numba" (attention in a numba kernel that reads KV
     # pages where they lie, called from the jitted step), or "xla" (the jnp path) where numba cannot
@@ -56,8 +59,7 @@ class EngineArgs:
     preemption_mode: str = "auto"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     swap_threshold: float = 0.8  # above this KV usage no new request is admitted
-    # "fcfs", "priority", or a SchedulerPolicy instance (see jaxsched/policy.py)
-    scheduling_policy: Any = "fcfs"
+    scheduling_policy: Any = "fcfs"  # "fcfs", "priority" or a jaxsched.policy.SchedulerPolicy instance
     enable_prefix_caching: bool = True
     max_num_queued_requests: int | None = None  # None: unbounded
     max_paddings: int = 32  # padded tokens per step the scheduler tries to stay within
@@ -96,17 +98,21 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend != "auto":
+            from pallas_kernels.backends import BACKENDS  # the registry of backend records
+
+            if self.attention_backend not in BACKENDS:
+                raise ValueError(f"attention_backend must be 'auto' or one of {tuple(BACKENDS)}, "
+                                 f"got {self.attention_backend!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if not 0.0 < self.swap_threshold <= 1.0:
             raise ValueError(f"swap_threshold must be in (0, 1], got {self.swap_threshold!r}")
-        if isinstance(self.scheduling_policy, str) and self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs', 'priority' or a SchedulerPolicy instance, got "
-                f"{self.scheduling_policy!r}"
-            )
+        from jaxsched.policy import make_policy  # plain Python; raises saying what a policy must be
+
+        make_policy(self.scheduling_policy)
         if self.max_num_queued_requests is not None:
             _check_positive("max_num_queued_requests", self.max_num_queued_requests)
         if not isinstance(self.max_paddings, int) or self.max_paddings < 0:
@@ -182,6 +188,7 @@ class CacheConfig:
     block_size: int  # P
     num_blocks: int  # NB, block 0 included (the null page)
     dtype: str
+    max_blocks_per_seq: int  # M: blocks of a max_model_len sequence, the width of a block table
 
     @property
     def num_usable_blocks(self) -> int:
@@ -225,7 +232,7 @@ class EngineConfig:
     max_logprobs: int
     seed: int
     enable_prefix_caching: bool
-    scheduling_policy: Any
+    scheduling_policy: SchedulerPolicy
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str, weights_bytes: Callable[[str], int],
@@ -237,6 +244,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     """
     from jaxsched.buckets import seq_buckets, token_buckets
     from jaxsched.penalties import table_capacity
+    from jaxsched.policy import make_policy
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
     from pallas_kernels.backends import choose
 
@@ -273,7 +281,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
             )
     max_seqs = min(args.max_num_seqs, budget)
 
-    max_useful = max_seqs * -(-max_len // P) + 1  # every sequence at full length, plus the null page
+    M = -(-max_len // P)
+    max_useful = max_seqs * M + 1  # every sequence at full length, plus the null page
     num_blocks = args.num_gpu_blocks_override or num_blocks_for_memory(
         model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(dtype), budget, max_seqs,
         max_useful)
@@ -290,7 +299,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         max_num_queued_requests=args.max_num_queued_requests)
     return EngineConfig(
         model_path=model_path, tokenizer_path=args.tokenizer or model_path, model=model,
-        cache=CacheConfig(block_size=P, num_blocks=num_blocks, dtype=kv_dtype), scheduler=sched, dtype=dtype,
+        cache=CacheConfig(block_size=P, num_blocks=num_blocks, dtype=kv_dtype, max_blocks_per_seq=M), scheduler=sched,
+        dtype=dtype,
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy)
+        scheduling_policy=make_policy(args.scheduling_policy))

@@ -11,6 +11,7 @@ Everything is decided once, up front, by config.resolve(); __init__ only builds 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from jaxsched.outputs import RequestOutput
 from jaxsched.penalties import check_penalty_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
 from jaxsched.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -47,6 +50,7 @@ class LLMEngine:
             path = str(demo_model_path())
         else:
             path = args.model
+        t0 = time.perf_counter()
         model_cfg, getter, _kind = load_model_source(path)
         cfg = resolve(args, model_cfg, path, jax.devices()[0].platform,
                       weights_bytes=lambda dtype: weights_bytes(model_cfg, dtype), memory=device_memory)
@@ -54,11 +58,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
+        logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy)
         self.runner = ModelRunner(model, cfg)
         self.runner.warm_up()
+        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s; swap pool: %d blocks",
+                    cfg.cache.num_blocks - 1, cfg.cache.block_size, cfg.cache.dtype, cfg.attention_backend,
+                    cfg.scheduler.num_host_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_requests, cfg.enable_prefix_caching)
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -149,15 +157,12 @@ class LLMEngine:
     def add_request_obj(self, req: Request) -> None:
         """Queue a request made by make_request. With n > 1 its samples become sibling requests
         that share the prompt's KV blocks (output_processor.py); all are queued or none is."""
-        rid = req.request_id
-        if rid in self.outputs or rid in self.scheduler.requests:
-            raise ValueError(f"request_id {rid!r} is already in flight; use a unique id")
-        samples = self.outputs.add(req)
+        samples = self.outputs.add(req)  # refuses an id (or a sample's id) already in flight
         try:
             for sample in samples:
                 self.scheduler.add_request(sample)
         except Exception:
-            self.scheduler.finish_requests(self.outputs.forget(rid), RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(self.outputs.forget(req.request_id), RequestStatus.FINISHED_ABORTED)
             raise
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from jaxsched.detokenizer import IncrementalDetokenizer
+from jaxsched.errors import InvalidRequestError
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxsched.request import Request, RequestStatus
 
@@ -73,12 +74,17 @@ class OutputProcessor:
     # -- requests in and out -------------------------------------------------------------------
     def add(self, req: Request) -> list[Request]:
         """Track a request; returns the Requests to schedule: itself, or with n > 1 its samples
-        ("{i}_{request_id}", as vLLM names them), which share the prompt's KV blocks."""
+        ("{i}_{request_id}", as vLLM names them), which share the prompt's KV blocks. Refuses the
+        request, tracking nothing, when its id or a sample's is in flight already."""
         n = req.sampling_params.n
+        rid = req.request_id
+        ids = [rid] if n == 1 else [rid, *(f"{i}_{rid}" for i in range(n))]
+        taken = next((i for i in ids if i in self), None)
+        if taken is not None:
+            raise InvalidRequestError(f"request_id {taken!r} is already in flight; use a unique id", "request_id")
         if n == 1:
             self._track(req)
             return [req]
-        rid = req.request_id
         # With prefix caching off, the samples share blocks only among themselves.
         salt = req.cache_salt if self.enable_prefix_caching else int.from_bytes(
             hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
@@ -122,27 +128,31 @@ class OutputProcessor:
     def fail(self, reasons: dict[str, str]) -> list[RequestOutput]:
         """End requests that failed (request id -> why), with their sibling samples: FINISHED_ERROR
         in the scheduler, and their final outputs, with `error` set."""
-        outputs = []
         now = time.monotonic()
+        ended: dict[str, list[str]] = {}  # group id (or own id) -> its samples that end
         for rid, why in reasons.items():
-            if rid not in self._states:  # already ended with a sibling
+            if rid not in self._states or self._states[rid].request.error:  # ended with a sibling
                 continue
             logger.error("request %s failed: %s", rid, why)
             gid, ids = self._group_of(rid)
             ids = [r for r in ids if r in self._states]
-            self.finish(ids, RequestStatus.FINISHED_ERROR)
-            done = {}
             for r in ids:
-                st = self._states.pop(r)
-                st.request.error, st.request.finished_time = why, now
-                done[r] = self._output(st)
-            if gid is None:
+                req = self._states[r].request
+                req.error, req.finished_time = why, now
+            req = self._states[rid].request  # it was in a step (a sibling may not have been)
+            req.first_scheduled_time = req.first_scheduled_time or now
+            ended[gid or rid] = ids
+        self.finish([r for ids in ended.values() for r in ids], RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for key, ids in ended.items():
+            done = {r: self._output(self._states.pop(r)) for r in ids}
+            if key not in self._groups:
                 outputs.extend(done.values())
-            else:
-                group = self._groups[gid]
-                for r, o in done.items():
-                    group.completions[group.child_ids.index(r)] = o.outputs[0]
-                outputs.append(self._group_output(gid))
+                continue
+            group = self._groups[key]
+            for r, o in done.items():
+                group.completions[group.child_ids.index(r)] = o.outputs[0]
+            outputs.append(self._group_output(key))
         return outputs
 
     # -- a step's outputs ----------------------------------------------------------------------
@@ -155,26 +165,32 @@ class OutputProcessor:
                 row.request.first_scheduled_time = res.started
         sampled = res.sampled
         now = time.monotonic()
-        stopped = []
+        stopped, broken = [], {}
         for i in got:
             req = rows[i].request
             state = self._states[req.request_id]
             token = req.output_token_ids[-1]
             if not req.first_token_time:
                 req.first_token_time = now
-            if state.logprobs is not None:
-                state.logprobs.append(self._logprobs_entry(sampled, i, token, req.sampling_params.logprobs))
-                state.cumulative_logprob += float(sampled.logprob[i])
-            state.detok.add_token(token, last=req.is_finished)
+            try:
+                if state.logprobs is not None:
+                    state.logprobs.append(self._logprobs_entry(sampled, i, token, req.sampling_params.logprobs))
+                    state.cumulative_logprob += float(sampled.logprob[i])
+                state.detok.add_token(token, last=req.is_finished)
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode a token: this request alone fails
+                broken[req.request_id] = f"its output could not be processed: {type(e).__name__}: {e}"
+                continue
             if state.detok.stop_string is not None and not req.is_finished:
                 req.stop_reason = state.detok.stop_string
                 stopped.append(req.request_id)
         if stopped:
             self.finish(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = []
+        outputs = self.fail(broken) if broken else []
         groups: dict[str, None] = {}
         for i in got:
             req = rows[i].request
+            if req.request_id not in self._states and req.error:  # failed above
+                continue
             if req.is_finished:
                 req.finished_time = now
                 o = self._output(self._states.pop(req.request_id))

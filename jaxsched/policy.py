@@ -1,10 +1,10 @@
 """Scheduling policies: which request goes first. Plain Python: no jax, no clocks.
 
 The contract is the SchedulerPolicy ABC, and it is exactly what the scheduler uses: a `sort_key`
-per request (smaller runs first) that never changes while the request lives, and whether a waiting
-request may preempt a running one that ranks below it. A static key lets the scheduler keep its
-queues sorted by insertion instead of re-sorting them every step, which keeps a step under a
-millisecond with thousands of requests waiting. The built-in policies go through the same path as
+per request (smaller runs first) that does not change while the request sits in a queue, and
+whether a waiting request may preempt a running one that ranks below it. A static key lets the
+scheduler keep its queues sorted by insertion instead of re-sorting them every step, which keeps
+its share of a step small with thousands of requests waiting (scripts/bench_scheduler.py). The built-in policies go through the same path as
 any user's.
 
 Aging without clocks: PriorityPolicy's key is priority + arrival_step / aging_steps. Between two

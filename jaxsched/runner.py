@@ -22,14 +22,12 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
-from jaxsched.block_manager import cdiv
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.paths import cache_dir
 from jaxsched.sampler import SamplerOutput, sample
 from jaxsched.scheduler import SchedulerOutput
-from pallas_kernels import tuning
-from pallas_kernels.kv_cache import pool_dtype, pool_shapes
+from pallas_kernels import backends, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +100,16 @@ class ModelRunner:
         self.scheduler_config = sched = config.scheduler
         self.max_logprobs = config.max_logprobs
         self.graphdef, self.state = nnx.split(model)
-        self.max_blocks_per_seq = M = cdiv(sched.max_model_len, cache.block_size)
+        self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
                                   config.penalty_capacity)
-        # [L, NB, K, P, H] each, K pages transposed for the CPU backends (kv_cache.pool_shapes)
-        shapes = pool_shapes(cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cache.block_size,
-                             cfg.head_dim, config.attention_backend)
-        # the pool's array dtype: a bfloat16 pool is uint16 bits for the CPU backends (kv_cache.py)
-        dt = pool_dtype(cache.dtype, config.attention_backend)
-        self.kv = (jnp.zeros(shapes[0], dt), jnp.zeros(shapes[1], dt))
+        backend = backends.get(config.attention_backend)
+        # [L, NB, K, P, H] each, K pages transposed for the CPU backends; a bfloat16 pool is uint16
+        # bits for them (pool_storage.py)
+        self._pool_shapes = backend.pool_shapes(cfg.num_layers, cache.num_blocks, cfg.num_kv_heads,
+                                                cache.block_size, cfg.head_dim)
+        dt = backend.pool_dtype(cache.dtype)
+        self.kv = self._new_pool(dt)
         self._executables: dict[tuple[int, int], object] = {}
         self._use_compiler_options = True  # off once jaxlib rejects them (compile())
         self.warmup_seconds = 0.0
@@ -122,6 +121,9 @@ class ModelRunner:
         self._copy_exe: dict[int, object] = {}
         self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
         self._no_penalties: dict[int, tuple] = {}
+
+    def _new_pool(self, dt):
+        return tuple(jnp.zeros(shape, dt) for shape in self._pool_shapes)
 
     def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
         model = nnx.merge(self.graphdef, state)
@@ -239,14 +241,22 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: its block moves (even an empty step may have some), then its rows."""
         started = time.monotonic()
-        if out.has_block_moves:
-            self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        if out.is_empty:
-            self.packer.penalties.forget(out.finished_ids)
-            return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
-                                                   self.max_logprobs), started)
-        batch = self.packer.pack(out)
-        return StepResult(self.run(batch), started, batch.rejected)
+        try:
+            if out.has_block_moves:
+                self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+            if out.is_empty:
+                self.packer.penalties.forget(out.finished_ids)
+                return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
+                                                       self.max_logprobs), started)
+            batch = self.packer.pack(out)
+            return StepResult(self.run(batch), started, batch.rejected)
+        except Exception:
+            # The pool was donated to the call that failed and may be gone; its contents are lost
+            # either way (the caller ends every request that had KV in it: scheduler.recover).
+            if any(x.is_deleted() for x in self.kv):
+                logger.error("the KV pool was lost with the failed step; allocating a fresh one")
+                self.kv = self._new_pool(self.kv[0].dtype)
+            raise
 
     def run(self, batch: BatchDescriptor) -> SamplerOutput:
         """The jitted model + sampler over one packed batch."""

@@ -11,8 +11,8 @@ One step, in order:
      running request is preempted (by swap or recompute, see _preempt);
   2. unless step 1 preempted, swapped requests come back and then waiting ones are admitted
      (taking prefix-cache hits), in policy order, while the budget, the cap, the pool and
-     swap_threshold allow; with the priority policy a candidate that does not fit preempts the
-     lowest-ranked running request when that one ranks below it;
+     swap_threshold allow; with a policy that preempts for priority, a candidate that does not
+     fit preempts the lowest-ranked running request when that one ranks below it;
   3. prefill chunks are trimmed so the step's token count fits its bucket with at most
      max_paddings padded tokens, and the blocks that are full after the step are registered in
      the prefix cache.
@@ -45,7 +45,9 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
-    block_ids: tuple[int, ...] = ()  # filled when the step's decisions are final
+    # its block table after the step, filled when the step's decisions are final: the block
+    # manager's own list, not a copy (read-only; valid until the next schedule())
+    block_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -111,7 +113,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight; use a unique id")
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight; use a unique id",
+                                      "request_id")
         self.check_fits(request)
         cap = self.config.max_num_queued_requests
         if cap is not None and len(self.waiting) >= cap:
@@ -250,7 +253,7 @@ class Scheduler:
             total = self._fit_bucket(list(sched.values()), total)
             for row in sched.values():
                 bm.register(row.request)
-                row.block_ids = tuple(bm.block_ids(row.request.request_id))
+                row.block_ids = bm.block_ids(row.request.request_id)
             out.num_tokens = total
             out.token_bucket = round_up(cfg.token_buckets, total)
             out.seq_bucket = round_up(seq_buckets_for(cfg.seq_buckets, out.token_bucket), len(sched))

@@ -1,7 +1,4 @@
-"""The KV pool per attention backend: its shapes and dtype by backend name, and writing new K/V.
-
-The shapes and dtype are the backend's record's (backends.py); these name-taking forms are for the
-model and the runner, which hold the backend's name.
+"""Writing this step's new K/V into the pool (its shapes and dtype are the backend record's, backends.py).
 
 The pool is donated to the jitted step, so the write's scatter updates it in place. Padding tokens
 carry slot 0 and write into the null page, which no real sequence reads unmasked.
@@ -15,23 +12,7 @@ save that launch. Revisit only if scripts/gpu_check.py shows the write as a visi
 
 from __future__ import annotations
 
-from pallas_kernels import backends
 from pallas_kernels.pool_storage import to_pool
-
-
-def pool_dtype(dtype: str, backend: str):
-    """The array dtype of a pool of `dtype` ("float32" / "bfloat16") for an attention backend."""
-    return backends.get(backend).pool_dtype(dtype)
-
-
-def k_transposed(backend: str) -> bool:
-    """Whether `backend` keeps K pages as [H, P] rather than [P, H]."""
-    return backends.get(backend).k_transposed
-
-
-def pool_shapes(L: int, NB: int, K: int, P: int, H: int, backend: str):
-    """(K pool shape, V pool shape) for an attention backend: [L, NB, K, H, P] or [L, NB, K, P, H]."""
-    return backends.get(backend).pool_shapes(L, NB, K, P, H)
 
 
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_transposed: bool):

@@ -10,7 +10,7 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 reading the pages (each byte is read once, while the dots run on it in cache).
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
                 themselves: a [Q_TILE * G, H] x [H, P] block per page, 4 rows and 4 terms per pass
-                (about 3x one row-term at a time; docs/PERFORMANCE.md, "Prefill tiles").
+                (about 3x one row-term at a time; docs/PERFORMANCE.md, "Decisions in the code").
 
 Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use on a
 machine compiles them (tens of seconds, both pool storages), later processes load the cache.
@@ -142,7 +142,7 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
 # Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H]. numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
-# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Prefill tiles"). (The same
+# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code"). (The same
 # unrolling slows decode rows, whose pages stream from memory once: 8 rows of a page read side by
 # side defeat the prefetcher.)
 @njit(fastmath=True, inline="always", cache=True)

@@ -49,7 +49,7 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
     if k_cache.shape != k_want:
         layout = "[L, NB, K, H, P]" if record.k_transposed else "[L, NB, K, P, H]"
         raise ValueError(f"k_cache must be {layout} = {k_want} for backend {backend!r} (v_cache is "
-                         f"{v_cache.shape}), got {k_cache.shape}; kv_cache.pool_shapes gives both shapes")
+                         f"{v_cache.shape}), got {k_cache.shape}; AttentionBackend.pool_shapes gives both shapes")
     if Hk != H:
         raise ValueError(f"head_dim mismatch: q has H={H}, the KV pool has H={Hk}")
     if N % K:

@@ -153,7 +153,7 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.kv_cache import k_transposed
+    from pallas_kernels.backends import get as get_backend
     from pallas_kernels.paged_attention import paged_attention
 
     N, K, H, P, dtype = (32, 8, 128, 16, jnp.bfloat16) if not dry else (8, 2, 16, 16, jnp.float32)
@@ -183,7 +183,7 @@ def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline
             def fn(q, kc, vc, bt, sl, qsl, ns, b=backend):
                 return paged_attention(q, kc, vc, jnp.int32(0), bt, sl, qsl, ns, sm_scale=H**-0.5, backend=b)
 
-            kc = k_cache_t if k_transposed(backend) else k_cache
+            kc = k_cache_t if get_backend(backend).k_transposed else k_cache
             try:
                 dt = time_loop(fn, q, (kc, v_cache, bt, sl, qsl, ns), iters, runs)
                 res[backend] = {"ms": round(dt * 1e3, 4), "kv_gb_s": round(kv_bytes / dt / 1e9, 1)}

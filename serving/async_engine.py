@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from jaxsched.errors import InvalidRequestError, QueueFullError, StepFailedError
 from jaxsched.outputs import RequestOutput
@@ -104,6 +104,15 @@ class RequestStream:
             self.engine._submit(_Abort(self.request_id))
             self._done()
 
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:  # `async with await engine.add_request(...) as stream:`
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
 
 # -- commands from the asyncio side, applied by the engine thread between steps ---------------------
 @dataclass(frozen=True)
@@ -157,6 +166,13 @@ class AsyncEngine:
         self._stats = EngineStats()  # the engine's, as of the last step (engine thread writes, any reads)
         if start:
             self.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, start: bool = True) -> AsyncEngine:
+        """An LLMEngine built from EngineArgs, on its own engine thread (vLLM's constructor name)."""
+        from jaxsched.engine import LLMEngine
+
+        return cls(LLMEngine(args), start=start)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

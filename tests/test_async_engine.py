@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxsched import LLM, SamplingParams
+from jaxsched import LLM, EngineArgs, SamplingParams
 from jaxsched.errors import QueueFullError
 from jaxsched.outputs import CompletionOutput
 from serving.async_engine import AsyncEngine, DeltaTracker, EngineDeadError, EngineStepError
@@ -86,6 +86,10 @@ def test_abort_and_early_close_free_the_blocks(setup):
         async for out in agen:
             break
         await agen.aclose()
+        # and so does leaving an `async with` block of a stream
+        async with await engine.add_request(PROMPTS[3], long, request_id="to-exit") as stream:
+            await stream.__anext__()
+        assert stream.finished
         return first, rest, out
 
     first, rest, out = asyncio.run(main())
@@ -175,8 +179,8 @@ def test_idle_engine_sleeps_instead_of_spinning(setup):
 
 @pytest.fixture
 def limited(llama_dir):
-    """An engine whose EngineArgs allow two queued requests."""
-    engine = AsyncEngine(LLM(llama_dir, **ENGINE, max_num_queued_requests=2).llm_engine)
+    """An engine whose EngineArgs allow two queued requests (built as vLLM users build one)."""
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, **ENGINE, max_num_queued_requests=2))
     yield engine
     engine.shutdown()
 

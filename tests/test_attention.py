@@ -9,7 +9,6 @@ import pytest
 
 from pallas_kernels import BACKENDS, paged_attention, reference_attention, write_kv
 from pallas_kernels.backends import auto_order
-from pallas_kernels.kv_cache import pool_dtype
 
 
 def make_case(rng, q_lens, ctx_lens, *, N, K, H, P, S, T, NB=96, L=2, M=12, dtype=jnp.float32):
@@ -160,14 +159,14 @@ def test_bfloat16_inputs(backend):
 
 @pytest.mark.parametrize("backend", [b.name for b in BACKENDS.values() if b.bf16_as_bits])
 def test_uint16_pool_holds_bfloat16_bits(backend):
-    """A bfloat16 pool stored as uint16 bits (kv_cache.pool_dtype) writes and attends exactly like a
+    """A bfloat16 pool stored as uint16 bits (AttentionBackend.pool_dtype) writes and attends exactly like a
     bfloat16 pool: same rounding on write, same values read back."""
     rng = np.random.default_rng(2)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [30, 4, 2], N=8, K=2, H=16, P=8, S=4, T=16)
     kt = BACKENDS[backend].k_transposed
     bf_k, bf_v = k_pool(k, backend).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     u_k, u_v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (bf_k, bf_v))
-    assert pool_dtype("bfloat16", backend) == jnp.uint16 and pool_dtype("bfloat16", "pallas") == jnp.bfloat16
+    assert BACKENDS[backend].pool_dtype("bfloat16") == jnp.uint16 and BACKENDS["pallas"].pool_dtype("bfloat16") == jnp.bfloat16
     want = paged_attention(q, bf_k.astype(jnp.float32), bf_v.astype(jnp.float32), 0, bt, sl, qsl, ns,
                            sm_scale=0.25, backend=backend)
     got = paged_attention(q, u_k, u_v, 0, bt, sl, qsl, ns, sm_scale=0.25, backend=backend)

@@ -16,7 +16,7 @@ from test_parity import SENTENCES, hf_greedy, hf_model
 from tiny import needs_torch
 
 from jaxsched import LLM, EngineArgs, SamplingParams
-from jaxsched.errors import StepFailedError
+from jaxsched.errors import InvalidRequestError, StepFailedError
 from pallas_kernels import backends
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
@@ -231,6 +231,70 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monk
     eng.scheduler.check_invariants()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
+
+
+def test_a_pool_lost_with_a_failed_step_is_replaced(llm, monkeypatch):
+    """The KV pool is donated to the step: when the call fails after taking it, the runner
+    allocates a fresh pool, so the next steps run (the requests that had KV in it were ended)."""
+    eng = llm.llm_engine
+    ps = prompts_of(llm, 2)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+    eng.add_request("lost", ps[0], greedy)
+
+    def lose_the_pool(state, kv, *args):
+        for x in kv:
+            x.delete()
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.runner, "_executables", dict.fromkeys(eng.runner._executables, lose_the_pool))
+    with pytest.raises(StepFailedError, match="device lost"):
+        eng.step()
+    monkeypatch.undo()
+    assert not any(x.is_deleted() for x in eng.runner.kv)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
+
+
+def test_one_requests_output_failure_fails_it_alone(llm, monkeypatch):
+    """A request whose output cannot be processed (here its detokenizer raises) ends with an error;
+    the others in its step finish as if it had not been there."""
+    eng = llm.llm_engine
+    ps = prompts_of(llm, 3)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+    for i, p in enumerate(ps):
+        eng.add_request(f"o{i}", p, greedy)
+
+    def undecodable(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(eng.outputs._states["o1"].detok, "add_token", undecodable)
+    finished = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert "invalid start byte" in finished["o1"].error and finished["o1"].outputs[0].finish_reason == "error"
+    assert [finished[f"o{i}"].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_a_sample_id_in_flight_refuses_the_whole_request(llm):
+    """With n = 2, request "y" runs as samples "0_y" and "1_y": if "0_y" is in flight already, "y"
+    is refused and "0_y" carries on untouched."""
+    eng = llm.llm_engine
+    p = prompts_of(llm, 1)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng.add_request("0_y", p, greedy)
+    with pytest.raises(InvalidRequestError, match="'0_y' is already in flight") as refused:
+        eng.add_request("y", p, SamplingParams(n=2, temperature=0, max_tokens=5))
+    assert refused.value.param == "request_id"
+    with pytest.raises(InvalidRequestError, match="'0_y' is already in flight"):
+        eng.add_request("0_y", p, greedy)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [(o.request_id, len(o.outputs[0].token_ids), o.error) for o in outs] == [("0_y", 5, None)]
 
 
 def test_chat_uses_the_template(llm):

@@ -33,8 +33,7 @@ from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.request import Request
 from jaxsched.request import SamplingParams as SP
 from jaxsched.scheduler import Scheduler
-from pallas_kernels import tuning
-from pallas_kernels.kv_cache import pool_shapes
+from pallas_kernels import backends, tuning
 
 SENTENCES = [
     "the capital of france is",
@@ -132,8 +131,8 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     packer = BatchPacker(budget, 4, M, P)
     for i, ids in enumerate(prompts):
         sched.add_request(Request(str(i), ids, SP(max_tokens=6)))
-    kv = tuple(jnp.zeros(s) for s in pool_shapes(cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim,
-                                                   model.attention_backend))
+    kv = tuple(jnp.zeros(s) for s in backends.get(model.attention_backend).pool_shapes(
+        cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim))
 
     forward = jax.jit(lambda state, kv, fi, ff, T, S: nnx.merge(graphdef, state)(
         kv, BatchDescriptor.from_flat(fi, ff, T, S, M)), static_argnums=(4, 5))

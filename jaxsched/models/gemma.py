@@ -22,7 +22,6 @@ from flax import nnx
 from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
-    DTYPES,
     DecoderLayers,
     LayerSpec,
     fused_linear,
@@ -76,7 +75,7 @@ class GemmaForCausalLM(nnx.Module):
         the platform."""
         self.cfg = cfg
         self.attention_backend = attention_backend
-        jdt = DTYPES[dtype]
+        jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
         self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
@@ -84,7 +83,7 @@ class GemmaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
     def __call__(self, kv, batch):
-        """kv: (k_cache, v_cache) as kv_cache.pool_shapes gives them for this model's attention
+        """kv: (k_cache, v_cache) as AttentionBackend.pool_shapes gives them for this model's attention
         backend; batch: a BatchDescriptor of jax arrays."""
         cfg = self.cfg
         N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size

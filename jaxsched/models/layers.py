@@ -12,8 +12,8 @@ between them; `paged_attend` builds it.
 The loop is one lax.scan over layers, so a program compiles the attention of one layer instead of
 L, which is what keeps warm-up of every bucket short. Weights are either stacked along a leading L
 axis (the scan slices them) or held per layer and reached through lax.switch on the layer index (on
-a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.layer_weights has the
-figures).
+a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.layer_weights says
+which layout a platform gets, docs/PERFORMANCE.md why).
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.config import ModelConfig
-from pallas_kernels import paged_attention, tuning, write_kv
-from pallas_kernels.kv_cache import k_transposed
+from pallas_kernels import backends, paged_attention, tuning, write_kv
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LAYER_WEIGHTS = ("stacked", "per_layer")
 
 # One layer's weights: name -> (shape without the L axis, constant fill, or None for random init).
@@ -117,12 +115,13 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin."""
+    k_transposed = backends.get(backend).k_transposed
 
     def attend(q, k, v, k_cache, v_cache, li):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping,
-                                    k_transposed=k_transposed(backend))
+                                    k_transposed=k_transposed)
         o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
                             batch.query_start_loc, batch.num_seqs, sm_scale=sm_scale, backend=backend)
         T, N, H = o.shape

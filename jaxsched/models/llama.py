@@ -20,7 +20,6 @@ from flax import nnx
 from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
-    DTYPES,
     DecoderLayers,
     LayerSpec,
     fused_linear,
@@ -107,7 +106,7 @@ class LlamaForCausalLM(nnx.Module):
         the platform."""
         self.cfg = cfg
         self.attention_backend = attention_backend
-        jdt = DTYPES[dtype]
+        jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
         self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
@@ -115,7 +114,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
     def __call__(self, kv, batch):
-        """kv: (k_cache, v_cache) as kv_cache.pool_shapes gives them for this model's attention
+        """kv: (k_cache, v_cache) as AttentionBackend.pool_shapes gives them for this model's attention
         backend (f[L, NB, K, P, H], K pages [H, P] for "xla"); batch: a BatchDescriptor of jax arrays."""
         cfg = self.cfg
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.config import ModelConfig
-from jaxsched.models.layers import DTYPES
 from jaxsched.models.registry import architecture_of_gguf, model_class, model_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ def build_model(cfg: ModelConfig, dtype: str, get: Callable[[str], np.ndarray] |
         return cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
     graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, cls.hf_weights(cfg, get, DTYPES[dtype], abstract.layers.layout))
+    nnx.replace_by_pure_dict(state, cls.hf_weights(cfg, get, jnp.dtype(dtype), abstract.layers.layout))
     return nnx.merge(graphdef, state)
 
 
