@@ -37,20 +37,16 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheStats:
+    """How the pool's blocks and slots are used: a diagnostic of the block manager (tests and
+    debugging). The figures the engine reports (usage, prefix-cache hits) are in EngineStats."""
+
     num_blocks: int  # usable blocks (the null page excluded)
     num_used_blocks: int  # referenced by at least one request
     num_free_blocks: int  # unreferenced, including cached ones that can be evicted
     num_cached_blocks: int  # unreferenced blocks still holding a cached prefix (a subset of free)
-    usage: float  # used / usable, the fraction vLLM reports as kv_cache_usage_perc
     allocated_slots: int  # token slots in used blocks
     used_slots: int  # slots that hold (or will hold this step) a token's K/V
     internal_waste: int  # allocated_slots - used_slots: the tails of last blocks
-    prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
-    prefix_hits: int  # of those, tokens found cached
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 class BlockManager:
@@ -222,12 +218,9 @@ class BlockManager:
             num_used_blocks=used,
             num_free_blocks=len(self.free_queue),
             num_cached_blocks=cached_free,
-            usage=used / self.num_usable_blocks,
             allocated_slots=allocated,
             used_slots=used_slots,
             internal_waste=allocated - used_slots,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
         )
 
     def check_invariants(self) -> None:

@@ -170,8 +170,8 @@ def test_prefix_cache_counts_each_admission_once():
     s.update(s.schedule(), [7])
     s.add_request(Request("b", [5] * 40, SamplingParams(max_tokens=2), eos_token_ids=(EOS,)))
     s.update(s.schedule(), [7, 7])
-    st_ = s.block_manager.stats()
-    assert (st_.prefix_queries, st_.prefix_hits) == (80, 32)  # b hits a's 4 full blocks of 8
+    st_ = s.stats()
+    assert (st_.prefix_cache_queries, st_.prefix_cache_hits) == (80, 32)  # b hits a's 4 full blocks of 8
 
 
 def test_recover_after_a_failed_step_requeues_this_steps_swaps_and_names_the_running():
