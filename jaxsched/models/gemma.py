@@ -23,9 +23,8 @@ from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
-    LayerSpec,
-    fused_linear,
-    layers_from_checkpoint,
+    decoder_layer_spec,
+    hf_decoder_weights,
     paged_attend,
     param,
     rope_cos_sin,
@@ -40,7 +39,8 @@ def gemma_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     # transformers reads the "gelu" of the original releases as the tanh approximation too
     if act not in ("gelu", "gelu_pytorch_tanh"):
         raise ValueError(f"Gemma hidden_act {act!r} is not supported; supported: gelu_pytorch_tanh")
-    return decoder_config(hf, architecture, head_dim=int(hf.get("head_dim") or 256),
+    # transformers' Gemma has no MLP biases whatever the config says (the forward has none either)
+    return decoder_config(hf, architecture, mlp_bias=False, head_dim=int(hf.get("head_dim") or 256),
                           tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
                           max_position_embeddings=int(hf.get("max_position_embeddings", 8192)))
 
@@ -53,21 +53,6 @@ def gemma_rms_norm(x, weight, eps: float):
     return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def _layer_spec(cfg: ModelConfig) -> LayerSpec:
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    spec: LayerSpec = {"input_norm": ((D,), 0.0), "qkv": ((D, (N + 2 * K) * H), None)}
-    if cfg.qkv_bias:
-        spec["qkv_bias"] = (((N + 2 * K) * H,), 0.0)
-    spec["o_proj"] = ((N * H, D), None)
-    if cfg.o_bias:
-        spec["o_bias"] = ((D,), 0.0)
-    spec["post_norm"] = ((D,), 0.0)
-    spec["gate_up"] = ((D, 2 * F), None)
-    spec["down"] = ((F, D), None)
-    return spec
-
-
 class GemmaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", layer_weights: str | None = None):
@@ -78,7 +63,7 @@ class GemmaForCausalLM(nnx.Module):
         jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
-        self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
+        self.layers = DecoderLayers(decoder_layer_spec(cfg, norm_fill=0.0), cfg.num_layers, jdt, rngs, layer_weights)
         self.norm = param(rngs, (D,), jdt, 0.0)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
@@ -123,30 +108,4 @@ class GemmaForCausalLM(nnx.Module):
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
         """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`. Norm
         weights stay as HF holds them (w of 1 + w)."""
-        def lw(i: int, name: str) -> np.ndarray:
-            return get(f"model.layers.{i}.{name}")
-
-        def fused(i: int, names: list[str]) -> np.ndarray:
-            return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
-
-        # spec name -> that weight of layer i
-        per_name: dict[str, Callable[[int], np.ndarray]] = {
-            "input_norm": lambda i: lw(i, "input_layernorm.weight"),
-            "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
-            "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
-            "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
-            "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
-            "down": lambda i: lw(i, "mlp.down_proj.weight").T,
-        }
-        if cfg.qkv_bias:
-            per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
-        if cfg.o_bias:
-            per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
-        pure: dict[str, Any] = {
-            "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
-            "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
-            "norm": jnp.asarray(get("model.norm.weight"), dtype),
-        }
-        if not cfg.tie_word_embeddings:
-            pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
-        return pure
+        return hf_decoder_weights(cfg, get, dtype, layout)

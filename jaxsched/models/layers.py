@@ -192,6 +192,69 @@ def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num
     return {"stacked": {n: stack(fn) for n, fn in per_name.items()}}
 
 
+# -- the pre-norm decoder layer as Hugging Face names its weights (Llama family, Gemma) -------------
+def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
+    """One layer's weights: norms (initialised to `norm_fill`: 1 for w, 0 for Gemma's 1 + w), fused
+    q/k/v, q/k norms (cfg.qk_norm), o, fused gate/up and down, with the biases the config asks for."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    spec: LayerSpec = {"input_norm": ((D,), norm_fill), "qkv": ((D, (N + 2 * K) * H), None)}
+    if cfg.qkv_bias:
+        spec["qkv_bias"] = (((N + 2 * K) * H,), 0.0)
+    if cfg.qk_norm:
+        spec["q_norm"] = ((H,), norm_fill)
+        spec["k_norm"] = ((H,), norm_fill)
+    spec["o_proj"] = ((N * H, D), None)
+    if cfg.o_bias:
+        spec["o_bias"] = ((D,), 0.0)
+    spec["post_norm"] = ((D,), norm_fill)
+    spec["gate_up"] = ((D, 2 * F), None)
+    if cfg.mlp_bias:
+        spec["gate_up_bias"] = ((2 * F,), 0.0)
+    spec["down"] = ((F, D), None)
+    if cfg.mlp_bias:
+        spec["down_bias"] = ((D,), 0.0)
+    return spec
+
+
+def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+    """HF-named tensors (`get`) -> the pure state dict of a model made of decoder_layer_spec layers
+    (embed, layers in `layout`, norm, lm_head unless tied), linear weights [in, out], fused."""
+    def lw(i: int, name: str) -> np.ndarray:
+        return get(f"model.layers.{i}.{name}")
+
+    def fused(i: int, names: list[str]) -> np.ndarray:
+        return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
+
+    # spec name -> that weight of layer i
+    per_name: dict[str, Callable[[int], np.ndarray]] = {
+        "input_norm": lambda i: lw(i, "input_layernorm.weight"),
+        "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
+        "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
+        "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
+        "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
+        "down": lambda i: lw(i, "mlp.down_proj.weight").T,
+    }
+    if cfg.qkv_bias:
+        per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
+    if cfg.o_bias:
+        per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
+    if cfg.qk_norm:
+        per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
+        per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
+    if cfg.mlp_bias:
+        per_name["gate_up_bias"] = lambda i: np.concatenate([lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")])
+        per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
+    pure: dict[str, Any] = {
+        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
+        "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
+        "norm": jnp.asarray(get("model.norm.weight"), dtype),
+    }
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
+    return pure
+
+
 def fused_linear(get: Callable[[str], np.ndarray], names: list[str]) -> np.ndarray:
     """HF linear weights [out, in] of `names`, transposed and concatenated: [in, sum of outs], so
     that one matmul computes them all (fewer, larger dots run faster on every backend)."""

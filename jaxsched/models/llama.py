@@ -21,9 +21,8 @@ from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
-    LayerSpec,
-    fused_linear,
-    layers_from_checkpoint,
+    decoder_layer_spec,
+    hf_decoder_weights,
     paged_attend,
     param,
     rms_norm,
@@ -77,28 +76,6 @@ _GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm
 _GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
-def _layer_spec(cfg: ModelConfig) -> LayerSpec:
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    spec: LayerSpec = {"input_norm": ((D,), 1.0), "qkv": ((D, (N + 2 * K) * H), None)}
-    if cfg.qkv_bias:
-        spec["qkv_bias"] = (((N + 2 * K) * H,), 0.0)
-    if cfg.qk_norm:
-        spec["q_norm"] = ((H,), 1.0)
-        spec["k_norm"] = ((H,), 1.0)
-    spec["o_proj"] = ((N * H, D), None)
-    if cfg.o_bias:
-        spec["o_bias"] = ((D,), 0.0)
-    spec["post_norm"] = ((D,), 1.0)
-    spec["gate_up"] = ((D, 2 * F), None)
-    if cfg.mlp_bias:
-        spec["gate_up_bias"] = ((2 * F,), 0.0)
-    spec["down"] = ((F, D), None)
-    if cfg.mlp_bias:
-        spec["down_bias"] = ((D,), 0.0)
-    return spec
-
-
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", layer_weights: str | None = None):
@@ -109,7 +86,7 @@ class LlamaForCausalLM(nnx.Module):
         jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
-        self.layers = DecoderLayers(_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
+        self.layers = DecoderLayers(decoder_layer_spec(cfg), cfg.num_layers, jdt, rngs, layer_weights)
         self.norm = param(rngs, (D,), jdt, 1.0)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
@@ -162,39 +139,7 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
         """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`."""
-        def lw(i: int, name: str) -> np.ndarray:
-            return get(f"model.layers.{i}.{name}")
-
-        def fused(i: int, names: list[str]) -> np.ndarray:
-            return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
-
-        # spec name -> that weight of layer i
-        per_name: dict[str, Callable[[int], np.ndarray]] = {
-            "input_norm": lambda i: lw(i, "input_layernorm.weight"),
-            "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
-            "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
-            "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
-            "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
-            "down": lambda i: lw(i, "mlp.down_proj.weight").T,
-        }
-        if cfg.qkv_bias:
-            per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
-        if cfg.o_bias:
-            per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
-        if cfg.qk_norm:
-            per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
-            per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
-        if cfg.mlp_bias:
-            per_name["gate_up_bias"] = lambda i: np.concatenate([lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")])
-            per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
-        pure: dict[str, Any] = {
-            "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
-            "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
-            "norm": jnp.asarray(get("model.norm.weight"), dtype),
-        }
-        if not cfg.tie_word_embeddings:
-            pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
-        return pure
+        return hf_decoder_weights(cfg, get, dtype, layout)
 
     @staticmethod
     def gguf_name(name: str) -> str:
