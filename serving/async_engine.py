@@ -164,6 +164,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._in_flight = 0  # streams not finished yet (asyncio side)
         self._stats = EngineStats()  # the engine's, as of the last step (engine thread writes, any reads)
+        # read once, here: the engine's config is its one owner, and the engine belongs to its thread
+        self._queue_limit = engine.scheduler_config.max_num_queued_requests
         if start:
             self.start()
 
@@ -214,7 +216,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running (it was shut down or never started)")
         # Refused here, before the command queue, so that a flood never reaches the engine thread;
         # the scheduler checks the same limit against its waiting queue.
-        limit = self.engine.scheduler_config.max_num_queued_requests
+        limit = self._queue_limit
         if limit is not None and self.num_queued >= limit:
             raise QueueFullError(f"{self.num_queued} requests are queued (max_num_queued_requests is {limit}); "
                                  "retry later")
