@@ -43,7 +43,6 @@ class LLMEngine:
         from jaxsched.tokenizer import load_tokenizer
 
         args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
-        self.args = args
         if args.model is None:
             from jaxsched.models.demo import demo_model_path
 
