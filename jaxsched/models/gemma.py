@@ -25,9 +25,11 @@ from jaxsched.models.layers import (
     DecoderLayers,
     decoder_layer_spec,
     hf_decoder_weights,
+    linear,
     paged_attend,
     param,
     rope_cos_sin,
+    split_qkv,
 )
 
 
@@ -74,22 +76,12 @@ class GemmaForCausalLM(nnx.Module):
         N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         eps = cfg.rms_norm_eps
         embed = self.embed[...]
-        T = batch.token_ids.shape[0]
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            qkv = gemma_rms_norm(h, p["input_norm"], eps) @ p["qkv"]
-            if "qkv_bias" in p:
-                qkv = qkv + p["qkv_bias"]
-            q = qkv[:, : N * H].reshape(T, N, H)
-            k = qkv[:, N * H : (N + K) * H].reshape(T, K, H)
-            v = qkv[:, (N + K) * H :].reshape(T, K, H)
-            return q, k, v
+            return split_qkv(linear(p, gemma_rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H)
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
-            o = o @ p["o_proj"]
-            if "o_bias" in p:
-                o = o + p["o_bias"]
-            h = h + o
+            h = h + linear(p, o, "o_proj", "o_bias")
             g, u = jnp.split(gemma_rms_norm(h, p["post_norm"], eps) @ p["gate_up"], 2, axis=-1)
             return h + (jax.nn.gelu(g, approximate=True) * u) @ p["down"]
 

@@ -130,6 +130,19 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float) -> Attend:
     return attend
 
 
+def linear(p: dict, x, name: str, bias: str):
+    """x @ p[name], plus p[bias] when the layer has that bias."""
+    y = x @ p[name]
+    return y + p[bias] if bias in p else y
+
+
+def split_qkv(qkv, N: int, K: int, H: int):
+    """The fused projection's output [T, (N + 2 K) H] -> q [T, N, H], k, v [T, K, H]."""
+    T = qkv.shape[0]
+    return (qkv[:, : N * H].reshape(T, N, H), qkv[:, N * H : (N + K) * H].reshape(T, K, H),
+            qkv[:, (N + K) * H :].reshape(T, K, H))
+
+
 def rms_norm(x, weight, eps: float):
     """HF's LlamaRMSNorm: normalise in float32, scale in the weight's dtype."""
     x32 = x.astype(jnp.float32)

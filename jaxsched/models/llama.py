@@ -23,10 +23,12 @@ from jaxsched.models.layers import (
     DecoderLayers,
     decoder_layer_spec,
     hf_decoder_weights,
+    linear,
     paged_attend,
     param,
     rms_norm,
     rope_cos_sin,
+    split_qkv,
 )
 
 
@@ -97,35 +99,18 @@ class LlamaForCausalLM(nnx.Module):
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         embed = self.embed[...]
-        T = batch.token_ids.shape[0]
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            x = rms_norm(h, p["input_norm"], eps)
-            qkv = x @ p["qkv"]
-            if "qkv_bias" in p:
-                qkv = qkv + p["qkv_bias"]
-            q = qkv[:, : N * H].reshape(T, N, H)
-            k = qkv[:, N * H : (N + K) * H].reshape(T, K, H)
-            v = qkv[:, (N + K) * H :].reshape(T, K, H)
+            q, k, v = split_qkv(linear(p, rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H)
             if "q_norm" in p:
                 q = rms_norm(q, p["q_norm"], eps)
                 k = rms_norm(k, p["k_norm"], eps)
             return q, k, v
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
-            o = o @ p["o_proj"]
-            if "o_bias" in p:
-                o = o + p["o_bias"]
-            h = h + o
-            x = rms_norm(h, p["post_norm"], eps)
-            gu = x @ p["gate_up"]
-            if "gate_up_bias" in p:
-                gu = gu + p["gate_up_bias"]
-            g, u = jnp.split(gu, 2, axis=-1)
-            d = (jax.nn.silu(g) * u) @ p["down"]
-            if "down_bias" in p:
-                d = d + p["down_bias"]
-            return h + d
+            h = h + linear(p, o, "o_proj", "o_bias")
+            g, u = jnp.split(linear(p, rms_norm(h, p["post_norm"], eps), "gate_up", "gate_up_bias"), 2, axis=-1)
+            return h + linear(p, jax.nn.silu(g) * u, "down", "down_bias")
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5)
