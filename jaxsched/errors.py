@@ -24,14 +24,17 @@ class QueueFullError(RuntimeError):
 
 class StepFailedError(RuntimeError):
     """A step failed on the device. The engine has already ended the requests whose KV the step
-    may have spoiled (FINISHED_ERROR); `outputs` are their final RequestOutputs, each with `error`
-    set. Every other request is intact and the engine can keep stepping."""
+    may have spoiled (FINISHED_ERROR); `outputs` are the step's outputs: those requests' final
+    RequestOutputs, each with `error` set, and, from a data-parallel engine whose other replicas
+    stepped fine, their ordinary outputs of the same step. Every other request is intact and the
+    engine can keep stepping."""
 
     def __init__(self, outputs: list[RequestOutput], cause: BaseException) -> None:
-        super().__init__(f"an engine step failed ({type(cause).__name__}: {cause}); "
-                         f"{len(outputs)} request(s) in it were ended")
         self.outputs = outputs
+        super().__init__(f"an engine step failed ({type(cause).__name__}: {cause}); "
+                         f"{len(self.request_ids)} request(s) in it were ended")
 
     @property
     def request_ids(self) -> list[str]:
-        return [o.request_id for o in self.outputs]
+        """The requests the failure ended (the outputs with `error` set)."""
+        return [o.request_id for o in self.outputs if o.error is not None]

@@ -1,7 +1,7 @@
 """LLM: offline generation, as vLLM's `LLM(model=...).generate(prompts, sampling_params)`.
 
-A thin loop over LLMEngine (engine.py): validate every prompt first, add them all, step until they
-finish, return the outputs in input order.
+A thin loop over the engine (engine.create_engine: an LLMEngine, or data-parallel replicas of one):
+validate every prompt first, add them all, step until they finish, return the outputs in input order.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxsched.config import EngineArgs
-from jaxsched.engine import LLMEngine, PromptType
+from jaxsched.engine import PromptType, create_engine
 from jaxsched.outputs import RequestOutput
 from jaxsched.request import Request, SamplingParams
 from jaxsched.tokenizer import chat_prompt_ids
@@ -21,7 +21,8 @@ class LLM:
     """Offline generation, as vLLM's `LLM`: `LLM(model=...).generate(prompts, sampling_params)`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+        # an LLMEngine, or data_parallel_size replicas of one behind its interface (engine.create_engine)
+        self.llm_engine = create_engine(EngineArgs.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -55,6 +55,12 @@ class _Group:
         self.completions: list[CompletionOutput | None] = [None] * len(children)
 
 
+def tracked_ids(req: Request) -> list[str]:
+    """The ids a request occupies while in flight: its own, and with n > 1 its samples' ("{i}_{id}")."""
+    n, rid = req.sampling_params.n, req.request_id
+    return [rid] if n == 1 else [rid, *(f"{i}_{rid}" for i in range(n))]
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
     return (seed + index * 0x9E3779B1) % (2**31 - 1)
@@ -78,7 +84,7 @@ class OutputProcessor:
         request, tracking nothing, when its id or a sample's is in flight already."""
         n = req.sampling_params.n
         rid = req.request_id
-        ids = [rid] if n == 1 else [rid, *(f"{i}_{rid}" for i in range(n))]
+        ids = tracked_ids(req)
         taken = next((i for i in ids if i in self), None)
         if taken is not None:
             raise InvalidRequestError(f"request_id {taken!r} is already in flight; use a unique id", "request_id")

@@ -171,10 +171,11 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: Any, start: bool = True) -> AsyncEngine:
-        """An LLMEngine built from EngineArgs, on its own engine thread (vLLM's constructor name)."""
-        from jaxsched.engine import LLMEngine
+        """The engine EngineArgs ask for (engine.create_engine: an LLMEngine, or data-parallel
+        replicas of one), on its own engine thread (vLLM's constructor name)."""
+        from jaxsched.engine import create_engine
 
-        return cls(LLMEngine(args), start=start)
+        return cls(create_engine(args), start=start)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

@@ -67,7 +67,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxsched.engine import LLMEngine
+    from jaxsched.engine import create_engine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
     from serving.server import serve
@@ -76,7 +76,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
-    eng = LLMEngine(args)
+    eng = create_engine(args)
     name = ns.served_model_name or ns.model or "demo"
     sc, cc = eng.scheduler_config, eng.cache_config
     pairs = eng.runner.bucket_pairs()
