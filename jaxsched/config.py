@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jaxsched.parallel import HeadLayout
     from jaxsched.policy import SchedulerPolicy
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,16 @@ class EngineArgs:
     max_paddings: int = 32  # padded tokens per step the scheduler tries to stay within
     # largest prefill chunk one request gets per step while others wait for prefill; 0: no cap
     long_prefill_token_threshold: int = 0
+    # devices one engine's model is split over (Megatron-style, on one mesh axis: parallel.py)
     tensor_parallel_size: int = 1
+    # engine replicas, each on its own tensor_parallel_size devices; requests go to the least loaded
+    data_parallel_size: int = 1
+    # several hosts (jax.distributed): the coordinator's HOST:PORT, the process count and this
+    # process's index; None everywhere: one host, or JAX's own detection under Slurm / MPI /
+    # Kubernetes when distributed_coordinator is "auto"
+    distributed_coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -121,10 +131,27 @@ class EngineArgs:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold!r}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 (this release runs on one device), got {self.tensor_parallel_size!r}"
-            )
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("data_parallel_size", self.data_parallel_size)
+        if self.num_processes is not None:
+            _check_positive("num_processes", self.num_processes)
+        if self.process_id is not None and (not isinstance(self.process_id, int) or self.process_id < 0):
+            raise ValueError(f"process_id must be an integer >= 0, got {self.process_id!r}")
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise ValueError(f"process_id ({self.process_id}) must be < num_processes ({self.num_processes})")
+        if (self.num_processes or self.process_id is not None) and self.distributed_coordinator is None:
+            raise ValueError("num_processes / process_id need distributed_coordinator (HOST:PORT of process 0, "
+                             "or 'auto' for JAX's detection under Slurm / MPI / Kubernetes)")
+        if self.distributed_coordinator not in (None, "auto"):
+            host, _, port = self.distributed_coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"distributed_coordinator must be HOST:PORT (e.g. 10.0.0.1:1234) or 'auto', "
+                                 f"got {self.distributed_coordinator!r}")
+            if self.num_processes is None or self.process_id is None:
+                raise ValueError("distributed_coordinator HOST:PORT needs num_processes and process_id too")
+        if self.distributed_coordinator is not None and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs on one host; across hosts, raise tensor_parallel_size "
+                             "(one engine over every host's devices) or start one server per host")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -233,16 +260,22 @@ class EngineConfig:
     seed: int
     enable_prefix_caching: bool
     scheduling_policy: SchedulerPolicy
+    # the checkpoint's architecture; `model` above has the head counts it runs with (heads.apply)
+    checkpoint_model: ModelConfig
+    tensor_parallel_size: int
+    heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
 
 
-def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str, weights_bytes: Callable[[str], int],
-            memory: Callable[[], tuple[int, int]]) -> EngineConfig:
+def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
+            weights_bytes: Callable[[ModelConfig, str], int], memory: Callable[[], tuple[int, int]]) -> EngineConfig:
     """Decide every "auto" and None of `args` for `model` on `platform` ("cpu" / "gpu"), once.
 
-    weights_bytes(dtype) is the model's size in that dtype; memory() the device's (total, free)
-    bytes (asked only when the pool is sized from memory). Raises ValueError saying what to change.
+    weights_bytes(model, dtype) is the weights' size per device for the (run) model config in
+    that dtype; memory() one device's (total, free) bytes (asked only when the pool is sized from
+    memory). Raises ValueError saying what to change.
     """
     from jaxsched.buckets import seq_buckets, token_buckets
+    from jaxsched.parallel import head_layout
     from jaxsched.penalties import table_capacity
     from jaxsched.policy import make_policy
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
@@ -254,7 +287,10 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         # 16-bit dtype (float16 checkpoints run in bfloat16, which has float32's range).
         dtype = "float32" if platform == "cpu" or model.dtype in ("float32", "float64") else "bfloat16"
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype)
+    tp = args.tensor_parallel_size
+    checkpoint, heads = model, head_layout(model, tp)
+    model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
+    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp)
     for why in skipped:
         logger.warning("attention_backend auto: %s", why)
     P = args.block_size or backend.default_block_size
@@ -284,9 +320,10 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     M = -(-max_len // P)
     max_useful = max_seqs * M + 1  # every sequence at full length, plus the null page
     num_blocks = args.num_gpu_blocks_override or num_blocks_for_memory(
-        model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(dtype), budget, max_seqs,
-        max_useful)
+        model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(model, dtype), budget, max_seqs,
+        max_useful, tp)
     num_host_blocks = 0
+    # the swap pool is host memory of this process, holding every shard (one host)
     if args.preemption_mode != "recompute" and args.swap_space > 0:
         num_host_blocks = min(int(args.swap_space * 2**30 // kv_bytes_per_block(model, P, kv_dtype)), 2 * max_useful)
     sched = SchedulerConfig(
@@ -303,4 +340,5 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         dtype=dtype,
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=make_policy(args.scheduling_policy))
+        scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
+        heads=heads)

@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.parallel import place
 from jaxsched.paths import cache_dir
 from jaxsched.sampler import SamplerOutput, sample
 from jaxsched.scheduler import SchedulerOutput
@@ -58,9 +61,10 @@ def _with_blocks(pool_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (pool_shape[0], n, *pool_shape[2:])
 
 
-def device_memory() -> tuple[int, int]:
-    """(total, free) bytes of the first device; host memory when the device is a CPU."""
-    dev = jax.devices()[0]
+def device_memory(dev=None, sharing: int = 1) -> tuple[int, int]:
+    """(total, free) bytes of `dev` (default: the first device). On a CPU, host memory divided among
+    the `sharing` simulated devices that hold one engine's shards (they all live in it)."""
+    dev = dev or jax.devices()[0]
     stats = dev.memory_stats() if dev.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         total = int(stats["bytes_limit"])
@@ -74,15 +78,22 @@ def device_memory() -> tuple[int, int]:
                     free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return total, free
+    return total // sharing, free // sharing
 
 
-def weights_bytes(model_config: ModelConfig, dtype: str) -> int:
-    """The model's weights in `dtype`, from its shapes alone (nothing is allocated)."""
+def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int:
+    """The model's weights in `dtype` on one of `shards` devices (the split weights' 1 / shards,
+    the replicated ones whole), from its shapes alone (nothing is allocated)."""
     from jaxsched.models.loader import build_model
+    from jaxsched.parallel import param_spec
 
     abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(abstract)))
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract))):
+        keys = tuple(str(getattr(k, "key", k)) for k in path)
+        split = "model" in param_spec(keys, x.ndim, model_config.vocab_size % shards == 0)
+        total += x.size * x.dtype.itemsize // (shards if split else 1)
+    return total
 
 
 def enable_compilation_cache() -> None:
@@ -93,8 +104,17 @@ def enable_compilation_cache() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None) -> None:
+        """mesh: the engine's ("data", "model") mesh (parallel.make_mesh), which the model's weights
+        were placed on; None: one default device."""
         self.config = config
+        self.mesh = mesh
+        self._shards = 1 if mesh is None else mesh.shape["model"]
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
+        # the pool is split on its KV-head axis (axis 2 in both page layouts)
+        self._pool_sharding = None if mesh is None else NamedSharding(mesh, P(None, None, "model"))
+        # a multi-process mesh takes global arrays only: host data is placed shard by shard (parallel.place)
+        self._multiprocess = jax.process_count() > 1
         self.model_config = cfg = config.model
         self.cache_config = cache = config.cache
         self.scheduler_config = sched = config.scheduler
@@ -123,13 +143,44 @@ class ModelRunner:
         self._no_penalties: dict[int, tuple] = {}
 
     def _new_pool(self, dt):
-        return tuple(jnp.zeros(shape, dt) for shape in self._pool_shapes)
+        def zeros():
+            return tuple(jnp.zeros(shape, dt) for shape in self._pool_shapes)
+
+        if self.mesh is None:
+            return zeros()
+        # allocated by a jit with out_shardings: each device allocates only its own shard
+        return jax.jit(zeros, out_shardings=(self._pool_sharding,) * 2)()
+
+    def _input(self, shape: tuple[int, ...], dtype, sharding=None) -> jax.ShapeDtypeStruct:
+        """The abstract input of a compiled call: replicated on the mesh unless `sharding` says."""
+        if self.mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self._replicated)
+
+    def _put(self, x: np.ndarray, sharding=None):
+        """Host data for a compiled call. On one process the call places numpy input itself; on
+        several, every input must be a global array (each process supplies its local shards)."""
+        if not self._multiprocess:
+            return x
+        return place(x, sharding or self._replicated)
+
+    @staticmethod
+    def _fetch(x) -> np.ndarray:
+        """A replicated (or single-device) result in host memory; with several processes each one
+        reads its own replica."""
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        return np.asarray(x.addressable_data(0))
 
     def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
         model = nnx.merge(self.graphdef, state)
         batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, penalty_ids,
                                           penalty_counts)
         logits, kv = model(kv, batch)
+        if self._shards > 1:
+            # logits [S, V] come split over the vocabulary; the sampler runs on the gathered rows
+            # (docs/PERFORMANCE.md, "Several devices", says why not a sharded top-k)
+            logits = jax.lax.with_sharding_constraint(logits, self._replicated)
         ints, floats = sample(logits, batch, self.max_logprobs)
         return kv, ints, floats
 
@@ -137,10 +188,9 @@ class ModelRunner:
         n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
         fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,))
         W = self.penalty_capacity
-        lowered = fn.lower(self.state, self.kv, jax.ShapeDtypeStruct((n_i32,), jnp.int32),
-                           jax.ShapeDtypeStruct((n_f32,), jnp.float32), jax.ShapeDtypeStruct((S, W), jnp.int32),
-                           jax.ShapeDtypeStruct((S, W), jnp.float32), T=T, S=S)
-        options = tuning.compiler_options(jax.devices()[0].platform) if self._use_compiler_options else {}
+        lowered = fn.lower(self.state, self.kv, self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
+                           self._input((S, W), jnp.int32), self._input((S, W), jnp.float32), T=T, S=S)
+        options = tuning.compiler_options(self.kv[0].devices().pop().platform) if self._use_compiler_options else {}
         if not options:
             return lowered.compile()
         try:
@@ -171,14 +221,14 @@ class ModelRunner:
     def _compile_swaps(self) -> None:
         for C in SWAP_CHUNKS:  # copy-on-write copies, needed with or without a swap pool
             if C not in self._copy_exe:
-                ids = jax.ShapeDtypeStruct((C,), jnp.int32)
+                ids = self._input((C,), jnp.int32)
                 self._copy_exe[C] = jax.jit(self._copy_blocks, donate_argnums=(0,)).lower(
                     self.kv, ids, ids).compile()
         for C in self._swap_chunks():
             if C in self._swap_out_exe:
                 continue
-            ids = jax.ShapeDtypeStruct((C,), jnp.int32)
-            k, v = (jax.ShapeDtypeStruct(_with_blocks(x.shape, C), x.dtype) for x in self.kv)
+            ids = self._input((C,), jnp.int32)
+            k, v = (self._input(_with_blocks(x.shape, C), x.dtype, self._pool_sharding) for x in self.kv)
             self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
             self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
                 self.kv, ids, k, v).compile()
@@ -196,7 +246,7 @@ class ModelRunner:
         for pairs_chunk, C in _chunked(blocks_to_swap_out):
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for d, _ in pairs_chunk]
-            k, v = jax.device_get(self._swap_out_exe[C](self.kv, dev))
+            k, v = jax.device_get(self._swap_out_exe[C](self.kv, self._put(dev)))
             host = [h for _, h in pairs_chunk]
             self.host_kv[0][:, host] = k[:, : len(host)]
             self.host_kv[1][:, host] = v[:, : len(host)]
@@ -205,7 +255,7 @@ class ModelRunner:
             dst = np.zeros(C, np.int32)
             src[: len(pairs_chunk)] = [s for s, _ in pairs_chunk]
             dst[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
-            self.kv = self._copy_exe[C](self.kv, src, dst)
+            self.kv = self._copy_exe[C](self.kv, self._put(src), self._put(dst))
         for pairs_chunk, C in _chunked(blocks_to_swap_in):
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
@@ -213,7 +263,8 @@ class ModelRunner:
             k, v = (np.zeros(_with_blocks(x.shape, C), x.dtype) for x in self.host_kv)
             k[:, : len(host)] = self.host_kv[0][:, host]
             v[:, : len(host)] = self.host_kv[1][:, host]
-            self.kv = self._swap_in_exe[C](self.kv, dev, k, v)
+            self.kv = self._swap_in_exe[C](self.kv, self._put(dev), self._put(k, self._pool_sharding),
+                                           self._put(v, self._pool_sharding))
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
         sc = self.scheduler_config
@@ -229,9 +280,8 @@ class ModelRunner:
                 self._executables[(T, S)] = self.compile(T, S)
         self._compile_swaps()
         W = self.penalty_capacity
-        for S in self.scheduler_config.seq_buckets:  # device_put, not jnp.zeros: nothing to compile
-            self._no_penalties[S] = (jax.device_put(np.zeros((S, W), np.int32)),
-                                     jax.device_put(np.zeros((S, W), np.float32)))
+        for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
+            self._no_penalties[S] = tuple(self._device(np.zeros((S, W), dt)) for dt in (np.int32, np.float32))
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets),
@@ -268,6 +318,13 @@ class ModelRunner:
             pen = (batch.penalty_ids, batch.penalty_counts)
         else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
             pen = self._no_penalties[S]
-        self.kv, ints, floats = exe(self.state, self.kv, batch.flat_i32, batch.flat_f32, *pen)
-        ints, floats = jax.device_get((ints, floats))
-        return SamplerOutput.unpack(np.asarray(ints), np.asarray(floats), S, self.max_logprobs)
+        if batch.has_penalties:
+            pen = tuple(self._put(x) for x in pen)
+        self.kv, ints, floats = exe(self.state, self.kv, self._put(batch.flat_i32), self._put(batch.flat_f32), *pen)
+        return SamplerOutput.unpack(self._fetch(ints), self._fetch(floats), S, self.max_logprobs)
+
+    def _device(self, x: np.ndarray):
+        """A constant input kept on the device(s), replicated."""
+        if self.mesh is None:
+            return jax.device_put(x)
+        return place(x, self._replicated)

@@ -12,27 +12,31 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, shards: int = 1) -> int:
+    """Bytes of one KV block on one device, with the pool's K heads split over `shards` devices."""
+    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // shards) * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
-def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str) -> int:
-    """A generous bound on one step's live activations: per-token hidden states of a layer plus the
-    logits and the sampler's sorted copy, with a factor 2 for XLA's temporaries."""
-    per_token = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                 + 3 * cfg.intermediate_size) * DTYPE_BYTES[dtype]
+def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str, shards: int = 1) -> int:
+    """A generous bound on one step's live activations on one device: per-token hidden states of a
+    layer (the head and intermediate parts split over `shards`) plus the gathered logits and the
+    sampler's sorted copy, with a factor 2 for XLA's temporaries."""
+    per_token = (4 * cfg.hidden_size + ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                        + 3 * cfg.intermediate_size) // shards) * DTYPE_BYTES[dtype]
     return 2 * (max_tokens * per_token + 4 * max_seqs * cfg.vocab_size * 4)
 
 
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: str, utilization: float,
                           memory: tuple[int, int], weights_bytes: int, max_tokens: int, max_seqs: int,
-                          max_useful: int) -> int:
-    """vLLM's rule: the pool gets utilization * total memory minus the weights and the peak
-    activations; `memory` is the device's (total, free) bytes (host memory on a CPU, where free
-    memory also caps it). Never more than `max_useful` blocks (null page included)."""
+                          max_useful: int, shards: int = 1) -> int:
+    """vLLM's rule, per device: the pool gets utilization * total memory minus the weights and the
+    peak activations; `memory` is one device's (total, free) bytes (host memory on a CPU, where
+    free memory also caps it), weights_bytes that device's share, and a block costs each device
+    its K / shards heads. Never more than `max_useful` blocks (null page included)."""
     total, free = memory
-    budget = min(utilization * total, free) - weights_bytes - activation_bytes(cfg, max_tokens, max_seqs, dtype)
-    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype))
+    budget = (min(utilization * total, free) - weights_bytes
+              - activation_bytes(cfg, max_tokens, max_seqs, dtype, shards))
+    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype, shards))
     if n < 2:
         raise ValueError(
             f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "

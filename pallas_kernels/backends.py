@@ -44,6 +44,8 @@ class AttentionBackend:
     # (head_dim, block_size, dtype, kv_dtype, platform) -> why this backend cannot run them, or None.
     # dtype is the model's, kv_dtype the pool's values' (kv_cache_dtype resolved: "auto" is dtype).
     why_unsupported: Callable[[int, int, str, str, str], str | None] = field(repr=False)
+    # why this backend cannot run per shard under shard_map (tensor parallelism), or None
+    why_not_sharded: str | None = None
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -122,10 +124,11 @@ def auto_order(platform: str) -> list[AttentionBackend]:
 
 
 def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtype: str,
-           kv_dtype: str) -> tuple[AttentionBackend, list[str]]:
+           kv_dtype: str, shards: int = 1) -> tuple[AttentionBackend, list[str]]:
     """The backend for attention_backend=`name` ("auto" or a name in BACKENDS) running a model of
     `head_dim` and `dtype` with a pool of `kv_dtype` values in blocks of `block_size` tokens (None:
-    each backend's default_block_size) on `platform` (jax's name: "cpu", "gpu", ...).
+    each backend's default_block_size) on `platform` (jax's name: "cpu", "gpu", ...), split over
+    `shards` devices (tensor parallelism: the backend runs per shard under shard_map).
 
     Returns the record and, for "auto", one line per backend it preferred but skipped ("using 'xla'
     because <why not 'pallas'>") for the caller to log. A name that is neither "auto" nor in BACKENDS,
@@ -133,6 +136,8 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
     the backend "auto" would pick instead.
     """
     def why(b: AttentionBackend) -> str | None:
+        if shards > 1 and b.why_not_sharded is not None:
+            return f"attention backend {b.name!r} cannot run with tensor_parallel_size > 1: {b.why_not_sharded}"
         P = b.default_block_size if block_size is None else block_size
         return b.why_unsupported(head_dim, P, dtype, kv_dtype, platform)
 
@@ -142,7 +147,7 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
         backend = BACKENDS[name]
         reason = why(backend)
         if reason is not None:
-            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype)
+            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype, shards)
             raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; or use "
                              f"attention_backend={instead.name!r} (what 'auto' picks here)")
         return backend, []

@@ -24,11 +24,14 @@ from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
     decoder_layer_spec,
+    embed_tokens,
     hf_decoder_weights,
     linear,
     paged_attend,
     param,
     rope_cos_sin,
+    shards_of,
+    split_gate_up,
     split_qkv,
 )
 
@@ -57,11 +60,13 @@ def gemma_rms_norm(x, weight, eps: float):
 
 class GemmaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
-                 attention_backend: str = "xla", layer_weights: str | None = None):
+                 attention_backend: str = "xla", layer_weights: str | None = None, mesh=None):
         """layer_weights: "stacked" or "per_layer" (layers.py); None picks tuning.layer_weights for
-        the platform."""
+        the platform. mesh: the engine's ("data", "model") mesh when it runs on several devices
+        (parallel.py); cfg then has the head counts of the run layout (parallel.HeadLayout)."""
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh
         jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
@@ -76,19 +81,20 @@ class GemmaForCausalLM(nnx.Module):
         N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         eps = cfg.rms_norm_eps
         embed = self.embed[...]
+        shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            return split_qkv(linear(p, gemma_rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H)
+            return split_qkv(linear(p, gemma_rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H, shards)
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")
-            g, u = jnp.split(gemma_rms_norm(h, p["post_norm"], eps) @ p["gate_up"], 2, axis=-1)
+            g, u = split_gate_up(gemma_rms_norm(h, p["post_norm"], eps) @ p["gate_up"], shards)
             return h + (jax.nn.gelu(g, approximate=True) * u) @ p["down"]
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
-        h = embed[batch.token_ids] * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
+        h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5)
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
         h, kv = self.layers(h, kv, before, after, attend)
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.
@@ -97,7 +103,8 @@ class GemmaForCausalLM(nnx.Module):
         return jnp.dot(hs, w, preferred_element_type=jnp.float32), kv
 
     @classmethod
-    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
+                   shards: int = 1) -> dict[str, Any]:
         """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`. Norm
         weights stay as HF holds them (w of 1 + w)."""
-        return hf_decoder_weights(cfg, get, dtype, layout)
+        return hf_decoder_weights(cfg, get, dtype, layout, shards)

@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxsched.config import ModelConfig
+from jaxsched.parallel import shard_interleave
 from pallas_kernels import backends, paged_attention, tuning, write_kv
 
 LAYER_WEIGHTS = ("stacked", "per_layer")
@@ -111,23 +113,61 @@ class DecoderLayers(nnx.Module):
         return h, (k_cache, v_cache)
 
 
-def paged_attend(batch, backend: str, cos, sin, sm_scale: float) -> Attend:
+def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
-    q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin."""
+    q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
+
+    With a mesh whose "model" axis has several devices, the step runs per shard under shard_map:
+    each device's own heads of q/k/v and of the pool (split on K), the batch metadata replicated,
+    so neither the write nor the kernel needs a collective (parallel.py)."""
     k_transposed = backends.get(backend).k_transposed
 
-    def attend(q, k, v, k_cache, v_cache, li):
+    def local(q, k, v, k_cache, v_cache, li, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
+              num_seqs):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, batch.slot_mapping,
-                                    k_transposed=k_transposed)
-        o = paged_attention(q, k_cache, v_cache, li, batch.block_tables, batch.seq_lens,
-                            batch.query_start_loc, batch.num_seqs, sm_scale=sm_scale, backend=backend)
+        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, slot_mapping, k_transposed=k_transposed)
+        o = paged_attention(q, k_cache, v_cache, li, block_tables, seq_lens, query_start_loc, num_seqs,
+                            sm_scale=sm_scale, backend=backend)
+        return o, k_cache, v_cache
+
+    if mesh is not None and mesh.shape["model"] > 1:
+        heads, pool, rep = P(None, "model", None), P(None, None, "model"), P()
+        # check_vma off: the kernels (custom calls, pallas_call) carry no varying-axes annotations
+        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 8),
+                              out_specs=(heads, pool, pool), check_vma=False)
+
+    def attend(q, k, v, k_cache, v_cache, li):
+        o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, li, cos, sin, batch.slot_mapping, batch.block_tables,
+                                    batch.seq_lens, batch.query_start_loc, batch.num_seqs)
         T, N, H = o.shape
         return o.reshape(T, N * H), k_cache, v_cache
 
     return attend
+
+
+def embed_tokens(embed, token_ids, mesh=None):
+    """embed [V, D] at token_ids i32[T] -> [T, D]. With the vocabulary split over the mesh's "model"
+    axis, each shard looks up the ids in its own range and the shards' partial rows are summed (one
+    all-reduce of [T, D]), so the table is never gathered whole."""
+    if mesh is None or mesh.shape["model"] == 1 or embed.shape[0] % mesh.shape["model"]:
+        return embed[token_ids]
+
+    def local(table, ids):
+        V_local = table.shape[0]
+        start = jax.lax.axis_index("model") * V_local
+        inside = (ids >= start) & (ids < start + V_local)
+        rows = table[jnp.where(inside, ids - start, 0)]
+        return jax.lax.psum(jnp.where(inside[:, None], rows, jnp.zeros((), rows.dtype)), "model")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), P()), out_specs=P(),
+                         check_vma=False)(embed, token_ids)
+
+
+def shards_of(mesh) -> int:
+    """The "model" axis size of an engine's mesh (1 without one)."""
+    return 1 if mesh is None else mesh.shape["model"]
 
 
 def linear(p: dict, x, name: str, bias: str):
@@ -136,11 +176,22 @@ def linear(p: dict, x, name: str, bias: str):
     return y + p[bias] if bias in p else y
 
 
-def split_qkv(qkv, N: int, K: int, H: int):
-    """The fused projection's output [T, (N + 2 K) H] -> q [T, N, H], k, v [T, K, H]."""
+def split_qkv(qkv, N: int, K: int, H: int, shards: int = 1):
+    """The fused projection's output [T, (N + 2 K) H] -> q [T, N, H], k, v [T, K, H]. Its columns
+    are in `shards` contiguous groups, each [q k v] of that shard's heads (parallel.shard_interleave),
+    so the split never moves data between shards."""
     T = qkv.shape[0]
-    return (qkv[:, : N * H].reshape(T, N, H), qkv[:, N * H : (N + K) * H].reshape(T, K, H),
-            qkv[:, (N + K) * H :].reshape(T, K, H))
+    n, k = N // shards, K // shards
+    x = qkv.reshape(T, shards, (n + 2 * k) * H)
+    return (x[..., : n * H].reshape(T, N, H), x[..., n * H : (n + k) * H].reshape(T, K, H),
+            x[..., (n + k) * H :].reshape(T, K, H))
+
+
+def split_gate_up(x, shards: int = 1):
+    """The fused gate/up output [T, 2 F] (in `shards` groups of [gate up]) -> gate, up [T, F]."""
+    T = x.shape[0]
+    g, u = jnp.split(x.reshape(T, shards, x.shape[1] // shards), 2, axis=-1)
+    return g.reshape(T, -1), u.reshape(T, -1)
 
 
 def rms_norm(x, weight, eps: float):
@@ -186,13 +237,19 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def host_array(x, dtype) -> np.ndarray:
+    """A checkpoint tensor in `dtype` in host memory (bfloat16 through ml_dtypes): the loader places
+    each array straight into its shards on the devices (parallel.place)."""
+    return np.asarray(x).astype(jnp.dtype(dtype))
+
+
 def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num_layers: int, dtype,
                            layout: str) -> dict[str, Any]:
-    """DecoderLayers' pure state dict: per_name maps each name of the layer spec to a function of
-    the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
+    """DecoderLayers' pure state dict of host arrays: per_name maps each name of the layer spec to a
+    function of the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
     L = num_layers
     if layout == "per_layer":
-        return {"per_layer": {i: {n: jnp.asarray(fn(i), dtype) for n, fn in per_name.items()} for i in range(L)}}
+        return {"per_layer": {i: {n: host_array(fn(i), dtype) for n, fn in per_name.items()} for i in range(L)}}
 
     def stack(fn: Callable[[int], np.ndarray]):
         first = fn(0)
@@ -200,7 +257,7 @@ def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num
         out[0] = first
         for i in range(1, L):
             out[i] = fn(i)
-        return jnp.asarray(out, dtype)
+        return host_array(out, dtype)
 
     return {"stacked": {n: stack(fn) for n, fn in per_name.items()}}
 
@@ -230,14 +287,19 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
     return spec
 
 
-def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
-    """HF-named tensors (`get`) -> the pure state dict of a model made of decoder_layer_spec layers
-    (embed, layers in `layout`, norm, lm_head unless tied), linear weights [in, out], fused."""
+def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
+                       shards: int = 1) -> dict[str, Any]:
+    """HF-named tensors (`get`) -> the pure state dict (host arrays) of a model made of
+    decoder_layer_spec layers (embed, layers in `layout`, norm, lm_head unless tied), linear weights
+    [in, out], fused with their columns grouped per shard (parallel.shard_interleave)."""
     def lw(i: int, name: str) -> np.ndarray:
         return get(f"model.layers.{i}.{name}")
 
     def fused(i: int, names: list[str]) -> np.ndarray:
-        return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names])
+        return fused_linear(get, [f"model.layers.{i}.{n}.weight" for n in names], shards)
+
+    def fused_bias(i: int, names: list[str]) -> np.ndarray:
+        return shard_interleave([lw(i, f"{n}.bias") for n in names], shards)
 
     # spec name -> that weight of layer i
     per_name: dict[str, Callable[[int], np.ndarray]] = {
@@ -249,26 +311,27 @@ def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype
         "down": lambda i: lw(i, "mlp.down_proj.weight").T,
     }
     if cfg.qkv_bias:
-        per_name["qkv_bias"] = lambda i: np.concatenate([lw(i, f"self_attn.{p}_proj.bias") for p in "qkv"])
+        per_name["qkv_bias"] = lambda i: fused_bias(i, [f"self_attn.{p}_proj" for p in "qkv"])
     if cfg.o_bias:
         per_name["o_bias"] = lambda i: lw(i, "self_attn.o_proj.bias")
     if cfg.qk_norm:
         per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
         per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
     if cfg.mlp_bias:
-        per_name["gate_up_bias"] = lambda i: np.concatenate([lw(i, "mlp.gate_proj.bias"), lw(i, "mlp.up_proj.bias")])
+        per_name["gate_up_bias"] = lambda i: fused_bias(i, ["mlp.gate_proj", "mlp.up_proj"])
         per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
     pure: dict[str, Any] = {
-        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype),
+        "embed": host_array(get("model.embed_tokens.weight"), dtype),
         "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
-        "norm": jnp.asarray(get("model.norm.weight"), dtype),
+        "norm": host_array(get("model.norm.weight"), dtype),
     }
     if not cfg.tie_word_embeddings:
-        pure["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype)
+        pure["lm_head"] = host_array(get("lm_head.weight").T, dtype)
     return pure
 
 
-def fused_linear(get: Callable[[str], np.ndarray], names: list[str]) -> np.ndarray:
+def fused_linear(get: Callable[[str], np.ndarray], names: list[str], shards: int = 1) -> np.ndarray:
     """HF linear weights [out, in] of `names`, transposed and concatenated: [in, sum of outs], so
-    that one matmul computes them all (fewer, larger dots run faster on every backend)."""
-    return np.concatenate([get(n).T for n in names], axis=1)
+    that one matmul computes them all (fewer, larger dots run faster on every backend); columns
+    grouped per shard (parallel.shard_interleave)."""
+    return shard_interleave([get(n).T for n in names], shards)

@@ -22,12 +22,15 @@ from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
     decoder_layer_spec,
+    embed_tokens,
     hf_decoder_weights,
     linear,
     paged_attend,
     param,
     rms_norm,
     rope_cos_sin,
+    shards_of,
+    split_gate_up,
     split_qkv,
 )
 
@@ -80,11 +83,13 @@ _GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
-                 attention_backend: str = "xla", layer_weights: str | None = None):
+                 attention_backend: str = "xla", layer_weights: str | None = None, mesh=None):
         """layer_weights: "stacked" or "per_layer" (layers.py); None picks tuning.layer_weights for
-        the platform."""
+        the platform. mesh: the engine's ("data", "model") mesh when it runs on several devices
+        (parallel.py); cfg then has the head counts of the run layout (parallel.HeadLayout)."""
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh
         jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
@@ -99,9 +104,10 @@ class LlamaForCausalLM(nnx.Module):
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         embed = self.embed[...]
+        shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            q, k, v = split_qkv(linear(p, rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H)
+            q, k, v = split_qkv(linear(p, rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H, shards)
             if "q_norm" in p:
                 q = rms_norm(q, p["q_norm"], eps)
                 k = rms_norm(k, p["k_norm"], eps)
@@ -109,12 +115,12 @@ class LlamaForCausalLM(nnx.Module):
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")
-            g, u = jnp.split(linear(p, rms_norm(h, p["post_norm"], eps), "gate_up", "gate_up_bias"), 2, axis=-1)
+            g, u = split_gate_up(linear(p, rms_norm(h, p["post_norm"], eps), "gate_up", "gate_up_bias"), shards)
             return h + linear(p, jax.nn.silu(g) * u, "down", "down_bias")
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5)
-        h, kv = self.layers(embed[batch.token_ids], kv, before, after, attend)  # h [T, D]
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
+        h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend)  # h [T, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
         hs = rms_norm(h[batch.logits_indices], self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
@@ -122,9 +128,10 @@ class LlamaForCausalLM(nnx.Module):
         return logits, kv
 
     @classmethod
-    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str) -> dict[str, Any]:
+    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
+                   shards: int = 1) -> dict[str, Any]:
         """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`."""
-        return hf_decoder_weights(cfg, get, dtype, layout)
+        return hf_decoder_weights(cfg, get, dtype, layout, shards)
 
     @staticmethod
     def gguf_name(name: str) -> str:

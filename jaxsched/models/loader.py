@@ -17,28 +17,48 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxsched.config import ModelConfig
+from jaxsched.models.layers import shards_of
 from jaxsched.models.registry import architecture_of_gguf, model_class, model_config_from_hf
+from jaxsched.parallel import HeadLayout, place, state_shardings
 
 logger = logging.getLogger(__name__)
 
 
 def build_model(cfg: ModelConfig, dtype: str, get: Callable[[str], np.ndarray] | None,
-                attention_backend: str = "xla", seed: int = 0, layer_weights: str | None = None):
-    """Construct the NNX model of cfg.architecture. With `get`, weights come from HF-named tensors
-    (the model class maps them to its own layout); without, random.
-    layer_weights: "stacked" or "per_layer" (layers.py); None picks the platform's choice."""
+                attention_backend: str = "xla", seed: int = 0, layer_weights: str | None = None, mesh=None,
+                heads: HeadLayout | None = None):
+    """Construct the NNX model of cfg.architecture (the checkpoint's config). With `get`, weights
+    come from HF-named tensors (the model class maps them to its own layout); without, random.
+    layer_weights: "stacked" or "per_layer" (layers.py); None picks the platform's choice.
+    mesh: the engine's mesh (parallel.make_mesh) when it runs on several devices, with `heads` the
+    layout of its heads over them (parallel.head_layout): each weight is then placed straight into
+    its shards, never whole on one device."""
     cls = model_class(cfg.architecture)
-    kw = {"attention_backend": attention_backend, "layer_weights": layer_weights}
+    if heads is not None:
+        get = None if get is None else heads.wrap(get, cfg, cfg.head_dim)
+        cfg = heads.apply(cfg)
+    kw = {"attention_backend": attention_backend, "layer_weights": layer_weights, "mesh": mesh}
     if get is None:
-        return cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, cls.hf_weights(cfg, get, jnp.dtype(dtype), abstract.layers.layout))
+        model = cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
+        if mesh is None:
+            return model
+        graphdef, state = nnx.split(model)  # random init (tests, benchmarks): made on one device, then split
+        pure = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    else:
+        abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
+        graphdef, state = nnx.split(abstract)
+        pure = cls.hf_weights(cfg, get, jnp.dtype(dtype), abstract.layers.layout, shards_of(mesh))
+    if mesh is None:
+        placed = jax.tree.map(jnp.asarray, pure)
+    else:
+        placed = jax.tree.map(place, pure, state_shardings(pure, mesh, cfg.vocab_size))
+    nnx.replace_by_pure_dict(state, placed)
     return nnx.merge(graphdef, state)
 
 
