@@ -33,11 +33,15 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+    def __init__(self, args: EngineArgs | None = None, devices: Sequence[Any] | None = None, **kwargs: Any) -> None:
+        """devices: the jax devices this engine runs on, tensor_parallel_size of them (a data-parallel
+        replica's group); None: the first tensor_parallel_size devices (of every process, with
+        several hosts)."""
         import jax
 
         from jaxsched.block_manager import BlockManager
         from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
+        from jaxsched.parallel import engine_devices, make_mesh
         from jaxsched.runner import ModelRunner, device_memory, weights_bytes
         from jaxsched.scheduler import Scheduler
         from jaxsched.tokenizer import load_tokenizer
@@ -50,22 +54,33 @@ class LLMEngine:
         else:
             path = args.model
         t0 = time.perf_counter()
+        devices = engine_devices(args.tensor_parallel_size, devices)
+        tp = len(devices)
+        mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
         model_cfg, getter, _kind = load_model_source(path)
-        cfg = resolve(args, model_cfg, path, jax.devices()[0].platform,
-                      weights_bytes=lambda dtype: weights_bytes(model_cfg, dtype), memory=device_memory)
+        platform = devices[0].platform
+        cfg = resolve(args, model_cfg, path, platform,
+                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
+                      memory=lambda: device_memory(devices[0], tp))
         self.config: EngineConfig = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
-        model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed)
+        model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
+                            mesh=mesh, heads=cfg.heads if tp > 1 else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
+        if tp > 1:
+            logger.info("tensor parallel over %d devices (%s): %s", tp, ", ".join(str(d) for d in devices),
+                        cfg.heads.describe(model_cfg))
+        self.devices = tuple(devices)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy)
-        self.runner = ModelRunner(model, cfg)
+        self.runner = ModelRunner(model, cfg, mesh)
         self.runner.warm_up()
-        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s; swap pool: %d blocks",
-                    cfg.cache.num_blocks - 1, cfg.cache.block_size, cfg.cache.dtype, cfg.attention_backend,
-                    cfg.scheduler.num_host_blocks)
+        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
+                    "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
+                    cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
+                    cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_requests, cfg.enable_prefix_caching)
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -76,7 +91,16 @@ class LLMEngine:
 
     @property
     def model_config(self):
-        return self.config.model
+        """The checkpoint's architecture (head counts as in its config.json)."""
+        return self.config.checkpoint_model
+
+    def kv_bytes_per_device(self) -> int:
+        """The KV pool's bytes on each of this engine's devices (every block, null page included)."""
+        from jaxsched.sizing import kv_bytes_per_block
+
+        c = self.config
+        return c.cache.num_blocks * kv_bytes_per_block(c.model, c.cache.block_size, c.cache.dtype,
+                                                       c.tensor_parallel_size)
 
     @property
     def cache_config(self):
@@ -189,3 +213,19 @@ class LLMEngine:
     def next_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id - 1)
+
+
+def create_engine(args: EngineArgs) -> Any:
+    """The engine `args` ask for, behind LLMEngine's interface (what LLM, AsyncEngine and the CLI
+    build): one LLMEngine; data_parallel_size replicas dealt requests by load (data_parallel.py); or,
+    with distributed_coordinator, this process's part of an engine spread over several hosts
+    (distributed.py)."""
+    if args.distributed_coordinator is not None:
+        from jaxsched.distributed import DistributedEngine
+
+        return DistributedEngine(args)
+    if args.data_parallel_size > 1:
+        from jaxsched.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(args)
+    return LLMEngine(args)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxsched.config import EngineArgs
+from jaxsched.distributed import DistributedEngine
 from jaxsched.engine import PromptType, create_engine
 from jaxsched.outputs import RequestOutput
 from jaxsched.request import Request, SamplingParams
@@ -49,6 +50,8 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
         eng = self.llm_engine
+        if isinstance(eng, DistributedEngine) and not eng.is_leader:
+            return self._follow()  # the same script on every host: process 0's prompts are the ones run
         # Validate everything before adding anything: a bad prompt leaves no half-added batch.
         reqs = [eng.make_request(eng.next_request_id(), p, sp, priority=pr)
                 for p, sp, pr in zip(prompts, params, priority)]
@@ -84,4 +87,13 @@ class LLM:
                     if o.finished and o.request_id in wanted:
                         results[wanted[o.request_id]] = o
                         bar.update(1)
+        if isinstance(eng, DistributedEngine):
+            eng.end_batch()  # the other hosts' generate() returns
         return [r for r in results if r is not None]
+
+    def _follow(self) -> list[RequestOutput]:
+        """generate() on a process other than 0 of a multi-host engine: run process 0's batch step
+        for step (distributed.py) and return the same outputs it does."""
+        added, outs = self.llm_engine.follow(until="idle")
+        done = {o.request_id: o for o in outs if o.finished}
+        return [done[rid] for rid in added if rid in done]

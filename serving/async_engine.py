@@ -166,6 +166,10 @@ class AsyncEngine:
         self._stats = EngineStats()  # the engine's, as of the last step (engine thread writes, any reads)
         # read once, here: the engine's config is its one owner, and the engine belongs to its thread
         self._queue_limit = engine.scheduler_config.max_num_queued_requests
+        cfg = engine.config
+        self.metrics.describe_cache(cfg.cache.block_size, cfg.cache.num_blocks, engine.kv_bytes_per_device(),
+                                    cfg.model.num_kv_heads // cfg.tensor_parallel_size, cfg.tensor_parallel_size,
+                                    len(getattr(engine, "replicas", (engine,))))
         if start:
             self.start()
 

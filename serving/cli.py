@@ -59,6 +59,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
+    if not getattr(llm.llm_engine, "is_leader", True):  # another host of a multi-host engine: process 0 prints
+        return 0
     for p, o in zip(prompts, outs):
         print(f">>> {p}\n{o.outputs[0].text}\n")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -77,13 +79,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
     eng = create_engine(args)
+    if not getattr(eng, "is_leader", True):  # a multi-host engine's other hosts run process 0's steps
+        log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.process_id)
+        eng.follow()
+        return 0
     name = ns.served_model_name or ns.model or "demo"
     sc, cc = eng.scheduler_config, eng.cache_config
     pairs = eng.runner.bucket_pairs()
-    log.info("serving %s as %r on http://%s:%d | KV pool %d blocks x %d = %d tokens | %d bucket pairs compiled "
-             "(T in %s, S in %s) | warm-up %.1f s", eng.config.model_path, name, ns.host, ns.port, cc.num_usable_blocks,
-             cc.block_size, cc.num_usable_blocks * cc.block_size, len(pairs), list(sc.token_buckets),
-             list(sc.seq_buckets), eng.runner.warmup_seconds)
+    log.info("serving %s as %r on http://%s:%d | KV pool %d blocks x %d = %d tokens, %.1f MiB per device, "
+             "tensor parallel %d x data parallel %d | %d bucket pairs compiled (T in %s, S in %s) | warm-up %.1f s",
+             eng.config.model_path, name, ns.host, ns.port, cc.num_usable_blocks, cc.block_size,
+             cc.num_usable_blocks * cc.block_size, eng.kv_bytes_per_device() / 2**20, args.tensor_parallel_size,
+             args.data_parallel_size, len(pairs), list(sc.token_buckets), list(sc.seq_buckets),
+             eng.runner.warmup_seconds)
     engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
@@ -92,6 +100,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower())
     finally:
         engine.shutdown()
+        if hasattr(eng, "end_batch"):  # a multi-host engine: the other hosts stop following
+            eng.shutdown()
     return 0
 
 

@@ -53,7 +53,19 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that finished (not aborted).",
                                        ("finished_reason",))
+        self.cache_config_info = Gauge(
+            PREFIX + "cache_config_info", "The KV pool as configured (value 1; the figures are labels), per device "
+            "of one engine: every device holds every block, with its share of the KV heads.",
+            ("block_size", "num_gpu_blocks", "kv_bytes_per_device", "num_kv_heads_per_device", "tensor_parallel_size",
+             "data_parallel_size"), registry=self.registry)
         self._preemptions_seen = 0
+
+    def describe_cache(self, block_size: int, num_blocks: int, bytes_per_device: int, kv_heads_per_device: int,
+                       tensor_parallel_size: int, data_parallel_size: int) -> None:
+        """Set cache_config_info (vLLM's name) once, from the engine's resolved config."""
+        self.cache_config_info.labels(str(block_size), str(num_blocks), str(bytes_per_device),
+                                      str(kv_heads_per_device), str(tensor_parallel_size),
+                                      str(data_parallel_size)).set(1)
 
     def publish(self, stats: EngineStats) -> None:
         """Set the gauges from the engine's figures. The scheduler counts preemptions itself; the

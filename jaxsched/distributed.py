@@ -1,0 +1,173 @@
+"""Several hosts: one engine whose mesh spans every process of a jax.distributed cluster.
+
+Every process (one per host) holds an LLMEngine over the same global devices and runs the same
+jitted SPMD step; the collectives inside it (the row-parallel all-reduces, the logits gather) cross
+hosts. Process 0, the leader, is the only one that receives requests. Because the scheduler is
+deterministic, the others need only the leader's inputs, not its decisions: before each step the
+leader publishes what changed since the last one (requests added, with their sampling seeds drawn,
+and aborts), every follower applies the same changes to its own engine and steps, and all of them
+schedule the same batch and sample the same tokens (the sampler runs on the replicated logits).
+Only the leader's outputs go anywhere.
+
+The channel is the cluster's key-value store (JAX's coordination service, which
+jax.distributed.initialize starts in process 0): one key per step, so a follower that waits for
+the next step waits on a store read with a timeout, never inside a collective that could time
+out while the server is idle.
+
+Limits: the swap pool is off (a host would have to copy only its own shards out; preemption
+recomputes); a step that fails on one host's device and not on another's leaves the hosts apart
+(every process then stops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+from jaxsched.config import EngineArgs
+from jaxsched.outputs import RequestOutput
+from jaxsched.request import Request
+
+logger = logging.getLogger(__name__)
+
+_KEY = "jaxsched/step/{}"
+_KEEP = 4096  # steps a key stays in the store (followers read each one before the step it names)
+_POLL_MS = 1000
+
+
+@dataclasses.dataclass
+class _Message:
+    """What a follower applies before step `step` (or, with `end`, where it stops following)."""
+
+    requests: list[bytes]  # pickled Requests, in the order the leader added them
+    aborts: list[list[str]]
+    end: str | None = None  # "idle": the leader's batch is done (LLM.generate); "stop": shut down
+
+
+def initialize(args: EngineArgs) -> None:
+    """jax.distributed.initialize from the engine arguments (before anything touches a device)."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    if args.distributed_coordinator == "auto":  # Slurm, Open MPI, Kubernetes, ... (JAX's detection)
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(args.distributed_coordinator, args.num_processes, args.process_id)
+    logger.info("process %d of %d; %d local and %d global devices", jax.process_index(), jax.process_count(),
+                jax.local_device_count(), jax.device_count())
+
+
+def _store():
+    # The coordination service's key-value client. JAX keeps it in jax._src.distributed (no public
+    # accessor); multihost_utils' own helpers use the same client.
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:  # pragma: no cover - initialize() ran first
+        raise RuntimeError("jax.distributed is not initialized")
+    return client
+
+
+class DistributedEngine:
+    """This process's part of an engine over several hosts, with LLMEngine's interface. On the
+    leader (process 0) it is used as an LLMEngine is; the others call follow()."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        import jax
+
+        from jaxsched.engine import LLMEngine
+
+        initialize(args)
+        if args.swap_space and args.preemption_mode != "recompute":
+            logger.info("several hosts: preemption recomputes (the swap pool is per host, not implemented)")
+        self.engine = LLMEngine(dataclasses.replace(args, swap_space=0.0, preemption_mode="recompute"))
+        self.process_id = jax.process_index()
+        self.is_leader = self.process_id == 0
+        self._requests: list[bytes] = []
+        self._aborts: list[list[str]] = []
+        self._step = 0
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the local engine's
+        return getattr(self.__dict__["engine"], name)
+
+    # -- the leader ----------------------------------------------------------------------------
+    def add_request_obj(self, req: Request) -> None:
+        self._check_leader("add requests")
+        blob = pickle.dumps(req)  # before the engine touches it: the followers start from the same state
+        self.engine.add_request_obj(req)
+        self._requests.append(blob)
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        self.add_request_obj(self.engine.make_request(request_id, prompt, params, arrival_time, priority))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        self._check_leader("abort requests")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine.abort_request(ids)
+        self._aborts.append(ids)
+
+    def step(self) -> list[RequestOutput]:
+        self._check_leader("step (the others call follow())")
+        self._publish(None)
+        return self.engine.step()
+
+    def end_batch(self) -> None:
+        """Tell the followers that this batch is done (their follow(until="idle") returns)."""
+        if self.is_leader:
+            self._publish("idle")
+
+    def shutdown(self) -> None:
+        """Tell the followers to stop following (their follow() returns)."""
+        if self.is_leader:
+            self._publish("stop")
+
+    def _publish(self, end: str | None) -> None:
+        msg = _Message(self._requests, self._aborts, end)
+        self._requests, self._aborts = [], []
+        store = _store()
+        store.key_value_set_bytes(_KEY.format(self._step), pickle.dumps(msg))
+        if self._step >= _KEEP:
+            store.key_value_delete(_KEY.format(self._step - _KEEP))
+        self._step += 1
+
+    def _check_leader(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"process {self.process_id} follows process 0 and cannot {what}; requests go to "
+                               "process 0, the other processes run follow()")
+
+    # -- the followers -------------------------------------------------------------------------
+    def follow(self, until: str = "stop") -> tuple[list[str], list[RequestOutput]]:
+        """Run the leader's steps until it ends the batch ("idle") or shuts down ("stop"; "idle"
+        markers are then skipped). Returns the ids of the requests added meanwhile, in order, and
+        every output this process's engine produced (the leader's, token for token)."""
+        if self.is_leader:
+            raise RuntimeError("process 0 leads; follow() is for the other processes")
+        store = _store()
+        added: list[str] = []
+        outs: list[RequestOutput] = []
+        while True:
+            key = _KEY.format(self._step)
+            while True:
+                try:
+                    blob = store.blocking_key_value_get_bytes(key, _POLL_MS)
+                    break
+                except Exception as e:  # a timeout: the leader is idle; anything else: it is gone
+                    if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                        raise RuntimeError(f"process {self.process_id} lost the leader (process 0): {e}") from e
+            self._step += 1
+            msg: _Message = pickle.loads(blob)
+            for r in msg.requests:
+                req: Request = pickle.loads(r)
+                self.engine.add_request_obj(req)
+                added.append(req.request_id)
+            for ids in msg.aborts:
+                self.engine.abort_request(ids)
+            if msg.end == "stop" or (msg.end == "idle" and until == "idle"):
+                return added, outs
+            if msg.end is None:
+                outs.extend(self.engine.step())
