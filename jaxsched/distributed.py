@@ -21,6 +21,7 @@ recomputes); a step that fails on one host's device and not on another's leaves 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import pickle
@@ -90,6 +91,9 @@ class DistributedEngine:
         self._requests: list[bytes] = []
         self._aborts: list[list[str]] = []
         self._step = 0
+        self._stopped = False
+        if self.is_leader:  # a script that ends (or fails) without shutdown() still releases the others
+            atexit.register(self.shutdown)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the local engine's
         return getattr(self.__dict__["engine"], name)
@@ -123,8 +127,9 @@ class DistributedEngine:
 
     def shutdown(self) -> None:
         """Tell the followers to stop following (their follow() returns)."""
-        if self.is_leader:
+        if self.is_leader and not self._stopped:
             self._publish("stop")
+            self._stopped = True
 
     def _publish(self, end: str | None) -> None:
         msg = _Message(self._requests, self._aborts, end)

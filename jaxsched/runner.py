@@ -115,6 +115,7 @@ class ModelRunner:
         self._pool_sharding = None if mesh is None else NamedSharding(mesh, P(None, None, "model"))
         # a multi-process mesh takes global arrays only: host data is placed shard by shard (parallel.place)
         self._multiprocess = jax.process_count() > 1
+        self._platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         self.model_config = cfg = config.model
         self.cache_config = cache = config.cache
         self.scheduler_config = sched = config.scheduler
@@ -190,7 +191,7 @@ class ModelRunner:
         W = self.penalty_capacity
         lowered = fn.lower(self.state, self.kv, self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
                            self._input((S, W), jnp.int32), self._input((S, W), jnp.float32), T=T, S=S)
-        options = tuning.compiler_options(self.kv[0].devices().pop().platform) if self._use_compiler_options else {}
+        options = tuning.compiler_options(self._platform) if self._use_compiler_options else {}
         if not options:
             return lowered.compile()
         try:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import sys
+import threading
 from typing import Any
 
 import uvicorn
@@ -51,4 +54,14 @@ def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout:
           log_level: str = "info") -> None:
     """Serve `app` until SIGINT / SIGTERM, then shut down within shutdown_timeout (+ a few seconds)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
-    GracefulServer(config, engine, shutdown_timeout).run()
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        GracefulServer(config, engine, shutdown_timeout).run()
+        return
+    # After its graceful shutdown uvicorn re-raises a caught SIGTERM with the handler it found; with
+    # the default one the process would die there, before the caller's cleanup (a multi-host engine's
+    # other processes would lose process 0 without being told to stop). Exit through SystemExit.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        GracefulServer(config, engine, shutdown_timeout).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPTS = [
     "the capital of france is",
-    "hello world , how are you today ? " * 6,  # longer than a step's token budget: chunked prefill
+    "hello world , how are you today ? " * 3,  # longer than a step's token budget: chunked prefill
     "one two three four five six",
     "dogs and cats like to play in the sun .",
     "language models predict the next token",
@@ -25,7 +25,7 @@ PROMPTS = [
 # a small pool, so that the batch preempts; small steps, so that prefills are chunked and decodes
 # share steps with them
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 16,
-          "num_gpu_blocks_override": 14, "enable_prefix_caching": False, "preemption_mode": "recompute"}
+          "num_gpu_blocks_override": 8, "enable_prefix_caching": False, "preemption_mode": "recompute"}
 
 
 def shard_report(engine) -> dict:
@@ -63,36 +63,36 @@ def shard_report(engine) -> dict:
 
 
 def parity(spec: dict) -> dict:
-    """Greedy tokens of PROMPTS for each model at each tensor_parallel_size (and data-parallel
-    layout), with the preemption count, the shard report of every sharded engine and whether
-    anything compiled after warm-up."""
+    """Greedy tokens of PROMPTS for each model at each tensor_parallel_size with the "xla" backend,
+    and for each (model, tensor_parallel_size, backend) of spec["backends"], with the preemption
+    count, the shard report of every sharded engine and whether anything compiled after warm-up."""
     from compiles import no_compilation
 
     from jaxsched import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     out: dict = {}
-    for name, path in spec["models"].items():
-        for tp in spec["tps"]:
-            llm = LLM(path, tensor_parallel_size=tp, attention_backend=spec.get("backend", "xla"),
-                      **{**ENGINE, **spec.get("engine", {})})
-            eng = llm.llm_engine
-            compiled_after_warmup = None
-            try:
-                with no_compilation():
-                    outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-            except AssertionError as e:
-                compiled_after_warmup = str(e)
+    runs = [(name, path, tp, "xla") for name, path in spec["models"].items() for tp in spec["tps"]]
+    runs += [(name, spec["models"][name], tp, backend) for name, tp, backend in spec.get("backends", [])]
+    for name, path, tp, backend in runs:
+        llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, **{**ENGINE, **spec.get("engine", {})})
+        eng = llm.llm_engine
+        compiled_after_warmup = None
+        try:
+            with no_compilation():
                 outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-            out[f"{name}@{tp}"] = {
-                "tokens": [o.outputs[0].token_ids for o in outs],
-                "preemptions": eng.stats().num_preemptions,
-                "heads": [eng.config.model.num_heads, eng.config.model.num_kv_heads],
-                "compiled_after_warmup": compiled_after_warmup,
-                "shards": shard_report(eng) if tp > 1 else None,
-                "kv_bytes_per_device": eng.kv_bytes_per_device(),
-            }
-            del llm, eng
+        except AssertionError as e:
+            compiled_after_warmup = str(e)
+            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        out[f"{name}@{tp}" + ("" if backend == "xla" else f"/{backend}")] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "preemptions": eng.stats().num_preemptions,
+            "heads": [eng.config.model.num_heads, eng.config.model.num_kv_heads],
+            "compiled_after_warmup": compiled_after_warmup,
+            "shards": shard_report(eng) if tp > 1 else None,
+            "kv_bytes_per_device": eng.kv_bytes_per_device(),
+        }
+        del llm, eng
     return out
 
 

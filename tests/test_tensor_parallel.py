@@ -94,7 +94,9 @@ def tp_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
-    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4]})
+    # one subprocess for every engine: jax starts once
+    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4],
+                                 "backends": [("qwen2", 2, "numba"), ("qwen2", 2, "reference")]})
     for name in tp_models:
         one = res[f"{name}@1"]
         assert one["preemptions"] > 0, "the pool is meant to be small enough to preempt"
@@ -107,17 +109,86 @@ def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
             shards = got["shards"]
             assert shards["problems"] == [], shards["problems"]
             names = {p.rsplit("/", 1)[-1] for p in shards["split"]}
-            assert {"embed", "lm_head", "qkv", "qkv_bias", "o_proj", "gate_up", "down", "k_pool", "v_pool"} <= names
+            want = {"embed", "lm_head", "qkv", "o_proj", "gate_up", "down", "k_pool", "v_pool"}
+            assert want | ({"qkv_bias"} if name == "qwen2" else set()) <= names
             assert not names & {"input_norm", "post_norm", "norm"}
     assert res["demo_shaped@2"]["heads"] == [12, 4] and res["demo_shaped@4"]["heads"] == [12, 4]
     assert res["qwen2@4"]["heads"] == [4, 4]  # 2 KV heads replicated to one per device
     # the pool's bytes per device fall with the shards (same block count: the override)
     assert res["qwen2@2"]["kv_bytes_per_device"] * 2 == res["qwen2@1"]["kv_bytes_per_device"]
+    # the CPU attention backends besides "xla" run per shard under shard_map too
+    for backend in ("numba", "reference"):
+        got = res[f"qwen2@2/{backend}"]
+        assert got["tokens"] == res["qwen2@1"]["tokens"], backend
+        assert got["shards"]["problems"] == [] and got["compiled_after_warmup"] is None
+
+
+def test_a_backend_that_cannot_shard_is_refused_and_auto_skips_it(monkeypatch):
+    import dataclasses
+
+    from pallas_kernels import backends
+
+    monkeypatch.setitem(backends.BACKENDS, "numba", dataclasses.replace(
+        backends.BACKENDS["numba"], why_not_sharded="its kernel reads the whole pool"))
+    with pytest.raises(ValueError, match="'numba' cannot run with tensor_parallel_size > 1: its kernel reads"):
+        backends.choose("numba", "cpu", 64, None, "float32", "float32", shards=2)
+    chosen, skipped = backends.choose("auto", "cpu", 64, None, "float32", "float32", shards=2)
+    assert chosen.name == "xla" and any("numba" in why for why in skipped)
+    assert backends.choose("numba", "cpu", 64, None, "float32", "float32", shards=1)[0].name == "numba"
+
+
+# -- the demo model (SmolLM2-135M: 9 query heads, 3 KV heads) on simulated devices -----------------
+README_CURL_BODY = {"model": "demo", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_tokens": 32, "temperature": 0}
+DEMO_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+
+
+def test_readme_curl_body_is_the_readmes():
+    body = (HERE.parent / "README.md").read_text().split("curl -s http://127.0.0.1:8000/v1/chat/completions", 1)[1]
+    assert json.loads(body.split("-d '", 1)[1].split("'", 1)[0]) == README_CURL_BODY
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_each_cpu_attention_backend_runs_per_shard(tp_models, backend):
-    res = run_sharded("parity", {"models": {"qwen2": tp_models["qwen2"]}, "tps": [1, 2], "backend": backend,
-                                 "max_tokens": 8}, devices=2)
-    assert res["qwen2@2"]["tokens"] == res["qwen2@1"]["tokens"]
+def test_serve_with_tensor_parallel_size_2_answers_the_readme_curl(tmp_path):
+    import httpx
+    from conftest import USER_CACHE
+    from servers import free_port, wait_healthy
+
+    from jaxsched.models.demo import demo_model_path
+
+    demo = str(demo_model_path(cache=USER_CACHE))
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", demo, "--port", str(port),
+                                 "--served-model-name", "demo", "--tensor-parallel-size", "2", *DEMO_FLAGS],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+        r = httpx.post(url + "/v1/chat/completions", json=README_CURL_BODY, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"], r.json()
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        info = next(line for line in metrics.splitlines() if line.startswith("jaxsched:cache_config_info{"))
+        assert 'tensor_parallel_size="2"' in info and 'num_kv_heads_per_device="2"' in info, info
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    text = log.read_text()
+    assert "tensor parallel over 2 devices" in text and "KV heads 3 -> 4 (1 zero heads added)" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_demo_model_at_4_devices_gives_the_single_device_tokens():
+    from conftest import USER_CACHE
+
+    from jaxsched.models.demo import demo_model_path
+
+    demo = str(demo_model_path(cache=USER_CACHE))
+    res = run_sharded("parity", {"models": {"demo": demo}, "tps": [1, 4], "max_tokens": 24,
+                                 "engine": {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 40}}, devices=4)
+    assert res["demo@4"]["heads"] == [12, 4]
+    assert res["demo@4"]["tokens"] == res["demo@1"]["tokens"]
+    assert res["demo@4"]["shards"]["problems"] == []
