@@ -126,10 +126,16 @@ class DistributedEngine:
             self._publish("idle")
 
     def shutdown(self) -> None:
-        """Tell the followers to stop following (their follow() returns)."""
+        """Tell the followers to stop following (their follow() returns), once; then leave the
+        cluster (jax.distributed.shutdown waits for the others to leave too), so that a process
+        that exits by a signal, skipping Python's exit handlers, does not take the coordination
+        service down under them."""
+        import jax
+
         if self.is_leader and not self._stopped:
-            self._publish("stop")
             self._stopped = True
+            self._publish("stop")
+            jax.distributed.shutdown()
 
     def _publish(self, end: str | None) -> None:
         msg = _Message(self._requests, self._aborts, end)

@@ -69,6 +69,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from jaxsched.distributed import DistributedEngine
     from jaxsched.engine import create_engine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
@@ -96,12 +97,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template)
+    # a multi-host engine's leader tells the other processes to stop, however this process ends
+    on_exit = eng.shutdown if isinstance(eng, DistributedEngine) else None
     try:
-        serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower())
+        serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower(),
+              on_exit=on_exit)
     finally:
         engine.shutdown()
-        if hasattr(eng, "end_batch"):  # a multi-host engine: the other hosts stop following
-            eng.shutdown()
     return 0
 
 

@@ -13,8 +13,8 @@ import asyncio
 import logging
 import signal
 import socket
-import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -51,17 +51,39 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-          log_level: str = "info") -> None:
-    """Serve `app` until SIGINT / SIGTERM, then shut down within shutdown_timeout (+ a few seconds)."""
+          log_level: str = "info", on_exit: Callable[[], None] | None = None) -> None:
+    """Serve `app` until SIGINT / SIGTERM, then shut down within shutdown_timeout (+ a few seconds).
+
+    on_exit runs once the server is down, also when the process then exits by the signal that
+    stopped it: uvicorn re-raises that signal after its graceful shutdown, and by the default action
+    the process would die there, before any cleanup of the caller's (a multi-host engine's leader
+    must tell the other processes to stop, or their coordination agents abort)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
-    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
-        GracefulServer(config, engine, shutdown_timeout).run()
+    server = GracefulServer(config, engine, shutdown_timeout)
+    if on_exit is None or threading.current_thread() is not threading.main_thread():  # signals: main thread only
+        try:
+            server.run()
+        finally:
+            if on_exit is not None:
+                on_exit()
         return
-    # After its graceful shutdown uvicorn re-raises a caught SIGTERM with the handler it found; with
-    # the default one the process would die there, before the caller's cleanup (a multi-host engine's
-    # other processes would lose process 0 without being told to stop). Exit through SystemExit.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    done = False
+
+    def finish() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            on_exit()
+
+    def exit_by(signum: int, frame: Any) -> None:  # uvicorn's re-raise lands here: clean up, then die by it
+        finish()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    previous = {sig: signal.signal(sig, exit_by) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        GracefulServer(config, engine, shutdown_timeout).run()
+        server.run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        finish()
