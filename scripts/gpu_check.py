@@ -16,7 +16,9 @@ of time still leaves the others' figures:
   model    a random-weight Llama-3.2-1B-shaped checkpoint (safetensors, float16 storage, run in
            bf16) with a word-level tokenizer covering its whole vocab.
   bench    scripts/bench_offline.py on that model once per attention backend, each at its default
-           block size (16 pallas, 128 xla; its JSON records it): output tokens/s.
+           block size (16 pallas, 128 xla; its JSON records it): output tokens/s; then, where the
+           machine has more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
+           skipped it).
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -34,6 +36,7 @@ Table to fill in from the JSON (not yet measured on the H200):
   | mixed T=2048 S=256         |           |             |           |        |
   | prefill T=2048 (4 x 512)   |           |             |           |        |
   | engine output tokens/s, 1B bf16: pallas ____  xla ____  (copy bandwidth ____ GB/s)
+  | engine output tokens/s, 1B bf16, pallas, tensor_parallel_size=2: ____ (or "skipped: 1 device")
 """
 
 from __future__ import annotations
@@ -284,6 +287,13 @@ def run_phase(argv: list[str], timeout: float, env: dict) -> tuple[dict | None, 
     return None, f"exit {p.returncode}: {p.stderr.strip()[-1500:]}"
 
 
+def device_count(env: dict) -> int:
+    """jax's device count, asked in a subprocess (this process never initialises jax)."""
+    p = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+    return int(p.stdout.strip() or 0) if p.returncode == 0 else 0
+
+
 def orchestrate(args) -> int:
     t_start = time.perf_counter()
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -336,6 +346,18 @@ def orchestrate(args) -> int:
                 report["phases"][f"bench_{backend}"] = status
                 report["bench"][backend] = r
                 save()
+            # Tensor parallelism needs a second GPU: run it where there is one, say so where not.
+            devices = device_count(env)
+            if devices > 1:
+                print("== bench: tensor_parallel_size=2 (pallas)", flush=True)
+                r, status = run_phase(bench + ["--engine-arg", "attention_backend=pallas", "--engine-arg",
+                                               "tensor_parallel_size=2"], left(), env)
+                report["phases"]["bench_tp2"] = status
+                report["bench"]["pallas_tp2"] = r
+            else:
+                print(f"== bench: tensor_parallel_size=2 skipped: {devices} device(s) here, it needs 2", flush=True)
+                report["bench"]["pallas_tp2"] = f"skipped: {devices} device(s), tensor parallelism needs 2"
+            save()
     ok = all(s == "ok" for s in report["phases"].values()) and all(
         c["ok"] for c in (report.get("kernels") or {}).get("correctness", [{"ok": False}]))
     report["ok"] = ok

@@ -64,18 +64,22 @@ def shard_report(engine) -> dict:
 
 def parity(spec: dict) -> dict:
     """Greedy tokens of PROMPTS for each model at each tensor_parallel_size with the "xla" backend,
-    and for each (model, tensor_parallel_size, backend) of spec["backends"], with the preemption
-    count, the shard report of every sharded engine and whether anything compiled after warm-up."""
+    and for each variant of spec["variants"] (model, tensor_parallel_size, backend, engine
+    overrides, key suffix), with the preemption and swap counts, the shard report of every sharded
+    engine and whether anything compiled after warm-up."""
     from compiles import no_compilation
 
     from jaxsched import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     out: dict = {}
-    runs = [(name, path, tp, "xla") for name, path in spec["models"].items() for tp in spec["tps"]]
-    runs += [(name, spec["models"][name], tp, backend) for name, tp, backend in spec.get("backends", [])]
-    for name, path, tp, backend in runs:
-        llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, **{**ENGINE, **spec.get("engine", {})})
+    runs = [(name, path, tp, "xla", {}, "") for name, path in spec["models"].items() for tp in spec["tps"]]
+    # (model, tensor_parallel_size, backend, engine overrides, key suffix)
+    runs += [(name, spec["models"][name], tp, backend, extra, suffix)
+             for name, tp, backend, extra, suffix in spec.get("variants", [])]
+    for name, path, tp, backend, extra, suffix in runs:
+        llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend,
+                  **{**ENGINE, **spec.get("engine", {}), **extra})
         eng = llm.llm_engine
         compiled_after_warmup = None
         try:
@@ -84,9 +88,10 @@ def parity(spec: dict) -> dict:
         except AssertionError as e:
             compiled_after_warmup = str(e)
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-        out[f"{name}@{tp}" + ("" if backend == "xla" else f"/{backend}")] = {
+        out[f"{name}@{tp}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "preemptions": eng.stats().num_preemptions,
+            "swap_outs": eng.stats().num_swap_outs,
             "heads": [eng.config.model.num_heads, eng.config.model.num_kv_heads],
             "compiled_after_warmup": compiled_after_warmup,
             "shards": shard_report(eng) if tp > 1 else None,

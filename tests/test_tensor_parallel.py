@@ -95,8 +95,9 @@ def tp_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 @pytest.mark.slow
 def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
     # one subprocess for every engine: jax starts once
-    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4],
-                                 "backends": [("qwen2", 2, "numba"), ("qwen2", 2, "reference")]})
+    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4], "variants": [
+        ("qwen2", 2, "numba", {}, "/numba"), ("qwen2", 2, "reference", {}, "/reference"),
+        ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap")]})
     for name in tp_models:
         one = res[f"{name}@1"]
         assert one["preemptions"] > 0, "the pool is meant to be small enough to preempt"
@@ -121,6 +122,10 @@ def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
         got = res[f"qwen2@2/{backend}"]
         assert got["tokens"] == res["qwen2@1"]["tokens"], backend
         assert got["shards"]["problems"] == [] and got["compiled_after_warmup"] is None
+    # swapping copies every shard of a victim's blocks out to the host and back
+    swap = res["qwen2@2/swap"]
+    assert swap["swap_outs"] > 0 and swap["tokens"] == res["qwen2@1"]["tokens"]
+    assert swap["compiled_after_warmup"] is None
 
 
 def test_a_backend_that_cannot_shard_is_refused_and_auto_skips_it(monkeypatch):
