@@ -79,6 +79,33 @@ def test_sizes_must_be_positive(field, value):
         EngineArgs(**{field: value})
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"distributed_coordinator": "10.0.0.1"}, "HOST:PORT"),
+    ({"distributed_coordinator": "10.0.0.1:1234"}, "needs num_processes and process_id"),
+    ({"num_processes": 2, "process_id": 0}, "need distributed_coordinator"),
+    ({"distributed_coordinator": "h:1", "num_processes": 2, "process_id": 2}, r"process_id \(2\) must be < num_processes"),
+    ({"distributed_coordinator": "auto", "data_parallel_size": 2}, "data_parallel_size > 1 runs on one host"),
+])
+def test_multi_host_flags_are_checked_up_front(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kwargs)
+
+
+def test_sizing_is_per_device():
+    from jaxsched.runner import weights_bytes
+    from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory
+
+    cfg = _cfg(8, 4, F=256)
+    assert kv_bytes_per_block(cfg, 16, "float32", 2) * 2 == kv_bytes_per_block(cfg, 16, "float32")
+    one, two = weights_bytes(cfg, "float32"), weights_bytes(cfg, "float32", 2)
+    norms = 4 * (2 * cfg.hidden_size + cfg.hidden_size)  # two per layer and the final one: replicated
+    assert two == (one - norms) // 2 + norms
+    memory = (2**30, 2**30)
+    blocks = [num_blocks_for_memory(cfg, 16, "float32", "float32", 0.5, memory, w, 64, 4, 10**9, shards)
+              for w, shards in ((one, 1), (two, 2))]
+    assert blocks[1] > 1.9 * blocks[0]  # half the KV heads per device: about twice the blocks
+
+
 # -- on 8 simulated devices -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tp_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
