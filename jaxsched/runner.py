@@ -109,7 +109,6 @@ class ModelRunner:
         were placed on; None: one default device."""
         self.config = config
         self.mesh = mesh
-        self._shards = 1 if mesh is None else mesh.shape["model"]
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         # the pool is split on its KV-head axis (axis 2 in both page layouts)
         self._pool_sharding = None if mesh is None else NamedSharding(mesh, P(None, None, "model"))
@@ -177,11 +176,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, penalty_ids,
                                           penalty_counts)
-        logits, kv = model(kv, batch)
-        if self._shards > 1:
-            # logits [S, V] come split over the vocabulary; the sampler runs on the gathered rows
-            # (docs/PERFORMANCE.md, "Several devices", says why not a sharded top-k)
-            logits = jax.lax.with_sharding_constraint(logits, self._replicated)
+        logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
         ints, floats = sample(logits, batch, self.max_logprobs)
         return kv, ints, floats
 

@@ -33,6 +33,7 @@ from jaxsched.models.layers import (
     shards_of,
     split_gate_up,
     split_qkv,
+    vocab_logits,
 )
 
 
@@ -100,7 +101,7 @@ class GemmaForCausalLM(nnx.Module):
         # unscaled embedding.
         hs = gemma_rms_norm(h[batch.logits_indices], self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(hs, w, preferred_element_type=jnp.float32), kv
+        return vocab_logits(hs, w, self.mesh), kv
 
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,

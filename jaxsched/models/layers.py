@@ -165,6 +165,20 @@ def embed_tokens(embed, token_ids, mesh=None):
                          check_vma=False)(embed, token_ids)
 
 
+def vocab_logits(hs, w, mesh=None):
+    """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
+    axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
+    cross between devices, never the weight (left to itself, XLA may gather the weight instead to
+    produce the replicated logits the sampler reads)."""
+    if mesh is None or mesh.shape["model"] == 1 or w.shape[1] % mesh.shape["model"]:
+        return jnp.dot(hs, w, preferred_element_type=jnp.float32)
+
+    def local(h, w):
+        return jax.lax.all_gather(jnp.dot(h, w, preferred_element_type=jnp.float32), "model", axis=1, tiled=True)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "model")), out_specs=P(), check_vma=False)(hs, w)
+
+
 def shards_of(mesh) -> int:
     """The "model" axis size of an engine's mesh (1 without one)."""
     return 1 if mesh is None else mesh.shape["model"]

@@ -32,6 +32,7 @@ from jaxsched.models.layers import (
     shards_of,
     split_gate_up,
     split_qkv,
+    vocab_logits,
 )
 
 
@@ -124,8 +125,7 @@ class LlamaForCausalLM(nnx.Module):
         # The lm_head runs only where a token is sampled: S rows, not T.
         hs = rms_norm(h[batch.logits_indices], self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(hs, w, preferred_element_type=jnp.float32)
-        return logits, kv
+        return vocab_logits(hs, w, self.mesh), kv
 
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
