@@ -168,8 +168,8 @@ def embed_tokens(embed, token_ids, mesh=None):
 def vocab_logits(hs, w, mesh=None):
     """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
-    cross between devices, never the weight (left to itself, XLA may gather the weight instead to
-    produce the replicated logits the sampler reads)."""
+    cross between devices, never the weight (left to itself, XLA gathered the weight instead to
+    produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices")."""
     if mesh is None or mesh.shape["model"] == 1 or w.shape[1] % mesh.shape["model"]:
         return jnp.dot(hs, w, preferred_element_type=jnp.float32)
 
