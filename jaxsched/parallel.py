@@ -139,13 +139,13 @@ def shard_interleave(parts: list[np.ndarray], shards: int) -> np.ndarray:
     return np.concatenate([s[i] for i in range(shards) for s in split], axis=-1)
 
 
-def param_spec(path: tuple[str, ...], ndim: int, vocab_split: bool):
-    """The PartitionSpec of the weight at `path` in a model's pure state dict (keys as strings):
-    embed / lm_head over the vocabulary (when vocab_split), layer weights as _COLUMN / _ROW say
-    (a stacked layout's leading L axis is never split), everything else replicated."""
+def param_spec(name: str, ndim: int, vocab_split: bool):
+    """The PartitionSpec of weight `name` (its key in a model's state dict; a layer weight's name in
+    layers.decoder_layer_spec) with `ndim` dimensions: embed / lm_head over the vocabulary (when
+    vocab_split), layer weights as _COLUMN / _ROW say (a stacked layout's leading L axis is never
+    split), everything else replicated."""
     from jax.sharding import PartitionSpec as P
 
-    name = path[-1]
     if name == "embed":
         return P("model", None) if vocab_split else P()
     if name == "lm_head":
@@ -158,21 +158,6 @@ def param_spec(path: tuple[str, ...], ndim: int, vocab_split: bool):
     if name in _ROW:
         return P(*lead, "model", None)
     return P()
-
-
-def state_shardings(pure: dict[str, Any], mesh, vocab_size: int) -> dict[str, Any]:
-    """A NamedSharding for every array of a model's pure state dict (same structure)."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    shards = mesh.shape["model"]
-    vocab_split = vocab_size % shards == 0
-
-    def one(path, x):
-        keys = tuple(str(getattr(k, "key", k)) for k in path)
-        return NamedSharding(mesh, param_spec(keys, np.ndim(x), vocab_split))
-
-    return jax.tree_util.tree_map_with_path(one, pure)
 
 
 def place(x, sharding):

@@ -90,8 +90,7 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int
     abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract))):
-        keys = tuple(str(getattr(k, "key", k)) for k in path)
-        split = "model" in param_spec(keys, x.ndim, model_config.vocab_size % shards == 0)
+        split = "model" in param_spec(str(path[-1].key), x.ndim, model_config.vocab_size % shards == 0)
         total += x.size * x.dtype.itemsize // (shards if split else 1)
     return total
 
@@ -164,13 +163,12 @@ class ModelRunner:
             return x
         return place(x, sharding or self._replicated)
 
-    @staticmethod
-    def _fetch(x) -> np.ndarray:
-        """A replicated (or single-device) result in host memory; with several processes each one
-        reads its own replica."""
-        if x.is_fully_addressable:
-            return np.asarray(jax.device_get(x))
-        return np.asarray(x.addressable_data(0))
+    def _fetch(self, *xs) -> list[np.ndarray]:
+        """Replicated (or single-device) results in host memory, in one transfer; with several
+        processes each one reads its own replica."""
+        if not self._multiprocess:
+            return [np.asarray(x) for x in jax.device_get(xs)]
+        return [np.asarray(x.addressable_data(0)) for x in xs]
 
     def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
         model = nnx.merge(self.graphdef, state)
@@ -182,7 +180,11 @@ class ModelRunner:
 
     def compile(self, T: int, S: int):
         n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
-        fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,))
+        # with a mesh: the pool stays split on its heads, the sampled ids and logprobs replicated
+        # (each process of a multi-host engine reads its own copy)
+        out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
+                                                              self._replicated)}
+        fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,), **out)
         W = self.penalty_capacity
         lowered = fn.lower(self.state, self.kv, self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
                            self._input((S, W), jnp.int32), self._input((S, W), jnp.float32), T=T, S=S)
@@ -311,13 +313,12 @@ class ModelRunner:
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
             raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
         if batch.has_penalties:
-            pen = (batch.penalty_ids, batch.penalty_counts)
+            pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts))
         else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
             pen = self._no_penalties[S]
-        if batch.has_penalties:
-            pen = tuple(self._put(x) for x in pen)
         self.kv, ints, floats = exe(self.state, self.kv, self._put(batch.flat_i32), self._put(batch.flat_f32), *pen)
-        return SamplerOutput.unpack(self._fetch(ints), self._fetch(floats), S, self.max_logprobs)
+        ints, floats = self._fetch(ints, floats)
+        return SamplerOutput.unpack(ints, floats, S, self.max_logprobs)
 
     def _device(self, x: np.ndarray):
         """A constant input kept on the device(s), replicated."""

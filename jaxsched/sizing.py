@@ -40,7 +40,8 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtyp
     if n < 2:
         raise ValueError(
             f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "
-            f"weights {weights_bytes / 2**30:.2f} GiB; raise gpu_memory_utilization, lower "
+            f"weights {weights_bytes / 2**30:.2f} GiB (per device, with tensor_parallel_size={shards}); raise "
+            "tensor_parallel_size to split the model over more devices or gpu_memory_utilization, lower "
             "max_num_batched_tokens / max_num_seqs, or set num_gpu_blocks_override"
         )
     return min(n, max_useful)

@@ -23,6 +23,7 @@ from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
+    Put,
     decoder_layer_spec,
     embed_tokens,
     hf_decoder_weights,
@@ -104,8 +105,9 @@ class GemmaForCausalLM(nnx.Module):
         return vocab_logits(hs, w, self.mesh), kv
 
     @classmethod
-    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
+    def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,
                    shards: int = 1) -> dict[str, Any]:
-        """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`. Norm
-        weights stay as HF holds them (w of 1 + w)."""
-        return hf_decoder_weights(cfg, get, dtype, layout, shards)
+        """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`, each
+        tensor placed by `put` (layers.Put), fused columns grouped for `shards` devices. Norm weights
+        stay as HF holds them (w of 1 + w)."""
+        return hf_decoder_weights(cfg, get, put, layout, shards)

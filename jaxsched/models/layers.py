@@ -251,29 +251,29 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def host_array(x, dtype) -> np.ndarray:
-    """A checkpoint tensor in `dtype` in host memory (bfloat16 through ml_dtypes): the loader places
-    each array straight into its shards on the devices (parallel.place)."""
-    return np.asarray(x).astype(jnp.dtype(dtype))
+# put(weight name, host array) -> the weight on the device(s), in the model's dtype: the loader's
+# placer (loader.placer), which puts each tensor into its shards as soon as it is read, so the host
+# holds one tensor at a time and no device ever a whole copy of a split one
+Put = Callable[[str, np.ndarray], Any]
 
 
-def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num_layers: int, dtype,
+def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num_layers: int, put: Put,
                            layout: str) -> dict[str, Any]:
-    """DecoderLayers' pure state dict of host arrays: per_name maps each name of the layer spec to a
-    function of the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
+    """DecoderLayers' pure state dict: per_name maps each name of the layer spec to a function of
+    the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
     L = num_layers
     if layout == "per_layer":
-        return {"per_layer": {i: {n: host_array(fn(i), dtype) for n, fn in per_name.items()} for i in range(L)}}
+        return {"per_layer": {i: {n: put(n, fn(i)) for n, fn in per_name.items()} for i in range(L)}}
 
-    def stack(fn: Callable[[int], np.ndarray]):
+    def stack(name: str, fn: Callable[[int], np.ndarray]):
         first = fn(0)
         out = np.empty((L, *first.shape), np.float32)  # filled in place: one host copy at a time
         out[0] = first
         for i in range(1, L):
             out[i] = fn(i)
-        return host_array(out, dtype)
+        return put(name, out)
 
-    return {"stacked": {n: stack(fn) for n, fn in per_name.items()}}
+    return {"stacked": {n: stack(n, fn) for n, fn in per_name.items()}}
 
 
 # -- the pre-norm decoder layer as Hugging Face names its weights (Llama family, Gemma) -------------
@@ -301,11 +301,11 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
     return spec
 
 
-def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, layout: str,
+def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,
                        shards: int = 1) -> dict[str, Any]:
-    """HF-named tensors (`get`) -> the pure state dict (host arrays) of a model made of
-    decoder_layer_spec layers (embed, layers in `layout`, norm, lm_head unless tied), linear weights
-    [in, out], fused with their columns grouped per shard (parallel.shard_interleave)."""
+    """HF-named tensors (`get`) -> the pure state dict of a model made of decoder_layer_spec layers
+    (embed, layers in `layout`, norm, lm_head unless tied), each tensor placed by `put`; linear
+    weights [in, out], fused with their columns grouped per shard (parallel.shard_interleave)."""
     def lw(i: int, name: str) -> np.ndarray:
         return get(f"model.layers.{i}.{name}")
 
@@ -335,12 +335,12 @@ def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype
         per_name["gate_up_bias"] = lambda i: fused_bias(i, ["mlp.gate_proj", "mlp.up_proj"])
         per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")
     pure: dict[str, Any] = {
-        "embed": host_array(get("model.embed_tokens.weight"), dtype),
-        "layers": layers_from_checkpoint(per_name, cfg.num_layers, dtype, layout),
-        "norm": host_array(get("model.norm.weight"), dtype),
+        "embed": put("embed", get("model.embed_tokens.weight")),
+        "layers": layers_from_checkpoint(per_name, cfg.num_layers, put, layout),
+        "norm": put("norm", get("model.norm.weight")),
     }
     if not cfg.tie_word_embeddings:
-        pure["lm_head"] = host_array(get("lm_head.weight").T, dtype)
+        pure["lm_head"] = put("lm_head", get("lm_head.weight").T)
     return pure
 
 

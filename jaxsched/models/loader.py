@@ -17,15 +17,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxsched.config import ModelConfig
-from jaxsched.models.layers import shards_of
+from jaxsched.models.layers import Put, shards_of
 from jaxsched.models.registry import architecture_of_gguf, model_class, model_config_from_hf
-from jaxsched.parallel import HeadLayout, place, state_shardings
+from jaxsched.parallel import HeadLayout, param_spec, place
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +45,29 @@ def build_model(cfg: ModelConfig, dtype: str, get: Callable[[str], np.ndarray] |
         cfg = heads.apply(cfg)
     kw = {"attention_backend": attention_backend, "layer_weights": layer_weights, "mesh": mesh}
     if get is None:
-        model = cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
-        if mesh is None:
-            return model
-        graphdef, state = nnx.split(model)  # random init (tests, benchmarks): made on one device, then split
-        pure = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
-    else:
-        abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
-        graphdef, state = nnx.split(abstract)
-        pure = cls.hf_weights(cfg, get, jnp.dtype(dtype), abstract.layers.layout, shards_of(mesh))
-    if mesh is None:
-        placed = jax.tree.map(jnp.asarray, pure)
-    else:
-        placed = jax.tree.map(place, pure, state_shardings(pure, mesh, cfg.vocab_size))
-    nnx.replace_by_pure_dict(state, placed)
+        if mesh is not None:  # the engine always loads a checkpoint; random weights are for one device
+            raise ValueError("random weights (no checkpoint) are built on one device; pass a checkpoint to shard")
+        return cls(cfg, dtype, rngs=nnx.Rngs(seed), **kw)
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), **kw))
+    graphdef, state = nnx.split(abstract)
+    pure = cls.hf_weights(cfg, get, placer(dtype, mesh, cfg.vocab_size), abstract.layers.layout, shards_of(mesh))
+    nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def placer(dtype: str, mesh, vocab_size: int) -> Put:
+    """put(weight name, host array) for build_model: the array in `dtype` on the default device, or
+    with a mesh placed straight into its shards (parallel.param_spec, parallel.place)."""
+    jdt = jnp.dtype(dtype)
+    if mesh is None:
+        return lambda name, x: jnp.asarray(x, jdt)
+    vocab_split = vocab_size % mesh.shape["model"] == 0
+
+    def put(name: str, x: np.ndarray):
+        x = np.asarray(x).astype(jdt)  # bfloat16 through ml_dtypes
+        return place(x, NamedSharding(mesh, param_spec(name, x.ndim, vocab_split)))
+
+    return put
 
 
 # -- Hugging Face folders -------------------------------------------------------------------------

@@ -3,8 +3,8 @@ model class runs it. Adding an architecture is one model file in this folder and
 
 A model class is constructed as cls(cfg, dtype, *, rngs, attention_backend="xla", layer_weights=None),
 holds its layers as `.layers` (layers.DecoderLayers), is called as model(kv, batch) -> (logits
-f32[S, V], kv), and loads through the classmethod cls.hf_weights(cfg, get, dtype, layout) -> its pure
-state dict from HF-named tensors. Those that load from GGUF files also give gguf_name(name) (llama.cpp's
+f32[S, V], kv), and loads through the classmethod cls.hf_weights(cfg, get, put, layout, shards) -> its
+pure state dict from HF-named tensors, each placed on the devices by put(name, array) (layers.Put). Those that load from GGUF files also give gguf_name(name) (llama.cpp's
 tensor name) and from_gguf(hf, name, w) (the tensor as HF holds it).
 """
 
