@@ -142,6 +142,9 @@ class EngineArgs:
         if (self.num_processes or self.process_id is not None) and self.distributed_coordinator is None:
             raise ValueError("num_processes / process_id need distributed_coordinator (HOST:PORT of process 0, "
                              "or 'auto' for JAX's detection under Slurm / MPI / Kubernetes)")
+        if self.distributed_coordinator == "auto" and (self.num_processes or self.process_id is not None):
+            raise ValueError("distributed_coordinator='auto' lets JAX detect the process count and index (Slurm, "
+                             "MPI, Kubernetes); drop num_processes / process_id, or give the coordinator's HOST:PORT")
         if self.distributed_coordinator not in (None, "auto"):
             host, _, port = self.distributed_coordinator.rpartition(":")
             if not host or not port.isdigit():

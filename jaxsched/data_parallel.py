@@ -83,8 +83,11 @@ class DataParallelEngine:
         args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         groups = replica_device_groups(args.tensor_parallel_size, args.data_parallel_size, devices)
         one = dataclasses.replace(args, data_parallel_size=1)
-        self.replicas: list[LLMEngine] = []
-        for group in groups:
+        self.replicas: list[LLMEngine] = [LLMEngine(one, devices=groups[0])]
+        # the others get replica 0's pool (sized from memory when it was free): requests are checked
+        # against replica 0's config, so every replica must be able to hold what it accepts
+        one = dataclasses.replace(one, num_gpu_blocks_override=self.replicas[0].config.cache.num_blocks)
+        for group in groups[1:]:
             self.replicas.append(LLMEngine(one, devices=group))
         first = self.replicas[0]
         self.config = first.config

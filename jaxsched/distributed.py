@@ -14,9 +14,9 @@ jax.distributed.initialize starts in process 0): one key per step, so a follower
 the next step waits on a store read with a timeout, never inside a collective that could time
 out while the server is idle.
 
+Every host sizes its KV pool from its own memory and all take the smallest (same_pool_on_every_host).
 Limits: the swap pool is off (a host would have to copy only its own shards out; preemption
-recomputes); a step that fails on one host's device and not on another's leaves the hosts apart
-(every process then stops).
+recomputes); a step that fails on one host's device and not on another's leaves the hosts apart.
 """
 
 from __future__ import annotations
@@ -28,23 +28,28 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from jaxsched.config import EngineArgs
+import numpy as np
+
+from jaxsched.config import EngineArgs, EngineConfig
+from jaxsched.errors import StepFailedError
 from jaxsched.outputs import RequestOutput
 from jaxsched.request import Request
 
 logger = logging.getLogger(__name__)
 
-_KEY = "jaxsched/step/{}"
 _KEEP = 4096  # steps a key stays in the store (followers read each one before the step it names)
 _POLL_MS = 1000
 
 
+_engines = 0  # DistributedEngines made in this process: every process makes them in the same order
+
+
 @dataclasses.dataclass
 class _Message:
-    """What a follower applies before step `step` (or, with `end`, where it stops following)."""
+    """What a follower applies before the step it is for (or, with `end`, where it stops)."""
 
-    requests: list[bytes]  # pickled Requests, in the order the leader added them
-    aborts: list[list[str]]
+    # ("add", pickled Request) / ("abort", [request ids]), in the order the leader did them
+    ops: list[tuple[str, Any]]
     end: str | None = None  # "idle": the leader's batch is done (LLM.generate); "stop": shut down
 
 
@@ -60,6 +65,20 @@ def initialize(args: EngineArgs) -> None:
         jax.distributed.initialize(args.distributed_coordinator, args.num_processes, args.process_id)
     logger.info("process %d of %d; %d local and %d global devices", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
+
+
+def same_pool_on_every_host(cfg: EngineConfig) -> EngineConfig:
+    """The config with the smallest KV and swap pools any process sized from its own memory: every
+    host must allocate the same global pool and schedule against the same block count."""
+    from jax.experimental import multihost_utils
+
+    mine = np.array([cfg.cache.num_blocks, cfg.scheduler.num_host_blocks], np.int64)
+    least = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2).min(axis=0)
+    if (least == mine).all():
+        return cfg
+    logger.info("KV pool: %d blocks (the smallest any host has room for; this one had %d)", least[0], mine[0])
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=int(least[0])),
+                               scheduler=dataclasses.replace(cfg.scheduler, num_host_blocks=int(least[1])))
 
 
 def _store():
@@ -82,20 +101,31 @@ class DistributedEngine:
 
         from jaxsched.engine import LLMEngine
 
+        global _engines
         initialize(args)
-        if args.swap_space and args.preemption_mode != "recompute":
-            logger.info("several hosts: preemption recomputes (the swap pool is per host, not implemented)")
+        if args.tensor_parallel_size != jax.device_count():
+            raise ValueError(
+                f"with several hosts one engine spans every device: {jax.process_count()} processes x "
+                f"{jax.local_device_count()} local devices, so set tensor_parallel_size={jax.device_count()} "
+                f"(got {args.tensor_parallel_size})")
+        if args.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not available with several hosts (each host would swap "
+                             "only its own shards, which is not implemented); use 'recompute' or 'auto'")
+        # preemption recomputes: the swap pool would hold only this host's shards
         self.engine = LLMEngine(dataclasses.replace(args, swap_space=0.0, preemption_mode="recompute"))
         self.process_id = jax.process_index()
         self.is_leader = self.process_id == 0
-        self._requests: list[bytes] = []
-        self._aborts: list[list[str]] = []
+        self._ops: list[tuple[str, Any]] = []
+        self._key = f"jaxsched/{_engines}/step/{{}}"  # a second engine in the same cluster has its own keys
+        _engines += 1
         self._step = 0
         self._stopped = False
         if self.is_leader:  # a script that ends (or fails) without shutdown() still releases the others
             atexit.register(self.shutdown)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the local engine's
+        if "engine" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["engine"], name)
 
     # -- the leader ----------------------------------------------------------------------------
@@ -103,7 +133,7 @@ class DistributedEngine:
         self._check_leader("add requests")
         blob = pickle.dumps(req)  # before the engine touches it: the followers start from the same state
         self.engine.add_request_obj(req)
-        self._requests.append(blob)
+        self._ops.append(("add", blob))
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None,
                     priority: int = 0) -> None:
@@ -113,10 +143,12 @@ class DistributedEngine:
         self._check_leader("abort requests")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.engine.abort_request(ids)
-        self._aborts.append(ids)
+        self._ops.append(("abort", ids))
 
     def step(self) -> list[RequestOutput]:
         self._check_leader("step (the others call follow())")
+        if self._stopped:
+            raise RuntimeError("this engine was shut down: the other processes no longer follow it")
         self._publish(None)
         return self.engine.step()
 
@@ -138,12 +170,12 @@ class DistributedEngine:
             jax.distributed.shutdown()
 
     def _publish(self, end: str | None) -> None:
-        msg = _Message(self._requests, self._aborts, end)
-        self._requests, self._aborts = [], []
+        msg = _Message(self._ops, end)
+        self._ops = []
         store = _store()
-        store.key_value_set_bytes(_KEY.format(self._step), pickle.dumps(msg))
+        store.key_value_set_bytes(self._key.format(self._step), pickle.dumps(msg))
         if self._step >= _KEEP:
-            store.key_value_delete(_KEY.format(self._step - _KEEP))
+            store.key_value_delete(self._key.format(self._step - _KEEP))
         self._step += 1
 
     def _check_leader(self, what: str) -> None:
@@ -154,15 +186,17 @@ class DistributedEngine:
     # -- the followers -------------------------------------------------------------------------
     def follow(self, until: str = "stop") -> tuple[list[str], list[RequestOutput]]:
         """Run the leader's steps until it ends the batch ("idle") or shuts down ("stop"; "idle"
-        markers are then skipped). Returns the ids of the requests added meanwhile, in order, and
-        every output this process's engine produced (the leader's, token for token)."""
+        markers are then skipped). With until="idle", returns the ids of the requests added
+        meanwhile, in order, and every output this process's engine produced (the leader's, token
+        for token); with "stop" (a server's lifetime) nothing is kept."""
         if self.is_leader:
             raise RuntimeError("process 0 leads; follow() is for the other processes")
+        keep = until == "idle"
         store = _store()
         added: list[str] = []
         outs: list[RequestOutput] = []
         while True:
-            key = _KEY.format(self._step)
+            key = self._key.format(self._step)
             while True:
                 try:
                     blob = store.blocking_key_value_get_bytes(key, _POLL_MS)
@@ -172,13 +206,21 @@ class DistributedEngine:
                         raise RuntimeError(f"process {self.process_id} lost the leader (process 0): {e}") from e
             self._step += 1
             msg: _Message = pickle.loads(blob)
-            for r in msg.requests:
-                req: Request = pickle.loads(r)
-                self.engine.add_request_obj(req)
-                added.append(req.request_id)
-            for ids in msg.aborts:
-                self.engine.abort_request(ids)
-            if msg.end == "stop" or (msg.end == "idle" and until == "idle"):
+            for op, arg in msg.ops:
+                if op == "add":
+                    req: Request = pickle.loads(arg)
+                    self.engine.add_request_obj(req)
+                    if keep:
+                        added.append(req.request_id)
+                else:
+                    self.engine.abort_request(arg)
+            if msg.end == "stop" or (msg.end == "idle" and keep):
                 return added, outs
             if msg.end is None:
-                outs.extend(self.engine.step())
+                try:
+                    step = self.engine.step()
+                except StepFailedError as e:  # as on the leader: the spoiled requests end, the rest go on
+                    logger.error("%s", e, exc_info=e.__cause__)
+                    step = e.outputs
+                if keep:
+                    outs.extend(step)

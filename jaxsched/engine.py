@@ -59,9 +59,15 @@ class LLMEngine:
         mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
         model_cfg, getter, _kind = load_model_source(path)
         platform = devices[0].platform
+        # this process's devices of the engine (all of them on one host): memory is sized from them
+        local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, platform,
                       weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
-                      memory=lambda: device_memory(devices[0], tp))
+                      memory=lambda: device_memory(local[0], len(local)))
+        if jax.process_count() > 1:  # every host must allocate (and schedule for) the same pool
+            from jaxsched.distributed import same_pool_on_every_host
+
+            cfg = same_pool_on_every_host(cfg)
         self.config: EngineConfig = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,

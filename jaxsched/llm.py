@@ -81,14 +81,16 @@ class LLM:
         eng = self.llm_engine
         wanted = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
-        with tqdm(total=len(reqs), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    if o.finished and o.request_id in wanted:
-                        results[wanted[o.request_id]] = o
-                        bar.update(1)
-        if isinstance(eng, DistributedEngine):
-            eng.end_batch()  # the other hosts' generate() returns
+        try:
+            with tqdm(total=len(reqs), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while eng.has_unfinished_requests():
+                    for o in eng.step():
+                        if o.finished and o.request_id in wanted:
+                            results[wanted[o.request_id]] = o
+                            bar.update(1)
+        finally:
+            if isinstance(eng, DistributedEngine):
+                eng.end_batch()  # the other hosts' generate() returns, even if this one failed
         return [r for r in results if r is not None]
 
     def _follow(self) -> list[RequestOutput]:

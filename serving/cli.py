@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 import typing
@@ -82,6 +83,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     eng = create_engine(args)
     if not getattr(eng, "is_leader", True):  # a multi-host engine's other hosts run process 0's steps
         log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.process_id)
+        _stop_with_the_leader(log)
         eng.follow()
         return 0
     name = ns.served_model_name or ns.model or "demo"
@@ -97,14 +99,32 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template)
-    # a multi-host engine's leader tells the other processes to stop, however this process ends
-    on_exit = eng.shutdown if isinstance(eng, DistributedEngine) else None
+    # a multi-host engine's leader tells the other processes to stop, however this process ends,
+    # once its engine thread has finished its last step
+    on_exit = None
+    if isinstance(eng, DistributedEngine):
+        def on_exit() -> None:
+            engine.shutdown(timeout=None)
+            eng.shutdown()
     try:
         serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower(),
               on_exit=on_exit)
     finally:
         engine.shutdown()
     return 0
+
+
+def _stop_with_the_leader(log: logging.Logger) -> None:
+    """A follower outlives the first SIGTERM / SIGINT: a cluster manager signals every host at once,
+    and process 0 still drains its requests, whose steps need this process. It stops when process
+    0 publishes "stop" (or is gone); a second signal stops it at once."""
+    def first(signum: int, frame: object) -> None:
+        log.warning("%s: waiting for process 0 to stop (send it again to stop now)", signal.Signals(signum).name)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, first)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,7 +65,7 @@ def shard_report(engine) -> dict:
 def parity(spec: dict) -> dict:
     """Greedy tokens of PROMPTS for each model at each tensor_parallel_size with the "xla" backend,
     and for each variant of spec["variants"] (model, tensor_parallel_size, backend, engine
-    overrides, key suffix), with the preemption and swap counts, the shard report of every sharded
+    overrides, key suffix; the model from spec["models"] or spec["variant_models"]), with the preemption and swap counts, the shard report of every sharded
     engine and whether anything compiled after warm-up."""
     from compiles import no_compilation
 
@@ -75,8 +75,8 @@ def parity(spec: dict) -> dict:
     out: dict = {}
     runs = [(name, path, tp, "xla", {}, "") for name, path in spec["models"].items() for tp in spec["tps"]]
     # (model, tensor_parallel_size, backend, engine overrides, key suffix)
-    runs += [(name, spec["models"][name], tp, backend, extra, suffix)
-             for name, tp, backend, extra, suffix in spec.get("variants", [])]
+    paths = {**spec["models"], **spec.get("variant_models", {})}
+    runs += [(name, paths[name], tp, backend, extra, suffix) for name, tp, backend, extra, suffix in spec.get("variants", [])]
     for name, path, tp, backend, extra, suffix in runs:
         llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend,
                   **{**ENGINE, **spec.get("engine", {}), **extra})

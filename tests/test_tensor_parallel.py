@@ -120,11 +120,13 @@ def tp_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
+def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models, model_dirs):
     # one subprocess for every engine: jax starts once
-    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4], "variants": [
+    others = {kind: model_dirs[kind] for kind in ("qwen3", "gemma")}  # q/k norms; tied head, Gemma's norm
+    res = run_sharded("parity", {"models": tp_models, "tps": [1, 2, 4], "variant_models": others, "variants": [
         ("qwen2", 2, "numba", {}, "/numba"), ("qwen2", 2, "reference", {}, "/reference"),
-        ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap")]})
+        ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap"),
+        *[(kind, tp, "xla", {}, "") for kind in others for tp in (1, 2)]]})
     for name in tp_models:
         one = res[f"{name}@1"]
         assert one["preemptions"] > 0, "the pool is meant to be small enough to preempt"
@@ -149,6 +151,9 @@ def test_greedy_tokens_are_the_same_at_1_2_and_4_devices(tp_models):
         got = res[f"qwen2@2/{backend}"]
         assert got["tokens"] == res["qwen2@1"]["tokens"], backend
         assert got["shards"]["problems"] == [] and got["compiled_after_warmup"] is None
+    for kind in ("qwen3", "gemma"):
+        assert res[f"{kind}@2"]["tokens"] == res[f"{kind}@1"]["tokens"], kind
+        assert res[f"{kind}@2"]["shards"]["problems"] == []
     # swapping copies every shard of a victim's blocks out to the host and back
     swap = res["qwen2@2/swap"]
     assert swap["swap_outs"] > 0 and swap["tokens"] == res["qwen2@1"]["tokens"]
