@@ -94,6 +94,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
+        self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
+        self._device_seconds = 0.0
 
     @property
     def model_config(self):
@@ -202,11 +204,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
-        """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names)."""
-        return self.scheduler.stats()
+        """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names),
+        and the steps' wall and device-wait seconds."""
+        return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
+                                   device_seconds=self._device_seconds)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
             res = self.runner.execute(out)
@@ -214,7 +219,10 @@ class LLMEngine:
             why = f"the step failed on the device: {type(e).__name__}: {e}"
             raise StepFailedError(self.outputs.fail(dict.fromkeys(self.scheduler.recover(out), why)), e) from e
         failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
-        return failed + self.outputs.process(out, self.scheduler.update(out, res.sampled.sampled), res)
+        outputs = failed + self.outputs.process(out, self.scheduler.update(out, res.sampled.sampled), res)
+        self._step_seconds += time.perf_counter() - t0
+        self._device_seconds += res.device_seconds
+        return outputs
 
     def next_request_id(self) -> str:
         self._next_id += 1

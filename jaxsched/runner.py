@@ -44,6 +44,9 @@ class StepResult:
     sampled: SamplerOutput  # S rows (none for a step with no rows)
     started: float  # time.monotonic() when the step began
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be stored
+    # seconds the host waited on the device: the jitted call until its results were read, and the
+    # block moves (the rest of a step is host work, during which the device idles)
+    device_seconds: float = 0.0
 
 
 def _chunked(pairs: list[tuple[int, int]]):
@@ -290,14 +293,19 @@ class ModelRunner:
         """Run one step: its block moves (even an empty step may have some), then its rows."""
         started = time.monotonic()
         try:
+            device = 0.0
             if out.has_block_moves:
+                t0 = time.perf_counter()
                 self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+                device = time.perf_counter() - t0
             if out.is_empty:
                 self.packer.penalties.forget(out.finished_ids)
                 return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
-                                                       self.max_logprobs), started)
+                                                       self.max_logprobs), started, device_seconds=device)
             batch = self.packer.pack(out)
-            return StepResult(self.run(batch), started, batch.rejected)
+            t0 = time.perf_counter()
+            sampled = self.run(batch)
+            return StepResult(sampled, started, batch.rejected, device + time.perf_counter() - t0)
         except Exception:
             # The pool was donated to the call that failed and may be gone; its contents are lost
             # either way (the caller ends every request that had KV in it: scheduler.recover).

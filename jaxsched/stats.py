@@ -1,6 +1,7 @@
 """EngineStats: one snapshot of the engine's figures, named as vLLM's metrics (without the prefix).
 
-The scheduler fills it (it owns the queues and the block manager); LLMEngine.stats() returns it,
+The scheduler fills it (it owns the queues and the block manager), LLMEngine adds its step timings;
+LLMEngine.stats() returns it,
 the AsyncEngine publishes it between steps, and the /metrics gauges read it. One structure, one
 path.
 """
@@ -25,7 +26,15 @@ class EngineStats:
     num_scheduled_tokens: int = 0  # real tokens, since start
     num_padded_tokens: int = 0  # padding tokens, since start
     last_step_padded_tokens: int = 0
+    step_seconds: float = 0.0  # wall time of every step (LLMEngine.step), since start
+    device_seconds: float = 0.0  # of which the host waited on the device (jitted calls, block moves)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def host_share(self) -> float:
+        """The share of step time spent on the host (schedule, pack, update, detokenize): in the
+        synchronous engine the device idles for all of it."""
+        return 1.0 - self.device_seconds / self.step_seconds if self.step_seconds else 0.0

@@ -1,8 +1,9 @@
 """Offline throughput benchmark: N requests of random prompt token ids, greedy, ignore_eos.
 
 Prompt lengths are uniform in [16, 512] and output lengths uniform in [16, 256] (both inclusive),
-as in the issue. Prints output tokens/s, total tokens/s, warm-up time, peak memory, and the model
-FLOP/s achieved as a fraction of a float32 matmul peak measured on this machine in the same run.
+as in the issue. Prints output tokens/s, total tokens/s, warm-up time, peak memory, host and device
+time per step (and the share the device idles), and the model FLOP/s achieved as a fraction of a
+float32 matmul peak measured on this machine in the same run.
 
   python scripts/bench_offline.py                    # the demo model, float32, N=128
   python scripts/bench_offline.py --num-requests 32 --model /path/to/hf-folder --dtype bfloat16
@@ -118,6 +119,7 @@ def main() -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    stats = engine.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == int(output_lens.sum()), "every request must produce exactly max_tokens tokens"
     n_total = n_out + int(prompt_lens.sum())
@@ -137,7 +139,13 @@ def main() -> None:
         "achieved_gflops": round(achieved, 1),
         "matmul_peak_gflops": round(peak, 1),
         "fraction_of_peak": round(achieved / peak, 3),
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": stats.num_preemptions,
+        # per step: host work (schedule, pack, update, detokenize) and the wait on the device; the
+        # engine is synchronous, so the device idles for the host's share
+        "steps": stats.num_steps,
+        "host_ms_per_step": round((stats.step_seconds - stats.device_seconds) / max(stats.num_steps, 1) * 1e3, 3),
+        "device_ms_per_step": round(stats.device_seconds / max(stats.num_steps, 1) * 1e3, 3),
+        "device_idle_share": round(stats.host_share, 3),
         "kv_blocks": engine.cache_config.num_blocks - 1,
         "block_size": engine.cache_config.block_size,
         "attention_backend": engine.config.attention_backend,
@@ -149,6 +157,8 @@ def main() -> None:
     print(f"total tokens/s      {res['total_tokens_per_s']}")
     print(f"warm-up             {res['warmup_s']} s (engine start {res['init_s']} s)")
     print(f"peak memory (RSS)   {res['peak_rss_gib']} GiB")
+    print(f"per step            {res['host_ms_per_step']} ms host + {res['device_ms_per_step']} ms device over "
+          f"{res['steps']} steps: the device idles {res['device_idle_share'] * 100:.1f} % of the time")
     print(f"model FLOP/s        {achieved:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
           f"{args.dtype} matmul peak {peak:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
     if args.json:

@@ -342,3 +342,16 @@ def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch
         exe = runner.compile(T, S)
     assert exe is not None and runner._use_compiler_options is False
     assert any("rejects the XLA options" in r.message for r in caplog.records)
+
+
+def test_stats_split_each_step_into_host_and_device_time(llm):
+    eng = llm.llm_engine
+    before = eng.stats()
+    llm.generate(["one two three", "hello world"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    after = eng.stats()
+    steps = after.num_steps - before.num_steps
+    wall = after.step_seconds - before.step_seconds
+    device = after.device_seconds - before.device_seconds
+    assert steps >= 6 and 0 < device < wall  # every step waited on its jitted call, and did host work besides
+    assert 0 < after.host_share < 1
