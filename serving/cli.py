@@ -60,7 +60,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    if not getattr(llm.llm_engine, "is_leader", True):  # another host of a multi-host engine: process 0 prints
+    if _is_follower(llm.llm_engine):  # another host of a multi-host engine: process 0 prints
         return 0
     for p, o in zip(prompts, outs):
         print(f">>> {p}\n{o.outputs[0].text}\n")
@@ -81,7 +81,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
     eng = create_engine(args)
-    if not getattr(eng, "is_leader", True):  # a multi-host engine's other hosts run process 0's steps
+    if _is_follower(eng):  # a multi-host engine's other hosts run process 0's steps
         log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.process_id)
         _stop_with_the_leader(log)
         eng.follow()
@@ -112,6 +112,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _is_follower(engine: object) -> bool:
+    """A multi-host engine's part on a process other than 0 (distributed.py)."""
+    from jaxsched.distributed import DistributedEngine
+
+    return isinstance(engine, DistributedEngine) and not engine.is_leader
 
 
 def _stop_with_the_leader(log: logging.Logger) -> None:

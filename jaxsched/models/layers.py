@@ -132,7 +132,7 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> A
                             sm_scale=sm_scale, backend=backend)
         return o, k_cache, v_cache
 
-    if mesh is not None and mesh.shape["model"] > 1:
+    if shards_of(mesh) > 1:
         heads, pool, rep = P(None, "model", None), P(None, None, "model"), P()
         # check_vma off: the kernels (custom calls, pallas_call) carry no varying-axes annotations
         local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 8),
@@ -151,7 +151,7 @@ def embed_tokens(embed, token_ids, mesh=None):
     """embed [V, D] at token_ids i32[T] -> [T, D]. With the vocabulary split over the mesh's "model"
     axis, each shard looks up the ids in its own range and the shards' partial rows are summed (one
     all-reduce of [T, D]), so the table is never gathered whole."""
-    if mesh is None or mesh.shape["model"] == 1 or embed.shape[0] % mesh.shape["model"]:
+    if shards_of(mesh) == 1 or embed.shape[0] % shards_of(mesh):
         return embed[token_ids]
 
     def local(table, ids):
@@ -170,7 +170,7 @@ def vocab_logits(hs, w, mesh=None):
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
     cross between devices, never the weight (left to itself, XLA gathered the weight instead to
     produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices")."""
-    if mesh is None or mesh.shape["model"] == 1 or w.shape[1] % mesh.shape["model"]:
+    if shards_of(mesh) == 1 or w.shape[1] % shards_of(mesh):
         return jnp.dot(hs, w, preferred_element_type=jnp.float32)
 
     def local(h, w):
