@@ -55,6 +55,9 @@ class BatchDescriptor:
     sample_index: object = _flat("i32", _rows)  # i32[S]  output index of the token sampled this step
     num_logprobs: object = _flat("i32", _rows)  # i32[S]  -1 = no logprobs
     penalty_num: object = _flat("i32", _rows)  # i32[S]  valid entries of the row's penalty table; 0 = none
+    # i32[T]  0: the token id is in token_ids; j + 1: it is the token the previous step sampled for
+    # its row j, which only the device has yet (overlapped scheduling)
+    from_prev: object = _flat("i32", _tokens)
     temperature: object = _flat("f32", _rows)  # f32[S]  0 = greedy
     top_p: object = _flat("f32", _rows)  # f32[S]
     min_p: object = _flat("f32", _rows)  # f32[S]
@@ -123,12 +126,20 @@ class BatchPacker:
         self.M = max_blocks_per_seq
         self.P = block_size
         n_i32, n_f32 = flat_sizes(max_tokens, max_seqs, max_blocks_per_seq)
-        self._i32 = np.zeros(n_i32, np.int32)
-        self._f32 = np.zeros(n_f32, np.float32)
+        # Two sets of buffers, used in turns: a CPU device may read a step's numpy input in place
+        # (zero copy) while it runs, and with overlapped scheduling the next step is packed then.
+        self._buffers = [(np.zeros(n_i32, np.int32), np.zeros(n_f32, np.float32),
+                          np.zeros((max_seqs, penalty_capacity), np.int32),  # rows past penalty_num are
+                          np.zeros((max_seqs, penalty_capacity), np.float32))  # never read: no clearing
+                         for _ in range(2)]
+        self._turn = 0
         self.max_seqs = max_seqs
         self.penalties = PenaltyTables(penalty_capacity)
-        self._pen_ids = np.zeros((max_seqs, penalty_capacity), np.int32)  # rows past penalty_num are
-        self._pen_counts = np.zeros((max_seqs, penalty_capacity), np.float32)  # never read: no clearing
+        self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
+
+    def forget_prev(self) -> None:
+        """After a failed step: no pending token will come from the steps packed so far."""
+        self._prev_rows = {}
 
     def pack(self, out: SchedulerOutput) -> BatchDescriptor:
         """The step's arrays. A request whose values do not fit them (which make_request's checks
@@ -137,27 +148,30 @@ class BatchPacker:
         `rejected`."""
         rows = list(out.scheduled.values())
         try:
-            return self._pack(out, rows, {})
+            b = self._pack(out, rows, {})
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
             bad = {i: why for i, row in enumerate(rows) if (why := unstorable(row.request)) is not None}
             if not bad:
                 raise
             b = self._pack(out, rows, bad)
             b.rejected = {rows[i].request.request_id: why for i, why in bad.items()}
-            return b
+        self._prev_rows = {row.request.request_id: i for i, row in enumerate(rows) if row.samples}
+        return b
 
     def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str]) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
-        b = BatchDescriptor.from_flat(self._i32[:n_i32], self._f32[:n_f32], T, S, M, self._pen_ids[:S],
-                                      self._pen_counts[:S])
+        i32, f32, pen_ids, pen_counts = self._buffers[self._turn]
+        self._turn ^= 1
+        b = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, M, pen_ids[:S], pen_counts[:S])
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
         reqs = [row.request for row in sched]
         lens = np.fromiter((row.num_new_tokens for row in sched), np.int32, n)
         total = int(lens.sum())
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
+        # where each row starts: the scheduler counted this step's tokens as computed already
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n) - lens
 
         qsl = b.query_start_loc
         np.cumsum(lens, out=qsl[1 : n + 1])
@@ -166,8 +180,19 @@ class BatchPacker:
         b.logits_indices[:n] = qsl[1 : n + 1] - 1
         b.num_seqs[0] = n
 
-        # Token ids: one list slice per request, never a per-token Python loop.
+        # Token ids: one list slice per request, never a per-token Python loop. A token the host has
+        # not read yet (a row's only token, then) is taken on the device from the last step's output.
         slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), lens.tolist())]
+        prev = [i for i, row in enumerate(sched) if row.from_prev]
+        if prev:
+            src = []
+            for i in prev:
+                j = self._prev_rows.get(reqs[i].request_id)
+                if j is None:  # pragma: no cover - a pending token always comes from the last packed step
+                    raise RuntimeError(f"request {reqs[i].request_id!r} has a pending token from no step")
+                slices[i] = [0]
+                src.append(j + 1)
+            b.from_prev[qsl[prev]] = src
         for i in bad:  # keep the ids that fit: another request may share this step's blocks of this row
             slices[i] = [t if 0 <= t <= INT32_MAX else 0 for t in slices[i]]
         b.token_ids[:total] = np.fromiter(itertools.chain.from_iterable(slices), np.int32, total)
@@ -197,7 +222,7 @@ class BatchPacker:
         b.top_k[:n] = [sp.top_k for sp in params]
         np.maximum(b.top_k[:n], 0, out=b.top_k[:n])  # -1 and 0 both mean off
         b.seeds[:n] = seeds
-        b.sample_index[:n] = [len(r.output_token_ids) for r in reqs]
+        b.sample_index[:n] = [row.output_index for row in sched]
         b.num_logprobs[:n] = [-1 if sp.logprobs is None else sp.logprobs for sp in params]
         b.top_p[n:] = 1.0
         b.num_logprobs[n:] = -1

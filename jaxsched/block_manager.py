@@ -121,7 +121,8 @@ class BlockManager:
         written this step may be hit by a request scheduled later in the same step: the forward
         pass writes every new token's K/V before any attention reads."""
         rid = request.request_id
-        num_full = self.req_slots.get(rid, 0) // self.block_size
+        # a block holding a token the host has not read yet (overlapped scheduling) is hashed later
+        num_full = min(self.req_slots.get(rid, 0), request.num_tokens) // self.block_size
         done = self.req_num_registered.get(rid, 0)
         if num_full <= done or not self.uses_cache(request):
             return

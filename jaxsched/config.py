@@ -76,6 +76,9 @@ class EngineArgs:
     distributed_coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # overlapped scheduling: schedule and pack step N+1 while the device runs step N (engine.py);
+    # None: on (False runs the host and the device in turns)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -267,6 +270,7 @@ class EngineConfig:
     checkpoint_model: ModelConfig
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
+    async_scheduling: bool = True  # overlapped scheduling (engine.py)
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -344,4 +348,4 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
-        heads=heads)
+        heads=heads, async_scheduling=args.async_scheduling is not False)

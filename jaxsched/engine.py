@@ -1,10 +1,21 @@
-"""LLMEngine, the synchronous step loop (LLM, offline generation on top of it, is in llm.py).
+"""LLMEngine, the step loop (LLM, offline generation on top of it, is in llm.py).
 
 What runs each step (LLMEngine.step):
     out     = scheduler.schedule()              who runs, how many tokens each, which buckets, block moves
-    res     = runner.execute(out)               block moves, then one jitted call: model + sampler
+    step    = runner.dispatch(out)              block moves, then one jitted call: model + sampler
+    res     = runner.collect(step)              wait for it, read the sampled tokens
     got     = scheduler.update(out, sampled)    append tokens, stop checks, free finished blocks
     outputs = output_processor.process(...)     detokenize, stop strings, logprobs, RequestOutputs
+
+Overlapped scheduling (async_scheduling, vLLM's --async-scheduling): step() schedules and
+dispatches step N+1 *before* it collects step N, so the host's work (scheduling, packing, reading,
+detokenizing) runs while the device computes, and the device finds the next step queued when it
+finishes one. Step N+1 is scheduled as if every running request got its token from step N; its
+decode rows take those tokens on the device (runner.py), and the host reads them one step later.
+A request that step N ends (EOS, a stop token or string) costs one wasted row in step N+1, whose
+token update() drops; one that ends by length is not scheduled again. The outputs are the
+synchronous engine's. A step whose rows use penalty tables (built on the host from the tokens so
+far) waits for the step before it instead.
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
 
@@ -14,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +36,10 @@ from jaxsched.outputs import RequestOutput
 from jaxsched.penalties import check_penalty_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
 from jaxsched.stats import EngineStats
+
+if TYPE_CHECKING:
+    from jaxsched.runner import InFlight
+    from jaxsched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +111,8 @@ class LLMEngine:
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
+        self.async_scheduling = cfg.async_scheduling
+        self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
 
     @property
     def model_config(self):
@@ -199,8 +216,12 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """End requests (an n > 1 request, or any of its samples, ends all its samples)."""
         self.scheduler.finish_requests(self.outputs.forget(request_ids), RequestStatus.FINISHED_ABORTED)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._in_flight.idle_after = True  # read at the next step, whenever that comes: not timed
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is still in flight. (A step still running on the device whose requests
+        all ended does not count: the next step() reads it.)"""
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
@@ -211,18 +232,54 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs of the requests that got tokens. With overlapped scheduling these
+        are the tokens of the step dispatched by the previous call; this call's step runs on."""
         t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        device = 0.0
+        prev = self._in_flight
+        if prev is not None and prev.needs_tokens:  # its tokens feed this step's penalty tables
+            self._in_flight = None
+            outputs, device = self._complete(prev, [prev])
+            prev = None
         out = self.scheduler.schedule()
         try:
-            res = self.runner.execute(out)
+            step = self.runner.dispatch(out)
         except Exception as e:  # on the device: end the requests whose KV it may have spoiled
-            why = f"the step failed on the device: {type(e).__name__}: {e}"
-            raise StepFailedError(self.outputs.fail(dict.fromkeys(self.scheduler.recover(out), why)), e) from e
-        failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
-        outputs = failed + self.outputs.process(out, self.scheduler.update(out, res.sampled.sampled), res)
+            raise self._failed([s.out for s in (prev,) if s is not None] + [out], e) from e
+        if prev is not None:  # the device runs `step` while the host reads and processes `prev`
+            self._in_flight = None
+            outputs, device = self._complete(prev, [prev, step])
+        if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
+            self._in_flight = step
+        else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
+            more, d = self._complete(step, [step])
+            outputs += more
+            device += d
         self._step_seconds += time.perf_counter() - t0
-        self._device_seconds += res.device_seconds
+        self._device_seconds += device
         return outputs
+
+    def _complete(self, step: InFlight, in_flight: list[InFlight]) -> tuple[list[RequestOutput], float]:
+        """Read a dispatched step's tokens and apply them: (outputs, seconds waited on the device).
+        in_flight: every step dispatched and not yet applied, which a failure spoils too."""
+        try:
+            res = self.runner.collect(step)
+        except Exception as e:
+            raise self._failed([s.out for s in in_flight], e) from e
+        failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
+        got = self.scheduler.update(step.out, res.sampled.sampled)
+        return failed + self.outputs.process(step.out, got, res), res.device_seconds
+
+    def _failed(self, outs: list[SchedulerOutput], e: Exception) -> StepFailedError:
+        """A step failed on the device: end every request whose KV it may have spoiled, and drop
+        the steps in flight with it."""
+        self._in_flight = None
+        why = f"the step failed on the device: {type(e).__name__}: {e}"
+        spoiled: dict[str, str] = {}
+        for out in outs:
+            spoiled.update(dict.fromkeys(self.scheduler.recover(out), why))
+        return StepFailedError(self.outputs.fail(spoiled), e)
 
     def next_request_id(self) -> str:
         self._next_id += 1

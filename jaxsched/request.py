@@ -2,8 +2,8 @@
 
 A Request follows vLLM v1's counter model: there is no prefill phase and no decode phase. Each step
 the scheduler gives a request some new tokens so that `num_computed_tokens` catches up with
-`num_tokens` (prompt + output). Chunked prefill, recompute after preemption and (later) prefix-cache
-hits are all that one rule.
+`num_tokens + num_pending` (prompt + output, plus tokens sampled but not read yet). Chunked prefill,
+recompute after preemption, prefix-cache hits and overlapped scheduling are all that one rule.
 """
 
 from __future__ import annotations
@@ -182,7 +182,13 @@ class Request:
     sample_seed: int = 0
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # tokens whose K/V a scheduled step computes; counted when the step is scheduled, so with
+    # overlapped scheduling it runs ahead of the tokens the host knows
     num_computed_tokens: int = 0
+    # tokens sampled by scheduled steps that the host has not read yet (0 or 1 between steps; 2
+    # for a moment with overlapped scheduling, when the next step is scheduled before the last
+    # one's tokens are read). Positions num_tokens onwards hold them.
+    num_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR

@@ -7,6 +7,11 @@ happens in warm_up(), ahead of time, one executable per bucket pair; a step only
 executable up, so it can never compile. The KV pool is donated to every call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
 (sampled ids + logprobs, packed).
+
+dispatch() starts a step and returns at once; collect() waits for it and reads its tokens. Each
+step also leaves its sampled ids on the device (prev_ids), where the next step's decode rows take
+their input token from: that is what lets the engine schedule step N+1 before reading step N's
+tokens (overlapped scheduling, engine.py).
 """
 
 from __future__ import annotations
@@ -47,6 +52,24 @@ class StepResult:
     # seconds the host waited on the device: the jitted call until its results were read, and the
     # block moves (the rest of a step is host work, during which the device idles)
     device_seconds: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """A step dispatched to the device whose results the host has not read yet (ModelRunner.dispatch;
+    collect() reads them). With overlapped scheduling the next step is scheduled meanwhile."""
+
+    out: SchedulerOutput
+    started: float  # time.monotonic() when the step began
+    S: int = 0  # its sequence bucket; 0: no rows (block moves only, or nothing)
+    ints: object = None  # the step's device outputs (SamplerOutput packed), read by collect()
+    floats: object = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    device_seconds: float = 0.0  # block moves waited for at dispatch
+    # a row used penalty tables, which are built on the host from the tokens read: the next step
+    # must wait for this one's tokens (Engine.step)
+    needs_tokens: bool = False
+    idle_after: bool = False  # the engine had no requests left after dispatching it (an abort)
 
 
 def _chunked(pairs: list[tuple[int, int]]):
@@ -173,23 +196,30 @@ class ModelRunner:
             return [np.asarray(x) for x in jax.device_get(xs)]
         return [np.asarray(x.addressable_data(0)) for x in xs]
 
-    def _step(self, state, kv, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
+    def _step(self, state, kv, prev_ids, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
+        """prev_ids: i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs):
+        decode rows scheduled before the host read them take them from here (batch.from_prev).
+        Returns the pool, the packed sampler output, and this step's prev_ids for the next."""
         model = nnx.merge(self.graphdef, state)
         batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, penalty_ids,
                                           penalty_counts)
+        src = batch.from_prev
+        batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
         ints, floats = sample(logits, batch, self.max_logprobs)
-        return kv, ints, floats
+        next_ids = jnp.zeros_like(prev_ids).at[:S].set(ints[:S])  # SamplerOutput: the sampled ids come first
+        return kv, ints, floats, next_ids
 
     def compile(self, T: int, S: int):
         n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
         # with a mesh: the pool stays split on its heads, the sampled ids and logprobs replicated
         # (each process of a multi-host engine reads its own copy)
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
-                                                              self._replicated)}
+                                                              self._replicated, self._replicated)}
         fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,), **out)
         W = self.penalty_capacity
-        lowered = fn.lower(self.state, self.kv, self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
+        lowered = fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
+                           self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
                            self._input((S, W), jnp.int32), self._input((S, W), jnp.float32), T=T, S=S)
         options = tuning.compiler_options(self._platform) if self._use_compiler_options else {}
         if not options:
@@ -283,6 +313,7 @@ class ModelRunner:
         W = self.penalty_capacity
         for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
             self._no_penalties[S] = tuple(self._device(np.zeros((S, W), dt)) for dt in (np.int32, np.float32))
+        self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets),
@@ -290,32 +321,47 @@ class ModelRunner:
         return self.warmup_seconds
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: its block moves (even an empty step may have some), then its rows."""
+        """Run one step and wait for its results (the synchronous engine)."""
+        return self.collect(self.dispatch(out))
+
+    def dispatch(self, out: SchedulerOutput) -> InFlight:
+        """Start one step: its block moves (even an empty step may have some), then its rows, without
+        waiting for the device to finish them. Steps run on the device in the order dispatched."""
         started = time.monotonic()
+        step = InFlight(out, started)
         try:
-            device = 0.0
             if out.has_block_moves:
                 t0 = time.perf_counter()
                 self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-                device = time.perf_counter() - t0
+                step.device_seconds = time.perf_counter() - t0
             if out.is_empty:
                 self.packer.penalties.forget(out.finished_ids)
-                return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
-                                                       self.max_logprobs), started, device_seconds=device)
+                return step
             batch = self.packer.pack(out)
-            t0 = time.perf_counter()
-            sampled = self.run(batch)
-            return StepResult(sampled, started, batch.rejected, device + time.perf_counter() - t0)
+            step.ints, step.floats = self.run(batch)
+            step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.has_penalties
+            return step
         except Exception:
-            # The pool was donated to the call that failed and may be gone; its contents are lost
-            # either way (the caller ends every request that had KV in it: scheduler.recover).
-            if any(x.is_deleted() for x in self.kv):
-                logger.error("the KV pool was lost with the failed step; allocating a fresh one")
-                self.kv = self._new_pool(self.kv[0].dtype)
+            self.recover_pool()
             raise
 
-    def run(self, batch: BatchDescriptor) -> SamplerOutput:
-        """The jitted model + sampler over one packed batch."""
+    def collect(self, step: InFlight) -> StepResult:
+        """Wait for a dispatched step and read its sampled tokens (and logprobs)."""
+        if not step.S:
+            return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
+                                                   self.max_logprobs), step.started, device_seconds=step.device_seconds)
+        t0 = time.perf_counter()
+        try:
+            ints, floats = self._fetch(step.ints, step.floats)
+        except Exception:
+            self.recover_pool()
+            raise
+        return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
+                          step.rejected, step.device_seconds + time.perf_counter() - t0)
+
+    def run(self, batch: BatchDescriptor):
+        """Dispatch the jitted model + sampler over one packed batch: its packed sampler output,
+        still on the device (an array being computed)."""
         T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
         exe = self._executables.get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
@@ -324,9 +370,18 @@ class ModelRunner:
             pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts))
         else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
             pen = self._no_penalties[S]
-        self.kv, ints, floats = exe(self.state, self.kv, self._put(batch.flat_i32), self._put(batch.flat_f32), *pen)
-        ints, floats = self._fetch(ints, floats)
-        return SamplerOutput.unpack(ints, floats, S, self.max_logprobs)
+        self.kv, ints, floats, self._prev_ids = exe(self.state, self.kv, self._prev_ids, self._put(batch.flat_i32),
+                                                    self._put(batch.flat_f32), *pen)
+        return ints, floats
+
+    def recover_pool(self) -> None:
+        """After a failed step: the pool was donated to the call that failed and may be gone; its
+        contents are lost either way (the caller ends every request that had KV in it:
+        scheduler.recover)."""
+        if any(x.is_deleted() for x in self.kv):
+            logger.error("the KV pool was lost with the failed step; allocating a fresh one")
+            self.kv = self._new_pool(self.kv[0].dtype)
+        self.packer.forget_prev()
 
     def _device(self, x: np.ndarray):
         """A constant input kept on the device(s), replicated."""

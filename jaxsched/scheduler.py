@@ -48,6 +48,12 @@ class ScheduledRequest:
     # its block table after the step, filled when the step's decisions are final: the block
     # manager's own list, not a copy (read-only; valid until the next schedule())
     block_ids: Sequence[int] = ()
+    # set when the step's decisions are final (Scheduler._commit):
+    samples: bool = False  # the row catches up with all its tokens, so its sampled token counts
+    output_index: int = 0  # the index in the request's output of the token this row samples
+    # its one new token is the one the previous step sampled for it, which the host has not read
+    # yet (overlapped scheduling): the step takes it from the device
+    from_prev: bool = False
 
 
 @dataclass
@@ -180,7 +186,8 @@ class Scheduler:
         registered in the prefix cache and no host copy it made can be trusted: the cache is
         forgotten and requests swapped out by this step go back to waiting, to be recomputed.
         Returns the ids of the requests whose device KV is suspect (every running one: the step
-        held the whole pool); the caller ends them."""
+        held the whole pool); the caller ends them. With overlapped scheduling the caller recovers
+        every step in flight, the earlier one first."""
         self.block_manager.reset_prefix_cache()
         for rid in out.swapped_out:
             req = self.requests.get(rid)
@@ -190,6 +197,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 self._insert(self.waiting, req)
+        for req in self.waiting:  # preempted while a step was in flight: its token is lost, recomputed
+            req.num_pending = 0
         return [r.request_id for r in self.running]
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -231,7 +240,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens, budget, cap)
+            if req.num_pending and self._ends_by_length(req):  # its pending token is its last: no row
+                i += 1
+                continue
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, cap)
             while not bm.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -252,6 +264,7 @@ class Scheduler:
         if sched:
             total = self._fit_bucket(list(sched.values()), total)
             for row in sched.values():
+                self._commit(row)
                 bm.register(row.request)
                 row.block_ids = bm.block_ids(row.request.request_id)
             out.num_tokens = total
@@ -264,6 +277,27 @@ class Scheduler:
         self.last_padding = out.num_padding
         self.num_padding += self.last_padding
         return out
+
+    @staticmethod
+    def _commit(row: ScheduledRequest) -> None:
+        """Count a row's tokens as computed once the step's decisions are final (before the step
+        runs: the next schedule() may come before this step's tokens are read), and mark the
+        token it samples as pending until update() reads it."""
+        req = row.request
+        known = req.num_tokens
+        row.from_prev = req.num_computed_tokens + row.num_new_tokens > known  # only a pending token: n == 1
+        row.output_index = req.num_output_tokens + req.num_pending
+        req.num_computed_tokens += row.num_new_tokens
+        if req.num_computed_tokens == known + req.num_pending:
+            row.samples = True
+            req.num_pending += 1
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the tokens a request has pending reach max_tokens or max_model_len, so it ends
+        when they are read whatever they are (overlapped scheduling gives it no row meanwhile)."""
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens)
+                or req.num_tokens + req.num_pending >= self.config.max_model_len)
 
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling of an n > 1 request waits until the first sibling has computed its prompt, then
@@ -307,6 +341,7 @@ class Scheduler:
         j = 0  # first waiting request not skipped this step
         k = 0  # first swapped request not skipped this step
         while budget > 0:
+            # (a request preempted this step may still have a pending token; it is skipped too)
             while j < len(self.waiting) and (self._waits_for_leader(self.waiting[j])
                                              or self.waiting[j].request_id in skip):
                 j += 1
@@ -437,19 +472,18 @@ class Scheduler:
         """Apply a step's results. Returns the batch indices of requests that got a new token.
 
         sampled_token_ids[i] is the token sampled for the i-th row of out.scheduled; it only counts
-        when that request's KV caught up with all its tokens this step (a partial prefill chunk
-        samples a token that is thrown away).
+        when that row caught up with all the request's tokens (a partial prefill chunk samples a
+        token that is thrown away) and the request has not ended since. With overlapped scheduling
+        the next step was scheduled already: a request preempted by it still gets its token here.
         """
         max_model_len = self.config.max_model_len
         got_token: list[int] = []
-        any_finished = False
+        ended: list[tuple[Request, RequestStatus]] = []
         for i, row in enumerate(out.scheduled.values()):
             req = row.request
-            if req.status != RequestStatus.RUNNING:  # aborted, failed or preempted since schedule()
+            if not row.samples or req.is_finished:  # aborted or failed since schedule()
                 continue
-            req.num_computed_tokens += row.num_new_tokens
-            if req.num_computed_tokens < req.num_tokens:
-                continue
+            req.num_pending -= 1
             token = int(sampled_token_ids[i])
             req.output_token_ids.append(token)
             got_token.append(i)
@@ -465,10 +499,14 @@ class Scheduler:
             ):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
+                was = req.status
                 self._finish(req, status)
-                any_finished = True
-        if any_finished:
+                ended.append((req, was))
+        if ended:
             self.running = [r for r in self.running if not r.is_finished]
+            if any(was != RequestStatus.RUNNING for _, was in ended):  # preempted by the next step
+                self.waiting = [r for r in self.waiting if not r.is_finished]
+                self.swapped = [r for r in self.swapped if not r.is_finished]
         return got_token
 
     def check_invariants(self) -> None:

@@ -6,6 +6,7 @@ time per step (and the share the device idles), and the model FLOP/s achieved as
 float32 matmul peak measured on this machine in the same run.
 
   python scripts/bench_offline.py                    # the demo model, float32, N=128
+  python scripts/bench_offline.py --overlap both     # overlapped scheduling off, then on, same engine
   python scripts/bench_offline.py --num-requests 32 --model /path/to/hf-folder --dtype bfloat16
 """
 
@@ -79,8 +80,35 @@ def workload(args, vocab_size: int):
     prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
     output_lens = rng.integers(args.min_output, args.max_output + 1, n)
     prompts = [{"prompt_token_ids": rng.integers(0, vocab_size, p).tolist()} for p in prompt_lens]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(o)) for o in output_lens]
+    # --penalized: that share of the requests uses a repetition penalty, whose tables are built on
+    # the host from the tokens so far (with overlap, a step with such rows waits for the one before)
+    penalized = np.arange(n) < round(getattr(args, "penalized", 0.0) * n)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(o),
+                             repetition_penalty=1.1 if pen else 1.0) for o, pen in zip(output_lens, penalized)]
     return prompts, params, prompt_lens, output_lens
+
+
+_DELTA = ("num_steps", "step_seconds", "device_seconds", "num_preemptions", "num_scheduled_tokens", "num_padded_tokens")
+
+
+def set_overlap(engine, on: bool) -> None:
+    """Overlapped scheduling on or off for the next steps (every replica of a data-parallel engine)."""
+    for e in getattr(engine, "replicas", [engine]):
+        e.async_scheduling = on
+
+
+def measure(llm, prompts, params) -> tuple[list, float, dict]:
+    """(outputs, seconds, the engine counters of this run alone) of one generate() call, prefix
+    cache emptied first so that a repeated workload is computed again."""
+    engine = llm.llm_engine
+    for e in getattr(engine, "replicas", [engine]):
+        e.block_manager.reset_prefix_cache()
+    before = engine.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    return outs, elapsed, {k: getattr(after, k) - getattr(before, k) for k in _DELTA}
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -105,6 +133,10 @@ def parser(description: str) -> argparse.ArgumentParser:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
+    ap.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
+                    help="share of the requests with a repetition penalty (0 to 1)")
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                    help="overlapped scheduling; 'both' runs the workload without, then with it, on one engine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -116,18 +148,22 @@ def main() -> None:
     n = args.num_requests
     prompts, params, prompt_lens, output_lens = workload(args, engine.model_config.vocab_size)
 
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    stats = engine.stats()
+    runs = {}
+    for mode in (["off", "on"] if args.overlap == "both" else [args.overlap]):
+        set_overlap(engine, mode == "on")
+        runs[mode] = measure(llm, prompts, params)
+    mode = "on" if "on" in runs else "off"
+    outs, elapsed, d = runs[mode]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == int(output_lens.sum()), "every request must produce exactly max_tokens tokens"
     n_total = n_out + int(prompt_lens.sum())
     flops = model_flops(engine.model_config, prompt_lens, output_lens)
     peak = matmul_peak_gflops(args.dtype)
     achieved = flops["total"] / elapsed / 1e9
+    steps = max(d["num_steps"], 1)
     res = {
         "requests": n,
+        "overlap": mode,
         "elapsed_s": round(elapsed, 2),
         "output_tokens_per_s": round(n_out / elapsed, 1),
         "total_tokens_per_s": round(n_total / elapsed, 1),
@@ -139,26 +175,46 @@ def main() -> None:
         "achieved_gflops": round(achieved, 1),
         "matmul_peak_gflops": round(peak, 1),
         "fraction_of_peak": round(achieved / peak, 3),
-        "preemptions": stats.num_preemptions,
-        # per step: host work (schedule, pack, update, detokenize) and the wait on the device; the
-        # engine is synchronous, so the device idles for the host's share
-        "steps": stats.num_steps,
-        "host_ms_per_step": round((stats.step_seconds - stats.device_seconds) / max(stats.num_steps, 1) * 1e3, 3),
-        "device_ms_per_step": round(stats.device_seconds / max(stats.num_steps, 1) * 1e3, 3),
-        "device_idle_share": round(stats.host_share, 3),
+        "preemptions": d["num_preemptions"],
+        "padding_share": round(d["num_padded_tokens"] / max(d["num_scheduled_tokens"] + d["num_padded_tokens"], 1), 3),
+        # per step: the wall time, and the part of it the host waited for the device; without
+        # overlap the device idles for the rest (the host's work), with overlap the host works
+        # while the device runs
+        "steps": d["num_steps"],
+        "wall_ms_per_step": round(d["step_seconds"] / steps * 1e3, 3),
+        "host_ms_per_step": round((d["step_seconds"] - d["device_seconds"]) / steps * 1e3, 3),
+        "device_wait_ms_per_step": round(d["device_seconds"] / steps * 1e3, 3),
         "kv_blocks": engine.cache_config.num_blocks - 1,
         "block_size": engine.cache_config.block_size,
         "attention_backend": engine.config.attention_backend,
         "kv_cache_dtype": engine.cache_config.dtype,
     }
+    if mode == "off":
+        res["device_idle_share"] = round(1 - d["device_seconds"] / max(d["step_seconds"], 1e-9), 3)
+    if len(runs) == 2:
+        _, off_s, off = runs["off"]
+        # the device's time per step without overlap is what a step costs with no host work around it
+        device_only = off["device_seconds"] / max(off["num_steps"], 1)
+        res["off_output_tokens_per_s"] = round(n_out / off_s, 1)
+        res["overlap_speedup"] = round(off_s / elapsed, 3)
+        res["off_wall_ms_per_step"] = round(off["step_seconds"] / max(off["num_steps"], 1) * 1e3, 3)
+        res["off_device_ms_per_step"] = round(device_only * 1e3, 3)
+        res["host_share_with_overlap"] = round(max(0.0, 1 - device_only / (d["step_seconds"] / steps)), 3)
     print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s "
           f"(attention backend {res['attention_backend']}, KV pool {res['kv_cache_dtype']})")
     print(f"output tokens/s     {res['output_tokens_per_s']}")
     print(f"total tokens/s      {res['total_tokens_per_s']}")
     print(f"warm-up             {res['warmup_s']} s (engine start {res['init_s']} s)")
     print(f"peak memory (RSS)   {res['peak_rss_gib']} GiB")
-    print(f"per step            {res['host_ms_per_step']} ms host + {res['device_ms_per_step']} ms device over "
-          f"{res['steps']} steps: the device idles {res['device_idle_share'] * 100:.1f} % of the time")
+    print(f"per step ({mode:>3})    {res['wall_ms_per_step']} ms wall over {res['steps']} steps, of which "
+          f"{res['device_wait_ms_per_step']} ms waiting for the device; padding {res['padding_share'] * 100:.1f} %")
+    if "device_idle_share" in res:
+        print(f"                    without overlap the device idles {res['device_idle_share'] * 100:.1f} % of the time")
+    if "overlap_speedup" in res:
+        print(f"overlap off         {res['off_output_tokens_per_s']} output tokens/s, {res['off_wall_ms_per_step']} ms "
+              f"per step of which {res['off_device_ms_per_step']} ms device")
+        print(f"overlap on / off    {res['overlap_speedup']}x; with overlap the host's share of the step is "
+              f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time)")
     print(f"model FLOP/s        {achieved:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
           f"{args.dtype} matmul peak {peak:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
     if args.json:

@@ -182,7 +182,9 @@ def test_a_step_failing_on_one_replica_keeps_the_others_outputs(result):
     failed = result["failed"]
     assert failed is not None and "device on fire" in failed["msg"]
     assert failed["ids"] == ["f1", "f3"]  # replica 1's requests ended with an error...
-    assert failed["all"] == ["f0", "f1", "f2", "f3"]  # ...and replica 0's outputs of the step came with them
+    # ...and replica 0's outputs of the step came with them (f0's token; f2's prompt is chunked, and
+    # with overlapped scheduling a step returns the tokens of the step before it)
+    assert set(failed["all"]) > set(failed["ids"]) and "f0" in failed["all"]
     after = result["after_failure"]
     assert after["load"] == [2, 2]
     assert after["finished"] == ["f0", "f2"] and after["tokens_ok"]

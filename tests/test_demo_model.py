@@ -57,3 +57,29 @@ def test_first_32_greedy_tokens_match_transformers(llm, demo_path):
             want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                                 pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == want, f"{prompt!r}: {out.outputs[0].text!r} vs {tok.decode(want)!r}"
+
+
+def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path):
+    """The demo model with a pool small enough to preempt: greedy tokens, stop strings, n > 1 and an
+    abort give the same outputs with overlapped scheduling on and off."""
+    from test_async_scheduling import drive, summary
+
+    runs = {}
+    for mode in (False, True):
+        llm = LLM(demo_path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
+                  num_gpu_blocks_override=24, async_scheduling=mode)
+        tok = llm.get_tokenizer()
+        reqs = []
+        for i in range(12):
+            p = tok.encode(PROMPTS[i % 4] + " " * (i // 4))
+            sp = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=60, stop=[" the", "."]),
+                  SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=80)][i % 4]
+            reqs.append((f"r{i}", p, sp))
+        runs[mode] = drive(llm, reqs, abort_after=5)
+        assert llm.llm_engine.stats().num_preemptions > 0
+    sync, over = runs[False], runs[True]
+    assert sorted(sync) == sorted(over) and len(sync) == 12
+    for rid in sync:  # r8 and r11 were aborted after 5 tokens
+        assert summary(over[rid]) == summary(sync[rid]), rid

@@ -48,20 +48,22 @@ class PreemptedFirst(SchedulerPolicy):
         return (-request.num_preemptions, request.seq_no)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_greedy_outputs_survive_preemption(llama_dir, reference, mode):
+def test_greedy_outputs_survive_preemption(llama_dir, reference, mode, overlap):
     prompts, expected = reference
     # 6 usable blocks of 8 tokens for 8 requests that each grow to 4 blocks, and a policy that
     # spreads preemptions.
     llm = LLM(llama_dir, **BASE, num_gpu_blocks_override=7, preemption_mode=mode, enable_prefix_caching=False,
-              scheduling_policy=PreemptedFirst())
+              scheduling_policy=PreemptedFirst(), async_scheduling=overlap)
     with no_compilation():
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     preempted = [o.metrics.num_preemptions for o in outs]
     stats = llm.llm_engine.stats()
     # all but the first request, which ranks first until it is done, are preempted at least once
-    assert min(preempted[1:]) >= 1 and sum(preempted) >= len(prompts), preempted
+    # (with overlap a request whose last token is pending gets no row, so the pattern shifts)
+    assert min(preempted[1:]) >= (0 if overlap else 1) and sum(preempted) >= len(prompts), preempted
     if mode == "swap":
         assert stats.num_swap_outs == stats.num_preemptions > 0
     else:

@@ -144,7 +144,8 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
         logits, kv = forward(state, kv, batch.flat_i32, batch.flat_f32, out.token_bucket, out.seq_bucket)
         logits = np.asarray(logits)
         for i, row in enumerate(out.scheduled.values()):
-            seen.append((row.request, row.request.num_computed_tokens + row.num_new_tokens - 1, logits[i]))
+            # the scheduler counts a row's tokens as computed when it schedules them: its last is at - 1
+            seen.append((row.request, row.request.num_computed_tokens - 1, logits[i]))
         sched.update(out, logits[: out.num_seqs].argmax(-1))
         n_steps += 1
     assert n_steps > 8  # chunked prefills, then decodes

@@ -1,0 +1,167 @@
+"""Overlapped scheduling (async_scheduling): step N+1 is scheduled and dispatched before step N's
+tokens are read. Outputs must be exactly the synchronous engine's, whatever ends a request (EOS, a
+stop token or string, max_tokens, an abort), with n > 1, logprobs, penalties, seeded sampling and
+preemption by swap or recompute."""
+
+from __future__ import annotations
+
+import pytest
+from compiles import no_compilation
+from test_parity import SENTENCES
+
+from jaxsched import LLM, SamplingParams
+from jaxsched.block_manager import BlockManager
+from jaxsched.buckets import seq_buckets, token_buckets
+from jaxsched.config import SchedulerConfig
+from jaxsched.request import Request
+from jaxsched.scheduler import Scheduler
+
+BASE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
+
+
+def prompts(llm, n):
+    tok = llm.get_tokenizer()
+    return [tok.encode(SENTENCES[i % len(SENTENCES)] + " " + SENTENCES[(i + 2) % len(SENTENCES)])[: 4 + (9 * i) % 37]
+            for i in range(n)]
+
+
+def workload(llm):
+    """(request id, prompt ids, params) of a mixed batch; stops are taken from a plain greedy run so
+    that they do fire mid-generation."""
+    ps = prompts(llm, 12)
+    plain = llm.generate([{"prompt_token_ids": p} for p in ps],
+                         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    toks = [o.outputs[0].token_ids for o in plain]
+    texts = [o.outputs[0].text for o in plain]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),  # EOS may end it
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[toks[1][6]]),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[texts[2][len(texts[2]) // 2:][:3]]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+        SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=15, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=18, ignore_eos=True, repetition_penalty=1.4,
+                       presence_penalty=0.5),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True, min_tokens=4),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),  # aborted
+        SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[toks[9][4]]),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, include_stop_str_in_output=True,
+                       stop=[texts[10][8:11]]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),  # aborted
+    ]
+    return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
+
+
+def drive(llm, reqs, abort_after: int = 3):
+    """Add every request, step until done; abort r8 and r11 once each has `abort_after` tokens.
+    Returns each request's last output."""
+    eng = llm.llm_engine
+    for rid, p, sp in reqs:
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    last = {}
+    to_abort = {"r8", "r11"}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            last[o.request_id] = o
+        for rid in sorted(to_abort):
+            if rid in last and len(last[rid].outputs[0].token_ids) >= abort_after:
+                eng.abort_request(rid)
+                to_abort.discard(rid)
+    eng.scheduler.check_invariants()
+    assert not eng.block_manager.req_blocks and not eng.scheduler.swap_pool.req_blocks
+    return last
+
+
+def summary(o):
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs]) for c in o.outputs]
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"num_gpu_blocks_override": 9, "preemption_mode": "recompute"},
+    {"num_gpu_blocks_override": 9, "preemption_mode": "swap"},
+], ids=["ample", "recompute", "swap"])
+def test_outputs_equal_the_synchronous_engine(llama_dir, extra):
+    runs = {}
+    for mode in (False, True):
+        llm = LLM(llama_dir, **BASE, **extra, async_scheduling=mode)
+        reqs = workload(llm)
+        with no_compilation():
+            runs[mode] = drive(llm, reqs)
+        stats = llm.llm_engine.stats()
+        if extra:
+            assert stats.num_preemptions > 0, "the small pool must force preemptions"
+    sync, over = runs[False], runs[True]
+    assert set(sync) == set(over) == {f"r{i}" for i in range(12)}
+    finished = [rid for rid in sync if rid not in ("r8", "r11")]
+    assert all(sync[rid].finished for rid in finished)
+    for rid in sync:  # the aborted ones too: each engine reported the same 3 tokens before the abort
+        assert summary(over[rid]) == summary(sync[rid]), rid
+    reasons = {c.finish_reason for rid in finished for c in sync[rid].outputs}
+    assert reasons == {"stop", "length"}, "the workload must end requests both ways"
+    assert sync["r1"].outputs[0].stop_reason is not None and sync["r2"].outputs[0].stop_reason is not None
+    for rid in ("r8", "r11"):  # aborted mid-generation
+        assert len(sync[rid].outputs[0].token_ids) == 3 and not sync[rid].finished
+
+
+def test_llm_generate_and_stats_with_overlap(llama_dir):
+    """LLM.generate with overlap on equals off; a finished request's wasted row is the only extra
+    work (stops end requests that overlap had scheduled once more), and no step compiles."""
+    outs, stats = {}, {}
+    for mode in (False, True):
+        llm = LLM(llama_dir, **BASE, async_scheduling=mode)
+        ps = [{"prompt_token_ids": p} for p in prompts(llm, 10)]
+        with no_compilation():
+            res = llm.generate(ps, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        outs[mode] = [o.outputs[0].token_ids for o in res]
+        stats[mode] = llm.llm_engine.stats()
+    assert outs[True] == outs[False]
+    n_stopped = sum(len(t) < 16 for t in outs[False])
+    # each request stopped by a token costs at most one extra scheduled token
+    assert stats[True].num_scheduled_tokens - stats[False].num_scheduled_tokens <= n_stopped
+
+
+def _req(rid, n_prompt, max_tokens):
+    from jaxsched.request import SamplingParams as SP
+
+    return Request(rid, list(range(1, n_prompt + 1)), SP(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_scheduler_runs_one_step_ahead():
+    """The scheduler alone: a step scheduled before the last one's update takes each decode row's
+    token from the device (from_prev), a request whose pending token is its last gets no row, and a
+    request preempted while its token was pending still gets that token."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, enable_chunked_prefill=True,
+                          token_buckets=token_buckets(32), seq_buckets=seq_buckets(4))
+    s = Scheduler(cfg, BlockManager(64, 8))
+    a, b = _req("a", 5, 3), _req("b", 9, 1)
+    s.add_request(a)
+    s.add_request(b)
+    o1 = s.schedule()
+    assert [r.num_new_tokens for r in o1.scheduled.values()] == [5, 9] and a.num_pending == b.num_pending == 1
+    o2 = s.schedule()  # before o1's update: a decodes its pending token, b (max_tokens 1) gets no row
+    assert list(o2.scheduled) == ["a"] and o2.scheduled["a"].from_prev and o2.scheduled["a"].output_index == 1
+    assert a.num_pending == 2 and a.num_computed_tokens == 6
+    assert s.update(o1, [7, 8]) == [0, 1]
+    assert a.output_token_ids == [7] and b.is_finished and b.output_token_ids == [8]
+    o3 = s.schedule()
+    row = o3.scheduled["a"]
+    assert row.from_prev and row.output_index == 2 and a.num_pending == 2
+    s.update(o2, [9])
+    s.update(o3, [10])
+    assert a.output_token_ids == [7, 9, 10] and a.is_finished and not s.has_unfinished_requests()
+
+    # preempted (recompute) by the step scheduled while its token was pending: the token still counts
+    c = _req("c", 5, 4)
+    s.add_request(c)
+    o4 = s.schedule()
+    s.running.remove(c)
+    s._preempted_now = set()
+    s._preempt(c, o4)  # as the next schedule() would when the pool runs dry
+    s.update(o4, [3])
+    assert c.output_token_ids == [3] and c.num_pending == 0 and c.num_computed_tokens == 0
+    o5 = s.schedule()
+    assert o5.scheduled["c"].num_new_tokens == 6 and not o5.scheduled["c"].from_prev
+    s.check_invariants()
+
