@@ -79,6 +79,11 @@ class EngineArgs:
     # overlapped scheduling: schedule and pack step N+1 while the device runs step N (engine.py);
     # None: on (False runs the host and the device in turns)
     async_scheduling: bool | None = None
+    # size each step by its predicted cost (a step-cost model fitted online from the engine's own
+    # step times: step_cost.py): the most tokens per second, or with target_tpot_ms the largest
+    # step predicted within that many milliseconds; False keeps the max_paddings rule
+    step_cost_model: bool = True
+    target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -155,6 +160,11 @@ class EngineArgs:
                                  f"got {self.distributed_coordinator!r}")
             if self.num_processes is None or self.process_id is None:
                 raise ValueError("distributed_coordinator HOST:PORT needs num_processes and process_id too")
+        if self.target_tpot_ms is not None:
+            if not isinstance(self.target_tpot_ms, (int, float)) or not self.target_tpot_ms > 0:
+                raise ValueError(f"target_tpot_ms must be a positive number of milliseconds, got {self.target_tpot_ms!r}")
+            if not self.step_cost_model:
+                raise ValueError("target_tpot_ms needs step_cost_model=True (steps are sized by their predicted time)")
         if self.distributed_coordinator is not None and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs on one host; across hosts, raise tensor_parallel_size "
                              "(one engine over every host's devices) or start one server per host")
@@ -271,6 +281,8 @@ class EngineConfig:
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
+    step_cost_model: bool = True  # steps sized by predicted cost (scheduler.py, step_cost.py)
+    target_tpot_ms: float | None = None
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -348,4 +360,5 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
-        heads=heads, async_scheduling=args.async_scheduling is not False)
+        heads=heads, async_scheduling=args.async_scheduling is not False, step_cost_model=args.step_cost_model,
+        target_tpot_ms=args.target_tpot_ms)

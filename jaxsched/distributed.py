@@ -34,6 +34,7 @@ from jaxsched.config import EngineArgs, EngineConfig
 from jaxsched.errors import StepFailedError
 from jaxsched.outputs import RequestOutput
 from jaxsched.request import Request
+from jaxsched.step_cost import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class _Message:
     # ("add", pickled Request) / ("abort", [request ids]), in the order the leader did them
     ops: list[tuple[str, Any]]
     end: str | None = None  # "idle": the leader's batch is done (LLM.generate); "stop": shut down
+    # the leader's step-cost inputs since the last message ((T, S, context, seconds); context -1 =
+    # a warm-up seed): the followers' models learn the same, so every host sizes steps the same
+    costs: list[tuple[int, int, int, float]] = dataclasses.field(default_factory=list)
 
 
 def initialize(args: EngineArgs) -> None:
@@ -120,6 +124,13 @@ class DistributedEngine:
         _engines += 1
         self._step = 0
         self._stopped = False
+        eng = self.engine
+        if eng.cost_model is not None:
+            if self.is_leader:  # its warm-up timings go out with the first message
+                eng.cost_feed = [(T, S, -1, sec) for T, S, sec in eng.cost_seeds]
+            else:  # forget this host's own timings: the leader's are the ones every host uses
+                eng.cost_model = eng.scheduler.cost_model = type(eng.cost_model)(eng.cost_model.pairs)
+                eng.measure_costs = False
         if self.is_leader:  # a script that ends (or fails) without shutdown() still releases the others
             atexit.register(self.shutdown)
 
@@ -149,6 +160,7 @@ class DistributedEngine:
         self._check_leader("step (the others call follow())")
         if self._stopped:
             raise RuntimeError("this engine was shut down: the other processes no longer follow it")
+        self.engine.apply_cost_observations()  # before publishing them: both sides schedule with them
         self._publish(None)
         return self.engine.step()
 
@@ -170,8 +182,11 @@ class DistributedEngine:
             jax.distributed.shutdown()
 
     def _publish(self, end: str | None) -> None:
-        msg = _Message(self._ops, end)
+        eng = self.engine
+        msg = _Message(self._ops, end, eng.cost_feed or [])
         self._ops = []
+        if eng.cost_feed:
+            eng.cost_feed = []
         store = _store()
         store.key_value_set_bytes(self._key.format(self._step), pickle.dumps(msg))
         if self._step >= _KEEP:
@@ -206,6 +221,11 @@ class DistributedEngine:
                         raise RuntimeError(f"process {self.process_id} lost the leader (process 0): {e}") from e
             self._step += 1
             msg: _Message = pickle.loads(blob)
+            for T, S, context, seconds in msg.costs:
+                if context < 0:
+                    self.engine.cost_model.seed(T, S, seconds)
+                else:
+                    self.engine.cost_model.observe(StepShape(T, S, context), seconds)
             for op, arg in msg.ops:
                 if op == "add":
                     req: Request = pickle.loads(arg)

@@ -36,9 +36,10 @@ from jaxsched.outputs import RequestOutput
 from jaxsched.penalties import check_penalty_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
 from jaxsched.stats import EngineStats
+from jaxsched.step_cost import StepShape
 
 if TYPE_CHECKING:
-    from jaxsched.runner import InFlight
+    from jaxsched.runner import InFlight, StepResult
     from jaxsched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,12 @@ class LLMEngine:
         import jax
 
         from jaxsched.block_manager import BlockManager
+        from jaxsched.buckets import bucket_pairs, round_up, seq_buckets_for
         from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
         from jaxsched.parallel import engine_devices, make_mesh
         from jaxsched.runner import ModelRunner, device_memory, weights_bytes
         from jaxsched.scheduler import Scheduler
+        from jaxsched.step_cost import StepCostModel
         from jaxsched.tokenizer import load_tokenizer
 
         args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
@@ -95,9 +98,33 @@ class LLMEngine:
         self.devices = tuple(devices)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy)
+        self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets)) \
+            if cfg.step_cost_model else None
+        target = cfg.target_tpot_ms / 1e3 if cfg.target_tpot_ms is not None else None
+        self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
+                                   cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
         self.runner.warm_up()
+        # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
+        self.cost_seeds: list[tuple[int, int, float]] = []
+        if self.cost_model is not None:
+            sc = cfg.scheduler
+            self.cost_seeds = self.runner.time_pairs(
+                [(T, round_up(seq_buckets_for(sc.seq_buckets, T), min(T, sc.max_num_seqs)))
+                 for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
+            for T, S, seconds in self.cost_seeds:
+                self.cost_model.seed(T, S, seconds)
+        # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
+        # them to the other hosts, whose models must stay identical: distributed.py)
+        self.cost_feed: list[tuple[int, int, int, float]] | None = None
+        self.measure_costs = True  # False: the model is fed from elsewhere (a multi-host follower)
+        # step times measured, applied to the model at the start of the next step() (a fixed point:
+        # a multi-host leader sends them before that step, so every host schedules with the same)
+        self._costs: list[tuple[StepShape, float]] = []
+        # when a list: (predicted, measured) seconds of every step timed, the prediction made before
+        # the model saw that step (bench_offline.py reports the error distribution)
+        self.cost_errors: list[tuple[float, float]] | None = None
+        self._last_done = 0.0  # when the last step's results were read (step-time estimates)
         logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
                     "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
                     cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
@@ -235,6 +262,7 @@ class LLMEngine:
         """One step: the outputs of the requests that got tokens. With overlapped scheduling these
         are the tokens of the step dispatched by the previous call; this call's step runs on."""
         t0 = time.perf_counter()
+        self.apply_cost_observations()
         outputs: list[RequestOutput] = []
         device = 0.0
         prev = self._in_flight
@@ -267,9 +295,30 @@ class LLMEngine:
             res = self.runner.collect(step)
         except Exception as e:
             raise self._failed([s.out for s in in_flight], e) from e
+        if res.done:
+            self._observe(step.out, res, timed=not step.idle_after)
         failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
         got = self.scheduler.update(step.out, res.sampled.sampled)
         return failed + self.outputs.process(step.out, got, res), res.device_seconds
+
+    def _observe(self, out: SchedulerOutput, res: StepResult, timed: bool = True) -> None:
+        """Feed the cost model the step's device time: from when the device could start it (its
+        issue, or the end of the step before it when that was later: overlap queues steps) to when
+        its results were read."""
+        seconds = res.done - max(res.issued, self._last_done)
+        self._last_done = res.done
+        if self.cost_model is not None and self.measure_costs and timed:
+            self._costs.append((StepShape(out.token_bucket, out.seq_bucket, out.context), seconds))
+
+    def apply_cost_observations(self) -> None:
+        """Feed the step times measured since the last step to the cost model (and cost_feed)."""
+        for shape, seconds in self._costs:
+            if self.cost_errors is not None:
+                self.cost_errors.append((self.cost_model.predict(shape), seconds))
+            self.cost_model.observe(shape, seconds)
+            if self.cost_feed is not None:
+                self.cost_feed.append((shape.T, shape.S, shape.context, seconds))
+        self._costs.clear()
 
     def _failed(self, outs: list[SchedulerOutput], e: Exception) -> StepFailedError:
         """A step failed on the device: end every request whose KV it may have spoiled, and drop

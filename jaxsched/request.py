@@ -193,6 +193,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR
     num_preemptions: int = 0
+    deferred_step: int = -2  # the last step the step-cost model put this request's decode row off
     # arrival order, set by the scheduler: the tie-breaker of every ordering
     seq_no: int = 0
     # the scheduler's step count when the request arrived (priority aging counts steps, not seconds)

@@ -52,6 +52,9 @@ class StepResult:
     # seconds the host waited on the device: the jitted call until its results were read, and the
     # block moves (the rest of a step is host work, during which the device idles)
     device_seconds: float = 0.0
+    # time.perf_counter() when the jitted call was issued and when its results were read (0: no rows)
+    issued: float = 0.0
+    done: float = 0.0
 
 
 @dataclass
@@ -66,6 +69,7 @@ class InFlight:
     floats: object = None
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
+    issued: float = 0.0  # time.perf_counter() when the jitted call was issued
     # a row used penalty tables, which are built on the host from the tokens read: the next step
     # must wait for this one's tokens (Engine.step)
     needs_tokens: bool = False
@@ -338,6 +342,7 @@ class ModelRunner:
                 self.packer.penalties.forget(out.finished_ids)
                 return step
             batch = self.packer.pack(out)
+            step.issued = time.perf_counter()
             step.ints, step.floats = self.run(batch)
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.has_penalties
             return step
@@ -356,8 +361,9 @@ class ModelRunner:
         except Exception:
             self.recover_pool()
             raise
+        done = time.perf_counter()
         return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
-                          step.rejected, step.device_seconds + time.perf_counter() - t0)
+                          step.rejected, step.device_seconds + done - t0, step.issued, done)
 
     def run(self, batch: BatchDescriptor):
         """Dispatch the jitted model + sampler over one packed batch: its packed sampler output,
@@ -373,6 +379,21 @@ class ModelRunner:
         self.kv, ints, floats, self._prev_ids = exe(self.state, self.kv, self._prev_ids, self._put(batch.flat_i32),
                                                     self._put(batch.flat_f32), *pen)
         return ints, floats
+
+    def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
+        """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the
+        step-cost model's cold start (attention then reads nothing; the weights' work is all there)."""
+        times = []
+        for T, S in pairs:
+            batch = self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))
+            self._fetch(*self.run(batch))  # a program's first run pays one-time costs: not timed
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self._fetch(*self.run(batch))
+                best = min(best, time.perf_counter() - t0)
+            times.append((T, S, best))
+        return times
 
     def recover_pool(self) -> None:
         """After a failed step: the pool was donated to the call that failed and may be gone; its

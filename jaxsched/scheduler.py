@@ -13,12 +13,15 @@ One step, in order:
      (taking prefix-cache hits), in policy order, while the budget, the cap, the pool and
      swap_threshold allow; with a policy that preempts for priority, a candidate that does not
      fit preempts the lowest-ranked running request when that one ranks below it;
-  3. prefill chunks are trimmed so the step's token count fits its bucket with at most
-     max_paddings padded tokens, and the blocks that are full after the step are registered in
-     the prefix cache.
+  3. the step's size is chosen: with a step-cost model (step_cost.py), the candidate sizes (the
+     bucket boundaries below the step's tokens, reached by trimming prefill chunks and, for
+     throughput, deferring decode rows one step) are compared by predicted time: the most tokens
+     per predicted second, or with a TPOT target the largest step predicted within it; without
+     one, prefill chunks are trimmed so the step fits its bucket with at most max_paddings padded
+     tokens. Then the blocks that are full after the step are registered in the prefix cache.
 
-A decision depends only on the queues, the block manager and the config, so a recorded trace of
-adds, aborts and sampled tokens replays to the same decisions.
+A decision depends only on the queues, the block manager, the config and the step-cost table, so a
+recorded trace of adds, aborts, sampled tokens and cost observations replays to the same decisions.
 
 (This file is longer than the ~400 lines we aim for: the step's phases share the queues and the
 budget, and read best together; the pools live in block_manager.py and the orderings in policy.py.)
@@ -37,6 +40,7 @@ from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.policy import SchedulerPolicy, make_policy
 from jaxsched.request import Request, RequestStatus
 from jaxsched.stats import EngineStats
+from jaxsched.step_cost import StepCostModel, StepShape
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class SchedulerOutput:
     num_tokens: int = 0  # real tokens this step
     token_bucket: int = 0  # T
     seq_bucket: int = 0  # S
+    context: int = 0  # KV tokens the step's attention reads: its rows' sequence lengths after it, summed
+    num_deferred: int = 0  # decode rows the step-cost model put off to the next step
 
     @property
     def num_seqs(self) -> int:
@@ -92,8 +98,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 policy: str | SchedulerPolicy = "fcfs") -> None:
+                 policy: str | SchedulerPolicy = "fcfs", cost_model: StepCostModel | None = None,
+                 target_step_seconds: float | None = None) -> None:
+        """cost_model: predicted step times, fed by whoever runs the steps (the engine); None keeps
+        the max_paddings rule. target_step_seconds: keep each step's predicted time within this
+        (a TPOT target) instead of maximising tokens per second."""
         self.config = config
+        self.cost_model = cost_model
+        self.target_step_seconds = target_step_seconds
         self.block_manager = block_manager
         self.policy = make_policy(policy)
         self._key = self.policy.sort_key  # static per request: queues stay sorted by insertion
@@ -112,6 +124,7 @@ class Scheduler:
         self.num_tokens = 0
         self.num_padding = 0
         self.last_padding = 0
+        self.num_deferred = 0
 
     # -- queue management ----------------------------------------------------------------------
     def _insert(self, queue: list[Request], req: Request) -> None:
@@ -255,6 +268,8 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        # rows of requests that were running already: the only ones the cost model may defer
+        was_running = set(sched) if self.cost_model is not None and not memory_preempted else set()
         # 2. Swapped, then waiting requests; none in a step that had to preempt for memory.
         if not memory_preempted:
             budget = self._admit(out, budget)
@@ -262,14 +277,19 @@ class Scheduler:
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
         if sched:
-            total = self._fit_bucket(list(sched.values()), total)
+            if self.cost_model is not None and self.cost_model.known(*self._pair(total, len(sched))):
+                total = self._choose_by_cost(out, total, was_running)
+            else:
+                total = self._fit_bucket(list(sched.values()), total)
+            context = 0
             for row in sched.values():
                 self._commit(row)
+                context += row.request.num_computed_tokens
                 bm.register(row.request)
                 row.block_ids = bm.block_ids(row.request.request_id)
             out.num_tokens = total
-            out.token_bucket = round_up(cfg.token_buckets, total)
-            out.seq_bucket = round_up(seq_buckets_for(cfg.seq_buckets, out.token_bucket), len(sched))
+            out.token_bucket, out.seq_bucket = self._pair(total, len(sched))
+            out.context = context
         out.finished_ids = self._finished_ids
         self._finished_ids = []
         self.step_count += 1
@@ -445,6 +465,68 @@ class Scheduler:
         self._insert(self.waiting, req)
         out.preempted.append(rid)
 
+    def _pair(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The (T, S) bucket pair of a step of num_tokens tokens in num_seqs rows."""
+        T = round_up(self.config.token_buckets, num_tokens)
+        return T, round_up(seq_buckets_for(self.config.seq_buckets, T), num_seqs)
+
+    def _choose_by_cost(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
+        """Size the step by predicted cost. Candidates: the step as scheduled, and each token
+        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then
+        deferring decode rows (of requests running before this step, lowest-ranked first, none
+        deferred in the last step, so none waits twice in a row) can reach. Picks the most tokens
+        per predicted second; with target_step_seconds, the largest candidate predicted within it
+        (prefill trimmed only: a deferred decode row is the latency the target protects).
+        Returns the step's tokens; out.scheduled is trimmed to match."""
+        rows = list(out.scheduled.values())
+        model, target = self.cost_model, self.target_step_seconds
+        chunk_cut = sum(row.num_new_tokens - 1 for row in rows)
+        deferrable = [] if target is not None else [
+            row for row in reversed(rows) if row.num_new_tokens == 1 and row.request.request_id in was_running
+            and row.request.deferred_step != self.step_count - 1]
+        context = sum(row.request.num_computed_tokens + row.num_new_tokens for row in rows)
+        floor = total - chunk_cut - len(deferrable)
+        best, best_score = total, None
+        for k in [total, *reversed([b for b in self.config.token_buckets if floor <= b < total])]:
+            cut = total - k
+            trimmed = min(cut, chunk_cut)
+            dropped = deferrable[: cut - trimmed]
+            ctx = context - trimmed - sum(row.request.num_computed_tokens + 1 for row in dropped)
+            seconds = model.predict(StepShape(*self._pair(k, len(rows) - len(dropped)), ctx))
+            if target is not None:
+                if seconds <= target or best_score is None:
+                    best, best_score = k, seconds
+                    if seconds <= target:
+                        break  # the largest within the target
+                continue
+            score = k / seconds if seconds > 0 else 0.0
+            if best_score is None or score > best_score:
+                best, best_score = k, score
+        if best < total:
+            cut = total - best
+            trimmed = min(cut, chunk_cut)
+            self._trim(rows, trimmed)
+            for row in deferrable[: cut - trimmed]:
+                req = row.request
+                del out.scheduled[req.request_id]
+                self.block_manager.set_slots(req, req.num_computed_tokens)  # blocks kept: needed next step
+                req.deferred_step = self.step_count
+            out.num_deferred = cut - trimmed
+            self.num_deferred += out.num_deferred
+        return best
+
+    def _trim(self, rows: list[ScheduledRequest], excess: int) -> None:
+        """Take `excess` tokens off prefill chunks, latest row first, each keeping at least one."""
+        bm = self.block_manager
+        for row in reversed(rows):
+            if excess == 0:
+                break
+            cut = min(excess, row.num_new_tokens - 1)
+            if cut > 0:
+                row.num_new_tokens -= cut
+                excess -= cut
+                bm.set_slots(row.request, row.request.num_computed_tokens + row.num_new_tokens)
+
     def _fit_bucket(self, rows: list[ScheduledRequest], total: int) -> int:
         """Trim prefill chunks (latest first, each keeps >= 1 token) so the step lands exactly on
         the bucket below when rounding up would pad more than max_paddings tokens. The trimmed
@@ -457,15 +539,7 @@ class Scheduler:
         excess = total - buckets[k - 1]
         if sum(row.num_new_tokens - 1 for row in rows) < excess:
             return total
-        bm = self.block_manager
-        for row in reversed(rows):
-            cut = min(excess, row.num_new_tokens - 1)
-            if cut > 0:
-                row.num_new_tokens -= cut
-                excess -= cut
-                bm.set_slots(row.request, row.request.num_computed_tokens + row.num_new_tokens)
-                if excess == 0:
-                    break
+        self._trim(rows, excess)
         return buckets[k - 1]
 
     def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[int]:

@@ -102,6 +102,11 @@ class StepCostModel:
             self._ts_by_s.setdefault(s, []).append(t)
         self._lines: dict[tuple[int, int], tuple[float, float]] | None = None  # fitted (a, b), lazily
 
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The (T, S) bucket pairs this model predicts."""
+        return list(self._stats)
+
     def _pair(self, T: int, S: int) -> list[float]:
         st = self._stats.get((T, S))
         if st is None:

@@ -151,6 +151,8 @@ def main() -> None:
     runs = {}
     for mode in (["off", "on"] if args.overlap == "both" else [args.overlap]):
         set_overlap(engine, mode == "on")
+        if getattr(engine, "cost_model", None) is not None:
+            engine.cost_errors = []
         runs[mode] = measure(llm, prompts, params)
     mode = "on" if "on" in runs else "off"
     outs, elapsed, d = runs[mode]
@@ -189,6 +191,14 @@ def main() -> None:
         "attention_backend": engine.config.attention_backend,
         "kv_cache_dtype": engine.cache_config.dtype,
     }
+    if getattr(engine, "cost_errors", None):
+        # the step-cost model's one-step-ahead predictions against the measured step times
+        pred, meas = np.array(engine.cost_errors).T
+        rel = np.abs(pred - meas) / meas
+        res["cost_model_error"] = {"steps": int(rel.size), "mean": round(float(rel.mean()), 3),
+                                   **{f"p{q}": round(float(np.percentile(rel, q)), 3) for q in (50, 90, 99)},
+                                   "within_15_percent": round(float((rel <= 0.15).mean()), 3)}
+        res["deferred_decode_rows"] = engine.scheduler.num_deferred
     if mode == "off":
         res["device_idle_share"] = round(1 - d["device_seconds"] / max(d["step_seconds"], 1e-9), 3)
     if len(runs) == 2:
@@ -210,6 +220,11 @@ def main() -> None:
           f"{res['device_wait_ms_per_step']} ms waiting for the device; padding {res['padding_share'] * 100:.1f} %")
     if "device_idle_share" in res:
         print(f"                    without overlap the device idles {res['device_idle_share'] * 100:.1f} % of the time")
+    if "cost_model_error" in res:
+        e = res["cost_model_error"]
+        print(f"step-cost model     prediction error over {e['steps']} steps: mean {e['mean'] * 100:.1f} %, p50 "
+              f"{e['p50'] * 100:.1f} %, p90 {e['p90'] * 100:.1f} %, p99 {e['p99'] * 100:.1f} %; "
+              f"{e['within_15_percent'] * 100:.0f} % within 15 %; {res['deferred_decode_rows']} decode rows deferred")
     if "overlap_speedup" in res:
         print(f"overlap off         {res['off_output_tokens_per_s']} output tokens/s, {res['off_wall_ms_per_step']} ms "
               f"per step of which {res['off_device_ms_per_step']} ms device")

@@ -16,7 +16,10 @@ from jaxsched.config import SchedulerConfig
 from jaxsched.request import Request
 from jaxsched.scheduler import Scheduler
 
-BASE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
+# the step-cost model off: it sizes steps from measured times, so batches (and the last bits of
+# logprobs) would differ from run to run; test_cost_model_keeps_the_tokens covers it
+BASE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8,
+        "step_cost_model": False}
 
 
 def prompts(llm, n):
@@ -120,6 +123,23 @@ def test_llm_generate_and_stats_with_overlap(llama_dir):
     n_stopped = sum(len(t) < 16 for t in outs[False])
     # each request stopped by a token costs at most one extra scheduled token
     assert stats[True].num_scheduled_tokens - stats[False].num_scheduled_tokens <= n_stopped
+
+
+def test_cost_model_keeps_the_tokens(llama_dir):
+    """With the step-cost model sizing steps (and deferring decode rows), greedy tokens are those
+    of the max_paddings rule; logprobs agree to float rounding (batches differ)."""
+    runs = {}
+    for on in (False, True):
+        llm = LLM(llama_dir, **{**BASE, "step_cost_model": on})
+        with no_compilation():
+            runs[on] = drive(llm, workload(llm))
+    assert set(runs[False]) == set(runs[True])
+    for rid, o in runs[False].items():
+        for a, b in zip(o.outputs, runs[True][rid].outputs, strict=True):
+            assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason, rid
+            for da, db in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert da.keys() == db.keys()
+                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da), rid
 
 
 def _req(rid, n_prompt, max_tokens):

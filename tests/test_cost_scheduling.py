@@ -1,0 +1,113 @@
+"""The scheduler sizing steps by a step-cost model (scheduler._choose_by_cost): deferring decode rows
+when the next bucket up costs more than the rows it adds, trimming prefill chunks to a TPOT target,
+and replaying exactly from the same cost table."""
+
+from __future__ import annotations
+
+import json
+
+from jaxsched.block_manager import BlockManager
+from jaxsched.buckets import bucket_pairs, seq_buckets, token_buckets
+from jaxsched.config import SchedulerConfig
+from jaxsched.request import Request, SamplingParams
+from jaxsched.scheduler import Scheduler
+from jaxsched.step_cost import StepCostModel, StepShape
+
+BUDGET, SEQS = 256, 64
+
+
+def config() -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET, max_model_len=512,
+                           enable_chunked_prefill=True, token_buckets=token_buckets(BUDGET, SEQS),
+                           seq_buckets=seq_buckets(SEQS))
+
+
+def cost_model(per_token: float, fixed: float = 1e-3) -> StepCostModel:
+    """A model that has seen steps costing fixed + per_token * T (context adds nothing)."""
+    cfg = config()
+    model = StepCostModel(bucket_pairs(cfg.token_buckets, cfg.seq_buckets))
+    for T, S in model.pairs:
+        for ctx in (S, 4 * S):
+            model.observe(StepShape(T, S, ctx), fixed + per_token * T)
+    return model
+
+
+def scheduler(model, target=None) -> Scheduler:
+    return Scheduler(config(), BlockManager(512, 16), cost_model=model, target_step_seconds=target)
+
+
+def add(s: Scheduler, n: int, prompt: int = 4, max_tokens: int = 6) -> list[Request]:
+    reqs = [Request(f"r{i}", list(range(1, prompt + 1)), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                        ignore_eos=True)) for i in range(n)]
+    for r in reqs:
+        s.add_request(r)
+    return reqs
+
+
+def run(s: Scheduler, steps: int = 1000) -> list[tuple]:
+    """Step to the end, each row sampling token 7; the decisions of every step."""
+    log = []
+    while s.has_unfinished_requests() and steps:
+        out = s.schedule()
+        log.append((tuple((rid, row.num_new_tokens) for rid, row in out.scheduled.items()), out.token_bucket,
+                    out.seq_bucket, out.num_deferred))
+        s.update(out, [7] * out.num_seqs)
+        s.check_invariants()
+        steps -= 1
+    assert not s.has_unfinished_requests()
+    return log
+
+
+def test_decode_rows_past_a_bucket_are_deferred_when_the_bigger_bucket_costs_more():
+    # 33 decoding requests: the 32 bucket (linear cost) beats 48 padded for one row
+    s = scheduler(cost_model(per_token=1e-4))
+    add(s, 33, prompt=4, max_tokens=8)
+    log = run(s)
+    decode_steps = [entry for entry in log if entry[1] <= 48 and len(entry[0]) >= 32]
+    assert any(e[3] == 1 and e[1] == 32 for e in decode_steps), log
+    # no request is deferred twice in a row: each gets a row in at least every other step
+    last_seen = {}
+    for i, (rows, *_rest) in enumerate(log):
+        for rid, _ in rows:
+            assert i - last_seen.get(rid, i - 1) <= 2, (rid, i)
+            last_seen[rid] = i
+
+
+def test_nothing_is_deferred_when_a_bigger_bucket_costs_nothing_more():
+    s = scheduler(cost_model(per_token=0.0))
+    add(s, 33, prompt=4, max_tokens=8)
+    assert all(e[3] == 0 for e in run(s))
+
+
+def test_a_tpot_target_trims_prefill_chunks_and_never_defers_decodes():
+    # steps cost 1 ms + 10 us per token bucket; the target allows T <= 128: prefill chunks beside
+    # the 40 decodes are cut to fit, no decode waits
+    model = cost_model(per_token=1e-5)
+    target = 1e-3 + 128e-5
+    s = scheduler(model, target=target)
+    add(s, 40, prompt=4, max_tokens=20)
+    first = s.schedule()
+    s.update(first, [7] * first.num_seqs)
+    for i in range(3):
+        s.add_request(Request(f"long{i}", list(range(1, 200)), SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True)))
+    log = run(s)
+    for rows, T, S, deferred in log:
+        assert deferred == 0 and model.predict(StepShape(T, S, 0)) <= target, (rows, T)
+    assert max(T for _, T, _, _ in log) == 128  # the chunks fill the allowance, no more
+    untargeted = scheduler(model)
+    add(untargeted, 40, prompt=4, max_tokens=20)
+    first = untargeted.schedule()
+    untargeted.update(first, [7] * first.num_seqs)
+    untargeted.add_request(Request("long", list(range(1, 200)), SamplingParams(temperature=0, max_tokens=4)))
+    assert untargeted.schedule().token_bucket == 256  # without the target the chunk takes the budget
+
+
+def test_the_same_cost_table_replays_the_same_decisions():
+    table = json.loads(json.dumps(cost_model(per_token=1e-4).to_table()))
+    logs = []
+    for _ in range(2):
+        s = scheduler(StepCostModel.from_table(table))
+        add(s, 45, prompt=9, max_tokens=10)
+        logs.append(run(s))
+    assert logs[0] == logs[1] and any(e[3] for e in logs[0])
