@@ -52,9 +52,7 @@ class StepResult:
     # seconds the host waited on the device: the jitted call until its results were read, and the
     # block moves (the rest of a step is host work, during which the device idles)
     device_seconds: float = 0.0
-    # time.perf_counter() when the jitted call was issued and when its results were read (0: no rows)
-    issued: float = 0.0
-    done: float = 0.0
+    done: float = 0.0  # time.perf_counter() when its results were read (0: no rows)
 
 
 @dataclass
@@ -69,7 +67,7 @@ class InFlight:
     floats: object = None
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
-    issued: float = 0.0  # time.perf_counter() when the jitted call was issued
+    call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
     # a row used penalty tables, which are built on the host from the tokens read: the next step
     # must wait for this one's tokens (Engine.step)
     needs_tokens: bool = False
@@ -342,7 +340,6 @@ class ModelRunner:
                 self.packer.penalties.forget(out.finished_ids)
                 return step
             batch = self.packer.pack(out)
-            step.issued = time.perf_counter()
             step.ints, step.floats = self.run(batch)
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.has_penalties
             return step
@@ -363,7 +360,7 @@ class ModelRunner:
             raise
         done = time.perf_counter()
         return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
-                          step.rejected, step.device_seconds + done - t0, step.issued, done)
+                          step.rejected, step.device_seconds + done - t0, done)
 
     def run(self, batch: BatchDescriptor):
         """Dispatch the jitted model + sampler over one packed batch: its packed sampler output,
