@@ -81,8 +81,9 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # size each step by its predicted cost (a step-cost model fitted online from the engine's own
     # step times: step_cost.py): the most tokens per second, or with target_tpot_ms the largest
-    # step predicted within that many milliseconds; False keeps the max_paddings rule
-    step_cost_model: bool = True
+    # step predicted within that many milliseconds; None: on only with target_tpot_ms (on the
+    # default offline run it measured slower than the max_paddings rule: docs/PERFORMANCE.md)
+    step_cost_model: bool | None = None
     target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -163,8 +164,9 @@ class EngineArgs:
         if self.target_tpot_ms is not None:
             if not isinstance(self.target_tpot_ms, (int, float)) or not self.target_tpot_ms > 0:
                 raise ValueError(f"target_tpot_ms must be a positive number of milliseconds, got {self.target_tpot_ms!r}")
-            if not self.step_cost_model:
-                raise ValueError("target_tpot_ms needs step_cost_model=True (steps are sized by their predicted time)")
+            if self.step_cost_model is False:
+                raise ValueError("target_tpot_ms needs the step-cost model (steps are sized by their predicted "
+                                 "time): drop step_cost_model=False")
         if self.distributed_coordinator is not None and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs on one host; across hosts, raise tensor_parallel_size "
                              "(one engine over every host's devices) or start one server per host")
@@ -281,7 +283,7 @@ class EngineConfig:
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
-    step_cost_model: bool = True  # steps sized by predicted cost (scheduler.py, step_cost.py)
+    step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
 
 
@@ -360,5 +362,6 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
-        heads=heads, async_scheduling=args.async_scheduling is not False, step_cost_model=args.step_cost_model,
+        heads=heads, async_scheduling=args.async_scheduling is not False,
+        step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms)

@@ -472,8 +472,8 @@ class Scheduler:
 
     def _choose_by_cost(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
         """Size the step by predicted cost. Candidates: the step as scheduled, and each token
-        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then
-        deferring decode rows (of requests running before this step, lowest-ranked first, none
+        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then,
+        while requests wait, deferring decode rows (of requests running before this step, lowest-ranked first, none
         deferred in the last step, so none waits twice in a row) can reach. Picks the most tokens
         per predicted second; with target_step_seconds, the largest candidate predicted within it
         (prefill trimmed only: a deferred decode row is the latency the target protects).
@@ -481,7 +481,9 @@ class Scheduler:
         rows = list(out.scheduled.values())
         model, target = self.cost_model, self.target_step_seconds
         chunk_cut = sum(row.num_new_tokens - 1 for row in rows)
-        deferrable = [] if target is not None else [
+        # decode rows are deferred only while requests wait: once the batch drains, a deferred row
+        # lengthens the tail that ends the run (measured: docs/PERFORMANCE.md)
+        deferrable = [] if target is not None or not self.waiting else [
             row for row in reversed(rows) if row.num_new_tokens == 1 and row.request.request_id in was_running
             and row.request.deferred_step != self.step_count - 1]
         context = sum(row.request.num_computed_tokens + row.num_new_tokens for row in rows)

@@ -191,6 +191,18 @@ VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
             "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
 
 
+def engine_seconds(port: int) -> tuple[float, float]:
+    """jaxsched's (seconds in steps, seconds waiting for the device) from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {}
+    for line in text.splitlines():
+        for name in ("engine_step_seconds_total", "engine_device_wait_seconds_total"):
+            if line.startswith(f"jaxsched:{name}"):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found.get("engine_step_seconds_total", 0.0), found.get("engine_device_wait_seconds_total", 0.0)
+
+
 def serve_one(args, which: str) -> dict:
     port = args.port
     limits = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
@@ -220,8 +232,11 @@ def serve_one(args, which: str) -> dict:
                  "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
                  "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
                  "--save-result", "--result-dir", str(logdir), "--result-filename", "result.json"]
+        before = engine_seconds(port) if which == "jaxsched" else None
         with open(logdir / "bench.log", "w") as blog:
             rc = subprocess.call(bench, env=vllm_env(args), stdout=blog, stderr=subprocess.STDOUT, timeout=1800)
+        time.sleep(0.5)  # the engine publishes its figures once idle
+        after = engine_seconds(port) if which == "jaxsched" else None
         if rc != 0:
             raise SystemExit(f"[{which}] vllm bench serve failed (exit {rc}):\n"
                              + (logdir / "bench.log").read_text()[-4000:])
@@ -235,7 +250,11 @@ def serve_one(args, which: str) -> dict:
             "total_tokens_per_s": r.get("total_token_throughput"),
             "mean_ttft_ms": r.get("mean_ttft_ms"), "median_ttft_ms": r.get("median_ttft_ms"),
             "mean_tpot_ms": r.get("mean_tpot_ms"), "median_tpot_ms": r.get("median_tpot_ms"),
-            "logs": str(logdir)}
+            "logs": str(logdir),
+            # where the server's engine thread spent the run: in steps (and of that, waiting for the
+            # device), the rest outside steps (commands, streams, idle while requests arrive)
+            **({"engine_step_s": round(after[0] - before[0], 2), "engine_device_wait_s": round(after[1] - before[1], 2)}
+               if before is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +312,9 @@ def served(args) -> dict:
                        ("duration_s", "duration s"), ("server_ready_s", "server ready s")):
         a, b = j.get(key), v.get(key)
         print(f"{label:22}{a or float('nan'):12.1f}{b or float('nan'):12.1f}{ratio(a, b) or float('nan'):9.3f}")
+    if "engine_step_s" in j and j.get("duration_s"):
+        print(f"jaxsched engine thread: {j['engine_step_s']:.1f} s in steps ({j['engine_device_wait_s']:.1f} s of them "
+              f"waiting for the device) of the {j['duration_s']:.1f} s run")
     return {"mode": "serve", "jaxsched": j, "vllm": v,
             "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"), v.get("output_tokens_per_s"))}
 

@@ -49,6 +49,11 @@ class EngineMetrics:
         self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
         self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
+        # the engine thread's time in steps, and the part of it spent waiting for the device: against
+        # wall time, what the server path (commands, streams, the event loop) costs beside the steps
+        self.engine_step_seconds = counter("engine_step_seconds", "Seconds the engine thread spent in steps.")
+        self.engine_device_wait_seconds = counter("engine_device_wait_seconds",
+                                                  "Seconds of the steps spent waiting for the device.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that finished (not aborted).",
@@ -59,6 +64,7 @@ class EngineMetrics:
             ("block_size", "num_gpu_blocks", "kv_bytes_per_device", "num_kv_heads_per_device", "tensor_parallel_size",
              "data_parallel_size"), registry=self.registry)
         self._preemptions_seen = 0
+        self._seconds_seen = (0.0, 0.0)
 
     def describe_cache(self, block_size: int, num_blocks: int, bytes_per_device: int, kv_heads_per_device: int,
                        tensor_parallel_size: int, data_parallel_size: int) -> None:
@@ -77,6 +83,12 @@ class EngineMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+        step, device = self._seconds_seen
+        if stats.step_seconds > step:
+            self.engine_step_seconds.inc(stats.step_seconds - step)
+        if stats.device_seconds > device:
+            self.engine_device_wait_seconds.inc(stats.device_seconds - device)
+        self._seconds_seen = (max(step, stats.step_seconds), max(device, stats.device_seconds))
 
     def observe(self, out: Any, arrival_time: float, prev_tokens: int, prev_token_time: float, now: float) -> int:
         """Record one cumulative RequestOutput of a request, given what its previous one had (tokens,

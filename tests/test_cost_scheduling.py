@@ -19,7 +19,7 @@ BUDGET, SEQS = 256, 64
 def config() -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET, max_model_len=512,
                            enable_chunked_prefill=True, token_buckets=token_buckets(BUDGET, SEQS),
-                           seq_buckets=seq_buckets(SEQS))
+                           seq_buckets=seq_buckets(SEQS), swap_threshold=1.0)
 
 
 def cost_model(per_token: float, fixed: float = 1e-3) -> StepCostModel:
@@ -32,8 +32,8 @@ def cost_model(per_token: float, fixed: float = 1e-3) -> StepCostModel:
     return model
 
 
-def scheduler(model, target=None) -> Scheduler:
-    return Scheduler(config(), BlockManager(512, 16), cost_model=model, target_step_seconds=target)
+def scheduler(model, target=None, blocks: int = 512) -> Scheduler:
+    return Scheduler(config(), BlockManager(blocks, 16), cost_model=model, target_step_seconds=target)
 
 
 def add(s: Scheduler, n: int, prompt: int = 4, max_tokens: int = 6) -> list[Request]:
@@ -59,9 +59,10 @@ def run(s: Scheduler, steps: int = 1000) -> list[tuple]:
 
 
 def test_decode_rows_past_a_bucket_are_deferred_when_the_bigger_bucket_costs_more():
-    # 33 decoding requests: the 32 bucket (linear cost) beats 48 padded for one row
-    s = scheduler(cost_model(per_token=1e-4))
-    add(s, 33, prompt=4, max_tokens=8)
+    # 33 decoding requests hold the pool's 33 blocks while 7 wait: the 32 bucket (linear cost)
+    # beats 48 padded for one row
+    s = scheduler(cost_model(per_token=1e-4), blocks=34)
+    add(s, 40, prompt=4, max_tokens=8)
     log = run(s)
     decode_steps = [entry for entry in log if entry[1] <= 48 and len(entry[0]) >= 32]
     assert any(e[3] == 1 and e[1] == 32 for e in decode_steps), log
@@ -73,8 +74,11 @@ def test_decode_rows_past_a_bucket_are_deferred_when_the_bigger_bucket_costs_mor
             last_seen[rid] = i
 
 
-def test_nothing_is_deferred_when_a_bigger_bucket_costs_nothing_more():
-    s = scheduler(cost_model(per_token=0.0))
+def test_nothing_is_deferred_when_a_bigger_bucket_costs_nothing_more_or_nobody_waits():
+    s = scheduler(cost_model(per_token=0.0), blocks=34)
+    add(s, 40, prompt=4, max_tokens=8)
+    assert all(e[3] == 0 for e in run(s))
+    s = scheduler(cost_model(per_token=1e-4))  # the pool holds all 33: the batch only drains
     add(s, 33, prompt=4, max_tokens=8)
     assert all(e[3] == 0 for e in run(s))
 
@@ -107,7 +111,7 @@ def test_the_same_cost_table_replays_the_same_decisions():
     table = json.loads(json.dumps(cost_model(per_token=1e-4).to_table()))
     logs = []
     for _ in range(2):
-        s = scheduler(StepCostModel.from_table(table))
+        s = scheduler(StepCostModel.from_table(table), blocks=40)
         add(s, 45, prompt=9, max_tokens=10)
         logs.append(run(s))
     assert logs[0] == logs[1] and any(e[3] for e in logs[0])

@@ -190,6 +190,9 @@ def test_metrics_move(server):
         assert kind == "gauge" and samples == {("jaxsched:" + gauge, (("model_name", "tiny"),)): 0.0}, gauge
     kind, samples = after["jaxsched:num_preemptions"]
     assert kind == "counter" and list(samples) == [("jaxsched:num_preemptions_total", (("model_name", "tiny"),))]
+    steps = [total(m, "jaxsched:engine_step_seconds", "jaxsched:engine_step_seconds_total") for m in (before, after)]
+    device = total(after, "jaxsched:engine_device_wait_seconds", "jaxsched:engine_device_wait_seconds_total")
+    assert steps[1] > steps[0] and 0 < device <= steps[1]  # the engine thread's time in steps moved
     kind, samples = after["jaxsched:request_queue_time_seconds"]
     assert kind == "histogram"
     assert ("jaxsched:request_queue_time_seconds_bucket", (("le", "+Inf"), ("model_name", "tiny"))) in samples
