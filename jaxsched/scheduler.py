@@ -15,7 +15,7 @@ One step, in order:
      fit preempts the lowest-ranked running request when that one ranks below it;
   3. the step's size is chosen: with a step-cost model (step_cost.py), the candidate sizes (the
      bucket boundaries below the step's tokens, reached by trimming prefill chunks and, for
-     throughput, deferring decode rows one step) are compared by predicted time: the most tokens
+     throughput while requests wait, deferring decode rows one step) are compared by predicted time: the most tokens
      per predicted second, or with a TPOT target the largest step predicted within it; without
      one, prefill chunks are trimmed so the step fits its bucket with at most max_paddings padded
      tokens. Then the blocks that are full after the step are registered in the prefix cache.
@@ -473,11 +473,12 @@ class Scheduler:
     def _choose_by_cost(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
         """Size the step by predicted cost. Candidates: the step as scheduled, and each token
         bucket below it that trimming prefill chunks (latest first, each keeps a token) and then,
-        while requests wait, deferring decode rows (of requests running before this step, lowest-ranked first, none
-        deferred in the last step, so none waits twice in a row) can reach. Picks the most tokens
-        per predicted second; with target_step_seconds, the largest candidate predicted within it
-        (prefill trimmed only: a deferred decode row is the latency the target protects).
-        Returns the step's tokens; out.scheduled is trimmed to match."""
+        while requests wait, deferring decode rows (of requests running before this step,
+        lowest-ranked first, none deferred in the last step, so none waits twice in a row) can
+        reach. Picks the most tokens per predicted second; with target_step_seconds, the largest
+        candidate predicted within it, or the quickest when none is (prefill trimmed only: a
+        deferred decode row is the latency the target protects). Returns the step's tokens;
+        out.scheduled is trimmed to match."""
         rows = list(out.scheduled.values())
         model, target = self.cost_model, self.target_step_seconds
         chunk_cut = sum(row.num_new_tokens - 1 for row in rows)
@@ -496,10 +497,10 @@ class Scheduler:
             ctx = context - trimmed - sum(row.request.num_computed_tokens + 1 for row in dropped)
             seconds = model.predict(StepShape(*self._pair(k, len(rows) - len(dropped)), ctx))
             if target is not None:
-                if seconds <= target or best_score is None:
+                if best_score is None or seconds < best_score:
                     best, best_score = k, seconds
-                    if seconds <= target:
-                        break  # the largest within the target
+                if seconds <= target:
+                    break  # the largest within the target
                 continue
             score = k / seconds if seconds > 0 else 0.0
             if best_score is None or score > best_score:
