@@ -115,3 +115,17 @@ def test_the_same_cost_table_replays_the_same_decisions():
         add(s, 45, prompt=9, max_tokens=10)
         logs.append(run(s))
     assert logs[0] == logs[1] and any(e[3] for e in logs[0])
+
+
+def test_a_target_no_step_can_meet_takes_the_quickest_step():
+    # a target below any step's cost: prefill chunks are trimmed as far as they go (each row keeps
+    # a token), decodes still run
+    model = cost_model(per_token=1e-5)
+    s = scheduler(model, target=1e-4)
+    add(s, 4, prompt=4, max_tokens=3)
+    first = s.schedule()
+    s.update(first, [7] * first.num_seqs)
+    s.add_request(Request("long", list(range(1, 200)), SamplingParams(temperature=0, max_tokens=4)))
+    out = s.schedule()
+    assert out.num_deferred == 0 and len(out.scheduled) == 5
+    assert out.token_bucket == 16 and out.scheduled["long"].num_new_tokens == 12  # 4 decodes + 12 prompt tokens
