@@ -147,22 +147,24 @@ class BatchPacker:
         sampling values (and 0 for a token id that does not fit), and the batch names it in
         `rejected`."""
         rows = list(out.scheduled.values())
+        buffers = self._buffers[self._turn]  # both tries fill the same set: the other may be in use
         try:
-            b = self._pack(out, rows, {})
+            b = self._pack(out, rows, {}, buffers)
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
             bad = {i: why for i, row in enumerate(rows) if (why := unstorable(row.request)) is not None}
             if not bad:
                 raise
-            b = self._pack(out, rows, bad)
+            b = self._pack(out, rows, bad, buffers)
             b.rejected = {rows[i].request.request_id: why for i, why in bad.items()}
+        self._turn ^= 1
         self._prev_rows = {row.request.request_id: i for i, row in enumerate(rows) if row.samples}
         return b
 
-    def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str]) -> BatchDescriptor:
+    def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str],
+              buffers: tuple[np.ndarray, ...]) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
-        i32, f32, pen_ids, pen_counts = self._buffers[self._turn]
-        self._turn ^= 1
+        i32, f32, pen_ids, pen_counts = buffers
         b = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, M, pen_ids[:S], pen_counts[:S])
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
