@@ -76,8 +76,11 @@ def drive(llm, reqs, abort_after: int = 3):
 
 
 def summary(o):
+    """What must not depend on overlap: tokens, text, why it ended, and logprobs (to float rounding:
+    preemption changes the batches a row runs in, and with them the last bits of its logits)."""
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-             None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs]) for c in o.outputs]
+             None if c.logprobs is None else [sorted((t, lp.rank, round(lp.logprob, 3)) for t, lp in d.items())
+                                              for d in c.logprobs]) for c in o.outputs]
 
 
 @pytest.mark.parametrize("extra", [
