@@ -1,0 +1,440 @@
+"""`jaxsched run-batch`: a file of OpenAI batch requests, run offline, as vLLM's `run-batch`.
+
+    jaxsched run-batch -i requests.jsonl -o results.jsonl [MODEL] [engine flags] [--error-file errors.jsonl]
+
+Each input line is one request of OpenAI's batch file format:
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
+
+and each gets one output line, in input order:
+
+    {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "chatcmpl-...",
+     "body": {...the server's response...}}, "error": null}
+
+One validation path. Every body goes through the HTTP server's own ASGI app (serving/app.py), called
+in this process without a socket: the same msgspec request types, conversion, checks and response
+builders, so a body the server answers with 400 gets the same status and message here, and a body it
+answers gets the same response. What is checked here is only what the server never sees: the line's
+envelope (JSON, custom_id, method, url, body) and streaming, which a file cannot carry.
+
+A line that fails, whatever the reason, gets `response.body = null`, the status the server would
+give, and the server's error object (`{"message", "type", "param", "code"}`) as `error`; the batch
+goes on (vLLM stops the whole run at a malformed line). OpenAI's batch output differs in one way: it
+keeps an HTTP failure's `{"error": ...}` in `response.body` and sets `error` only for failures that
+have no response; here `error` is always the place to look. custom_ids must be unique, as OpenAI
+requires: a repeated one is an error line (the first line with that id runs). Blank lines are skipped.
+
+Lines enter the engine as the file is read, at most --max-in-flight lines at a time, so a file larger
+than memory runs; outputs are written in input order, so what is held is the lines in flight and the
+finished results that wait for an earlier line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import IO, Any
+
+import msgspec
+from msgspec import Struct
+
+from serving.protocol import ErrorInfo, ErrorResponse, RequestError, UsageInfo
+
+logger = logging.getLogger(__name__)
+
+URLS = ("/v1/chat/completions", "/v1/completions")
+MAX_IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many lines per engine seat keeps the scheduler fed
+
+
+# -- the file formats --------------------------------------------------------------------------
+class _InputLine(Struct):
+    """One input line. Fields are Any so that each fault gets a message of its own here rather than
+    msgspec's first complaint; the body stays raw bytes and reaches the server as they are."""
+
+    custom_id: Any = None
+    method: Any = None
+    url: Any = None
+    body: msgspec.Raw = msgspec.Raw()  # empty when the line has none
+
+
+class _StreamProbe(Struct):
+    stream: Any = None
+
+
+class _ResponseProbe(Struct):
+    """What the runner reads of a server response: its id (the line's request_id) and usage (the bar's tok/s)."""
+
+    id: str | None = None
+    usage: UsageInfo | None = None
+
+
+class BatchResponse(Struct):
+    status_code: int
+    request_id: str
+    body: Any  # the server's response body as it sent it (a msgspec.Raw), or None for a failed line
+
+
+class BatchOutput(Struct):
+    id: str
+    custom_id: str | None
+    response: BatchResponse
+    error: ErrorInfo | None
+
+
+_enc = msgspec.json.Encoder()
+_line_decoder = msgspec.json.Decoder(_InputLine)
+_stream_decoder = msgspec.json.Decoder(_StreamProbe)
+_response_decoder = msgspec.json.Decoder(_ResponseProbe)
+_error_decoder = msgspec.json.Decoder(ErrorResponse)
+
+
+@dataclass
+class BatchSummary:
+    lines: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+
+
+# -- one line ----------------------------------------------------------------------------------
+class _LineError(Exception):
+    """A line refused before it reaches the server (its envelope, or a streaming body)."""
+
+    def __init__(self, err: RequestError, custom_id: str | None = None) -> None:
+        super().__init__(err.message)
+        self.err = err
+        self.custom_id = custom_id  # once it could be read, so that the error line can be matched
+
+
+def _parse(lineno: int, raw: bytes, seen: dict[str, int]) -> tuple[str | None, str, bytes]:
+    """(custom_id, url, body) of one input line; raises _LineError naming what is wrong."""
+    try:
+        line = _line_decoder.decode(raw)
+    except msgspec.ValidationError as e:  # valid JSON, but not an object
+        raise _LineError(RequestError(f"line {lineno} must be a JSON object "
+                                      "{\"custom_id\", \"method\", \"url\", \"body\"}: " + str(e),
+                                      code="invalid_json")) from e
+    except msgspec.DecodeError as e:
+        raise _LineError(RequestError(f"line {lineno} is not valid JSON: {e}", code="invalid_json")) from e
+    cid = line.custom_id if isinstance(line.custom_id, str) else None
+    try:
+        if line.custom_id is None:
+            raise RequestError(f"line {lineno} has no custom_id: every request needs a unique custom_id (a "
+                               "string) to match its output", param="custom_id", code="missing_custom_id")
+        if cid is None:
+            raise RequestError(f"custom_id must be a string, got {type(line.custom_id).__name__}",
+                               param="custom_id", code="invalid_type")
+        if cid in seen:
+            raise RequestError(f"custom_id {cid!r} is already used by line {seen[cid]}: custom_ids must be unique "
+                               "within a batch (this line was not run)", param="custom_id",
+                               code="duplicate_custom_id")
+        seen[cid] = lineno
+        if line.method != "POST":
+            raise RequestError(f"method must be \"POST\", got {_short(line.method)}", status=405, param="method",
+                               code="method_not_allowed")
+        if line.url not in URLS:
+            what = f"line {lineno} has no url" if line.url is None else \
+                f"url {_short(line.url)} is not served by run-batch"
+            raise RequestError(f"{what}: use one of {', '.join(URLS)}", status=404, param="url", code="not_found")
+        body = bytes(line.body)
+        if not body or body == b"null":
+            raise RequestError(f"line {lineno} has no body: put the request (the JSON object you would POST to "
+                               f"{line.url}) in \"body\"", param="body", code="missing_body")
+        try:
+            stream = _stream_decoder.decode(body).stream
+        except msgspec.ValidationError:  # not an object: the server says so, in its own words
+            stream = None
+        if stream is True:
+            raise RequestError("stream=true is not supported in a batch file: each line gets one whole response; "
+                               "drop \"stream\" (or set it to false)", param="stream", code="stream_not_supported")
+        return cid, line.url, body
+    except RequestError as e:
+        raise _LineError(e, cid) from None
+
+
+def _short(value: Any) -> str:
+    s = repr(value) if value is not None else "nothing"
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+async def _call_app(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
+    """POST `body` to `path` of the server's ASGI app, in this process; returns (status, body)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "client": None, "server": None,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        # a batch line never disconnects: the server's disconnect watcher waits here until it is cancelled
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    status = 500
+    chunks: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    except Exception:  # Starlette re-raises after its 500 handler has sent the response
+        if not chunks:
+            raise
+    return status, b"".join(chunks)
+
+
+def _error_line(cid: str | None, status: int, err: ErrorInfo) -> BatchOutput:
+    return BatchOutput(f"batch_req_{uuid.uuid4().hex}", cid, BatchResponse(status, f"req_{uuid.uuid4().hex}", None),
+                       err)
+
+
+def _refused(cid: str | None, e: RequestError) -> BatchOutput:
+    return _error_line(cid, e.status, ErrorInfo(e.message, e.type, e.param, e.code))
+
+
+# -- the run -----------------------------------------------------------------------------------
+class _OrderedWriter:
+    """Writes finished lines in input order; holds those that wait for an earlier line."""
+
+    def __init__(self, out: IO[bytes], error_out: IO[bytes] | None) -> None:
+        self.out, self.error_out = out, error_out
+        self.next = 0
+        self.waiting: dict[int, tuple[bytes, bool]] = {}
+
+    def put(self, index: int, record: BatchOutput) -> None:
+        self.waiting[index] = (_enc.encode(record) + b"\n", record.error is not None)
+        while self.next in self.waiting:
+            data, failed = self.waiting.pop(self.next)
+            self.out.write(data)
+            if failed and self.error_out is not None:
+                self.error_out.write(data)
+            self.next += 1
+
+
+class BatchRunner:
+    """Runs batch lines through the server's ASGI app (serving.app.build_app over an AsyncEngine)."""
+
+    def __init__(self, app: Any, max_in_flight: int, progress: Any = None) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
+        self.app = app
+        self.max_in_flight = max_in_flight
+        self.progress = progress  # a tqdm bar, or None
+        self.summary = BatchSummary()
+        self._t0 = 0.0
+
+    async def run(self, lines: Iterable[bytes], out: IO[bytes], error_out: IO[bytes] | None = None) -> BatchSummary:
+        writer = _OrderedWriter(out, error_out)
+        slots = asyncio.Semaphore(self.max_in_flight)
+        tasks: set[asyncio.Task] = set()
+        seen: dict[str, int] = {}
+        self._t0 = time.perf_counter()
+        index = 0
+        async for lineno, raw in _numbered(lines):
+            i, index = index, index + 1
+            try:
+                cid, url, body = _parse(lineno, raw, seen)
+            except _LineError as e:
+                self._finish(writer, i, _refused(e.custom_id, e.err))
+                continue
+            await slots.acquire()  # the bound: a line is read only when one in flight has finished
+            task = asyncio.create_task(self._one(writer, i, cid, url, body, slots))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+        self.summary.seconds = time.perf_counter() - self._t0
+        return self.summary
+
+    async def _one(self, writer: _OrderedWriter, index: int, cid: str | None, url: str, body: bytes,
+                   slots: asyncio.Semaphore) -> None:
+        try:
+            status, resp = await _call_app(self.app, url, body)
+        except Exception as e:  # one line's failure must not end the batch
+            logger.exception("custom_id %r failed", cid)
+            status, resp = 500, _enc.encode(ErrorResponse(ErrorInfo(
+                f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")))
+        finally:
+            slots.release()
+        self._finish(writer, index, self._record(cid, status, resp))
+
+    def _record(self, cid: str | None, status: int, resp: bytes) -> BatchOutput:
+        if status == 200:
+            probe = _response_decoder.decode(resp)
+            if probe.usage is not None:
+                self.summary.output_tokens += probe.usage.completion_tokens
+            return BatchOutput(f"batch_req_{uuid.uuid4().hex}", cid,
+                               BatchResponse(status, probe.id or f"req_{uuid.uuid4().hex}", msgspec.Raw(resp)), None)
+        try:
+            err = _error_decoder.decode(resp).error
+        except msgspec.MsgspecError:  # not the server's error shape (it always sends it; be safe)
+            err = ErrorInfo(f"HTTP {status}: {resp[:200].decode(errors='replace')}",
+                            "server_error" if status >= 500 else "invalid_request_error", None, None)
+        return _error_line(cid, status, err)
+
+    def _finish(self, writer: _OrderedWriter, index: int, record: BatchOutput) -> None:
+        s = self.summary
+        s.lines += 1
+        s.failed += record.error is not None
+        writer.put(index, record)
+        if self.progress is not None:
+            dt = time.perf_counter() - self._t0
+            self.progress.set_postfix_str(f"output {s.output_tokens / dt if dt > 0 else 0.0:.1f} tok/s, "
+                                          f"{s.failed} failed", refresh=False)
+            self.progress.update(1)
+
+
+async def _numbered(lines: Iterable[bytes]) -> AsyncIterator[tuple[int, bytes]]:
+    """(1-based line number, line) of the non-blank lines. Reading a line blocks the loop briefly; the
+    engine runs on its own thread meanwhile, and the lines in flight wait on it, not on the loop."""
+    for lineno, raw in enumerate(lines, 1):
+        if raw.strip():
+            yield lineno, raw
+        if lineno % 256 == 0:
+            await asyncio.sleep(0)  # let finished lines be written while blank or refused lines stream by
+
+
+def _count_lines(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for raw in f if raw.strip())
+    except OSError:
+        return None
+
+
+# -- the command ------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """run-batch's own flags (the engine flags are added by cli.add_engine_flags)."""
+    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    parser.add_argument("-i", "--input-file", required=True, help="the batch file: one request per line (JSONL)")
+    parser.add_argument("-o", "--output-file", required=True,
+                        help="where one result per input line is written, in input order (JSONL)")
+    parser.add_argument("--error-file", default=None,
+                        help="also write the failed lines here, as OpenAI's batch writes an error file")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="lines of the file in the engine at once, each one or more engine requests (a list "
+                             f"of prompts, n > 1) (default: {MAX_IN_FLIGHT_PER_SEQ} x max_num_seqs x "
+                             "data_parallel_size, at most max_num_queued_requests)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name bodies pass as `model` (default: MODEL, as `serve`)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat templates sent in bodies, as `serve` (refused by default)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar (there is none off a terminal)")
+
+
+def default_max_in_flight(args: Any) -> int:
+    n = MAX_IN_FLIGHT_PER_SEQ * args.max_num_seqs * args.data_parallel_size
+    if args.max_num_queued_requests is not None:  # beyond it the server's answer is 503 (server_overloaded)
+        n = min(n, args.max_num_queued_requests)
+    return n
+
+
+def cmd_run_batch(ns: argparse.Namespace, args: Any) -> int:
+    """The `jaxsched run-batch` command; `args` are the EngineArgs of the command line."""
+    from jaxsched.engine import create_engine
+    from serving.app import build_app
+    from serving.async_engine import AsyncEngine
+
+    max_in_flight = ns.max_in_flight if ns.max_in_flight is not None else default_max_in_flight(args)
+    if max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
+    # the files are opened before the model loads (minutes), so that a wrong path fails at once;
+    # on a multi-host engine only process 0 reads and writes them, after it knows it is process 0
+    multi_host = args.distributed_coordinator is not None
+    files = None if multi_host else _open_files(ns)
+    if files is None and not multi_host:
+        return 1
+    eng = create_engine(args)
+    if multi_host:
+        if not eng.is_leader:  # the other hosts run process 0's steps until it stops
+            eng.follow()
+            return 0
+        files = _open_files(ns)
+        if files is None:
+            eng.shutdown()
+            return 1
+    src, out, err = files
+    name = ns.served_model_name or ns.model or "demo"
+    engine = AsyncEngine(eng)
+    app = build_app(engine, served_model_name=name, trust_request_chat_template=ns.trust_request_chat_template)
+    try:
+        summary = asyncio.run(_run_with_bar(app, ns, src, out, err, max_in_flight))
+        # the engine thread ends only on shutdown: if it is gone, the lines after that failed with 503
+        dead = not engine.is_running
+    finally:
+        engine.shutdown(timeout=None if multi_host else 10.0)
+        if multi_host:
+            eng.shutdown()
+        for f in (src, out, err):
+            if f is not None:
+                f.close()
+    logger.info("run-batch: %d lines, %d failed, %d output tokens in %.1f s (%.1f output tok/s) -> %s%s",
+                summary.lines, summary.failed, summary.output_tokens, summary.seconds,
+                summary.output_tokens / summary.seconds if summary.seconds else 0.0, ns.output_file,
+                f" (failures also in {ns.error_file})" if ns.error_file else "")
+    if dead:
+        print("error: the engine stopped during the run; the lines after that failed (see the output file)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _run_with_bar(app: Any, ns: argparse.Namespace, src: IO[bytes], out: IO[bytes], err: IO[bytes] | None,
+                        max_in_flight: int) -> BatchSummary:
+    from tqdm import tqdm
+
+    show = not ns.disable_tqdm and sys.stderr.isatty()
+    total = _count_lines(ns.input_file) if show else None  # one quick pass, for the bar's ETA
+    with tqdm(total=total, desc="run-batch", unit="req", disable=not show, dynamic_ncols=True) as bar:
+        return await BatchRunner(app, max_in_flight, bar if show else None).run(src, out, err)
+
+
+def _open_files(ns: argparse.Namespace) -> tuple[IO[bytes], IO[bytes], IO[bytes] | None] | None:
+    """The input, output and error files, opened; None (after saying why) when one cannot be."""
+    if ns.error_file is not None and os.path.abspath(ns.error_file) == os.path.abspath(ns.output_file):
+        print("error: --error-file must differ from the output file (which gets every line already)", file=sys.stderr)
+        return None
+    for path in (ns.output_file, ns.error_file):  # opening it for writing would empty the input first
+        if path is not None and os.path.exists(path) and os.path.exists(ns.input_file) and \
+                os.path.samefile(path, ns.input_file):
+            print(f"error: {path!r} is the input file: write the results to another file", file=sys.stderr)
+            return None
+    opened: list[IO[bytes]] = []
+    try:
+        for path, mode, what in ((ns.input_file, "rb", "read the input file"),
+                                 (ns.output_file, "wb", "write the output file"),
+                                 (ns.error_file, "wb", "write the error file")):
+            if path is None:
+                opened.append(None)  # type: ignore[arg-type]
+                continue
+            try:
+                opened.append(open(path, mode))  # noqa: SIM115 - closed by cmd_run_batch
+            except OSError as e:
+                print(f"error: cannot {what} {path!r}: {e.strerror or e}", file=sys.stderr)
+                raise
+    except OSError:
+        for f in opened:
+            if f is not None:
+                f.close()
+        return None
+    src, out, err = opened
+    return src, out, err
+

@@ -1,0 +1,227 @@
+"""`jaxsched run-batch`: an OpenAI batch file run offline through the server's own request path.
+
+The command runs in-process (serving.cli.main) on one tiny engine built once for the module: its
+create_engine is swapped for that engine, so the module pays one warm-up, not one per run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import httpx
+import openai
+import pytest
+from servers import uvicorn_thread
+
+import jaxsched.engine
+from jaxsched import LLM, SamplingParams
+from serving import cli
+from serving.app import build_app
+from serving.async_engine import AsyncEngine
+
+ENGINE = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8}
+PROMPTS = ["the capital of france is", "hello world , how are you", "one two three four", "what is a cat ?",
+           "dogs and cats like to play", "language models predict the next token"]
+# the acceptance file's 5 bad lines, at these 0-based positions
+BAD = {17: "bad json", 53: "unknown url", 99: "stream", 142: "invalid parameter", 188: "missing body"}
+
+
+def good_line(i: int) -> dict:
+    """Line i of the acceptance file: completions on even lines, chat on odd ones, greedy, 1 to 6 tokens."""
+    body = {"model": "tiny", "max_tokens": 1 + i % 6, "temperature": 0, "ignore_eos": True}
+    if i % 2 == 0:
+        return {"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/completions",
+                "body": {**body, "prompt": PROMPTS[i % len(PROMPTS)]}}
+    return {"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {**body, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}}
+
+
+def acceptance_lines() -> list[str]:
+    lines = []
+    for i in range(200):
+        line = good_line(i)
+        match BAD.get(i):
+            case "bad json":
+                lines.append(json.dumps(line)[:40])  # cut short
+                continue
+            case "unknown url":
+                line["url"] = "/v1/embeddings"
+            case "stream":
+                line["body"]["stream"] = True
+            case "invalid parameter":
+                line["body"]["temperature"] = -1
+            case "missing body":
+                del line["body"]
+        lines.append(json.dumps(line))
+    return lines
+
+
+def reference_texts(llm: LLM) -> dict[int, str]:
+    """The greedy text of every good line of the acceptance file, from the offline API."""
+    good = [i for i in range(200) if i not in BAD]
+    params = {i: SamplingParams(temperature=0, max_tokens=good_line(i)["body"]["max_tokens"], ignore_eos=True)
+              for i in good}
+    done = [i for i in good if i % 2 == 0]
+    outs = llm.generate([good_line(i)["body"]["prompt"] for i in done], [params[i] for i in done], use_tqdm=False)
+    chats = [i for i in good if i % 2 == 1]
+    outs += llm.chat([good_line(i)["body"]["messages"] for i in chats], [params[i] for i in chats], use_tqdm=False)
+    return {i: o.outputs[0].text for i, o in zip(done + chats, outs)}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    llm = LLM(llama_dir, **ENGINE)
+    llm.refs = reference_texts(llm)  # offline, before run-batch takes the engine
+    return llm
+
+
+@pytest.fixture
+def run(llm, monkeypatch, tmp_path):
+    """run(lines, *flags) -> (exit code, output records, EngineArgs the command built, peak requests in
+    the engine): `jaxsched run-batch` in this process on the module's engine."""
+    eng = llm.llm_engine
+    built = []
+    peak = [0]
+    stats = eng.stats
+
+    def counting_stats():  # the AsyncEngine publishes these after every step
+        s = stats()
+        peak[0] = max(peak[0], s.num_requests_running + s.num_requests_waiting + s.num_requests_swapped)
+        return s
+
+    def create_engine(args):
+        built.append(args)
+        return eng
+
+    monkeypatch.setattr(jaxsched.engine, "create_engine", create_engine)
+    monkeypatch.setattr(eng, "stats", counting_stats)
+
+    def go(lines: list[str], *flags: str) -> tuple[int, list[dict], object, int]:
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        src.write_text("\n".join(lines) + "\n")
+        peak[0] = 0
+        rc = cli.main(["--log-level", "WARNING", "run-batch", "-i", str(src), "-o", str(out), "some/model",
+                       "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "8", *flags])
+        records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        return rc, records, built[-1] if built else None, peak[0]
+
+    return go
+
+
+def test_acceptance_file_200_lines_in_order_with_5_errors(run, llm, tmp_path):
+    lines = acceptance_lines()
+    err_path = tmp_path / "errors.jsonl"
+    rc, out, args, peak = run(lines, "--error-file", str(err_path), "--max-in-flight", "4")
+    assert rc == 0
+    assert args.max_num_seqs == 8 and args.max_model_len == 128 and args.model == "some/model"  # engine flags
+    assert len(out) == 200
+    assert [r["custom_id"] for r in out] == [None if i == 17 else f"req-{i:03d}" for i in range(200)]
+    failed = {i: r for i, r in enumerate(out) if r["error"] is not None}
+    assert sorted(failed) == sorted(BAD)
+    for r in failed.values():
+        assert r["response"]["body"] is None and r["id"].startswith("batch_req_")
+        assert set(r["error"]) == {"message", "type", "param", "code"}
+    e = {kind: failed[i]["error"] for i, kind in BAD.items()}
+    status = {kind: failed[i]["response"]["status_code"] for i, kind in BAD.items()}
+    assert "line 18 is not valid JSON" in e["bad json"]["message"] and status["bad json"] == 400
+    assert "/v1/embeddings" in e["unknown url"]["message"] and e["unknown url"]["param"] == "url"
+    assert status["unknown url"] == 404
+    assert "drop \"stream\"" in e["stream"]["message"] and e["stream"]["param"] == "stream"
+    assert status["stream"] == 400
+    assert "temperature" in e["invalid parameter"]["message"] and e["invalid parameter"]["param"] == "temperature"
+    assert status["invalid parameter"] == 400 and e["invalid parameter"]["type"] == "invalid_request_error"
+    assert "has no body" in e["missing body"]["message"] and e["missing body"]["param"] == "body"
+    # every successful body is what OpenAI's client parses, with the server's usage and id
+    for i, r in enumerate(out):
+        if i in BAD:
+            continue
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        if i % 2 == 0:
+            parsed = openai.types.Completion.model_validate(body)
+            text = parsed.choices[0].text
+        else:
+            parsed = openai.types.chat.ChatCompletion.model_validate(body)
+            text = parsed.choices[0].message.content
+        assert parsed.model == "tiny" and r["response"]["request_id"] == parsed.id
+        assert parsed.usage.completion_tokens == 1 + i % 6 and parsed.choices[0].finish_reason == "length"
+        assert text == llm.refs[i], i  # the offline API's greedy text for the same prompt
+    # the error file: the failed lines, in input order, as in the output file
+    assert [json.loads(x) for x in err_path.read_text().splitlines()] == [out[i] for i in sorted(BAD)]
+    # at most --max-in-flight lines (one engine request each here) were ever in the engine
+    assert peak == 4
+
+
+def test_a_rejected_body_gets_the_http_servers_status_and_error(run, llm):
+    bodies = [{"model": "tiny", "prompt": "hi", "temperature": -1},
+              {"model": "tiny", "prompt": "hi", "max_tokens": "5"},
+              {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+              {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+              {"model": "tiny", "prompt": "hi", "max_tokens": 1000}]
+    urls = ["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions", "/v1/completions"]
+    lines = [json.dumps({"custom_id": f"x{k}", "method": "POST", "url": u, "body": b})
+             for k, (u, b) in enumerate(zip(urls, bodies))]
+    rc, out, _, _ = run(lines)
+    assert rc == 0
+    engine = AsyncEngine(llm.llm_engine)
+    try:
+        with uvicorn_thread(build_app(engine, served_model_name="tiny")) as url:
+            for rec, u, b in zip(out, urls, bodies):
+                http = httpx.post(url + u, json=b, timeout=30)
+                assert http.status_code >= 400
+                assert rec["response"]["status_code"] == http.status_code
+                assert rec["error"] == http.json()["error"]
+    finally:
+        engine.shutdown()
+
+
+def test_envelope_faults_duplicates_and_several_prompts(run, monkeypatch, capsys):
+    ok = {"model": "tiny", "prompt": "one two", "max_tokens": 2}
+    lines = [
+        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": ok}),
+        "",  # blank: skipped
+        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": ok}),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": ok}),
+        json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": ok}),
+        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": ok}),
+        json.dumps({"custom_id": "null-body", "method": "POST", "url": "/v1/completions", "body": None}),
+        json.dumps({"custom_id": "list-body", "method": "POST", "url": "/v1/completions", "body": [1]}),
+        json.dumps(["not", "an", "object"]),
+        json.dumps({"custom_id": "two", "method": "POST", "url": "/v1/completions",
+                    "body": {**ok, "prompt": ["one two", "three four"], "n": 2, "temperature": 1, "seed": 3}}),
+    ]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the progress bar is drawn on a terminal only
+    rc, out, _, _ = run(lines, "--max-in-flight", "1")
+    assert rc == 0 and len(out) == 9
+    assert [r["custom_id"] for r in out] == ["a", "a", None, None, "get", "null-body", "list-body", None, "two"]
+    assert out[0]["error"] is None
+    codes = [r["error"] and (r["response"]["status_code"], r["error"]["code"]) for r in out]
+    assert codes[1:8] == [(400, "duplicate_custom_id"), (400, "missing_custom_id"), (400, "invalid_type"),
+                          (405, "method_not_allowed"), (400, "missing_body"), (400, "invalid_json"),
+                          (400, "invalid_json")]
+    assert "already used by line 1" in out[1]["error"]["message"]
+    assert "must be a JSON object" in out[6]["error"]["message"]  # the server's own words for a non-object body
+    assert "line 9 must be a JSON object" in out[7]["error"]["message"]
+    two = openai.types.Completion.model_validate(out[8]["response"]["body"])
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3] and two.usage.completion_tokens == 8
+    bar = capsys.readouterr().err
+    assert "run-batch" in bar and "9/9" in bar and "tok/s" in bar and "7 failed" in bar
+
+
+def test_files_that_cannot_be_opened_fail_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    def no_engine(args):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(jaxsched.engine, "create_engine", no_engine)
+    src = tmp_path / "in.jsonl"
+    src.write_text("{}\n")
+    missing = str(tmp_path / "nope.jsonl")
+    assert cli.main(["run-batch", "-i", missing, "-o", str(tmp_path / "o.jsonl")]) == 1
+    assert "cannot read the input file" in capsys.readouterr().err
+    assert cli.main(["run-batch", "-i", str(src), "-o", str(tmp_path / "no-dir" / "o.jsonl")]) == 1
+    assert "cannot write the output file" in capsys.readouterr().err
+    assert cli.main(["run-batch", "--input-file", str(src), "--output-file", str(src)]) == 1
+    assert "is the input file" in capsys.readouterr().err and src.read_text() == "{}\n"
+    assert cli.main(["run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--max-in-flight", "0"]) == 2
+    assert "--max-in-flight must be >= 1" in capsys.readouterr().err
