@@ -1,0 +1,5 @@
+import sys
+
+from jaxsched.bench import main
+
+sys.exit(main())

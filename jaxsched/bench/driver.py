@@ -1,0 +1,124 @@
+"""Runs a workload through an engine, offline, and measures the run: continuous batching (every
+request added at once; the scheduler refills a seat as soon as one frees) or static batching
+(requests in arrival order, in batches of one per seat; a batch runs until all of its requests
+finish, and nothing joins it), on the same engine, the same code and the same seat count.
+
+Between steps it samples the engine's gauges (EngineStats): KV usage, and the requests running,
+whose complement to the seat count is the idle seats of the step. Counters (steps, tokens,
+padding, preemptions, step seconds, and any counter the engine adds later) are read as the
+difference over the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxsched.bench.workloads import BenchRequest
+from jaxsched.request import SamplingParams
+from jaxsched.stats import EngineStats
+
+BATCHING = ("continuous", "static")
+# EngineStats fields that are gauges (a value now), not counters (a total since start)
+_GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                     "last_step_padded_tokens"})
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run of a workload."""
+
+    batching: str
+    overlap: bool
+    elapsed: float  # seconds, first request added to last one finished
+    num_finished: int
+    output_tokens: int
+    prompt_tokens: int
+    counters: dict[str, float]  # EngineStats counters over the run
+    seats: int  # requests the engine runs at once (max_num_seqs, every replica)
+    peak_kv_usage: float
+    mean_kv_usage: float
+    step_calls: int  # engine.step() calls (one step of every busy replica)
+    running_request_steps: int  # sum over step() calls of the requests running after it
+    cost_errors: tuple[tuple[float, float], ...] = ()  # the step-cost model's (predicted, measured) seconds
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.counters.get("num_steps", 0))
+
+    @property
+    def idle_seat_steps(self) -> int:
+        """Seat-steps without a running request: a static batch's finished rows, or a drained queue."""
+        return max(self.seats * self.step_calls - self.running_request_steps, 0)
+
+
+def replicas(engine: Any) -> list[Any]:
+    """The LLMEngines behind `engine` (one, or a data-parallel engine's replicas)."""
+    return list(getattr(engine, "replicas", [engine]))
+
+
+def set_overlap(engine: Any, on: bool) -> None:
+    """Overlapped scheduling on or off for the next steps (every replica of a data-parallel engine)."""
+    for e in replicas(engine):
+        e.async_scheduling = on
+
+
+def overlap_of(engine: Any) -> bool:
+    return bool(replicas(engine)[0].async_scheduling)
+
+
+def seats_of(engine: Any) -> int:
+    return engine.scheduler_config.max_num_seqs * len(replicas(engine))
+
+
+def counters(stats: EngineStats) -> dict[str, float]:
+    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
+            if f.name not in _GAUGES and isinstance(getattr(stats, f.name), (int, float))}
+
+
+def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingParams], batching: str) -> Run:
+    """Run `reqs` to completion with `batching`; the prefix cache is emptied first, so that a
+    repeated workload is computed again rather than found in the cache."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+    for e in replicas(engine):
+        e.block_manager.reset_prefix_cache()
+        if getattr(e, "cost_model", None) is not None:
+            e.cost_errors = []
+    seats = seats_of(engine)
+    # every request is validated before the clock starts and before any is added
+    made = [engine.make_request(engine.next_request_id(), r.prompt, p) for r, p in zip(reqs, params)]
+    batches = [made] if batching == "continuous" else [made[i:i + seats] for i in range(0, len(made), seats)]
+    kv_peak = kv_sum = 0.0
+    running = samples = finished = out_tokens = prompt_tokens = 0
+    before = engine.stats()
+    t0 = time.perf_counter()
+    for batch in batches:
+        for req in batch:
+            engine.add_request_obj(req)
+        pending = {r.request_id for r in batch}
+        while pending:
+            for o in engine.step():
+                if o.finished and o.request_id in pending:
+                    pending.discard(o.request_id)
+                    finished += 1
+                    out_tokens += len(o.outputs[0].token_ids)
+                    prompt_tokens += len(o.prompt_token_ids)
+            s = engine.stats()
+            kv_peak = max(kv_peak, s.kv_cache_usage_perc)
+            kv_sum += s.kv_cache_usage_perc
+            running += s.num_requests_running
+            samples += 1
+    elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    c0 = counters(before)
+    delta = {k: v - c0.get(k, 0) for k, v in counters(after).items()}
+    errors = tuple(x for e in replicas(engine) for x in (getattr(e, "cost_errors", None) or ()))
+    return Run(batching=batching, overlap=overlap_of(engine), elapsed=elapsed, num_finished=finished,
+               output_tokens=out_tokens, prompt_tokens=prompt_tokens, counters=delta, seats=seats,
+               peak_kv_usage=kv_peak, mean_kv_usage=kv_sum / max(samples, 1), step_calls=samples,
+               running_request_steps=running,
+               cost_errors=errors)

@@ -1,0 +1,228 @@
+"""`jaxsched bench throughput`: offline throughput of a workload on one engine, with continuous or
+static batching (or both, on the same engine: the ratio is the value of continuous batching), and
+overlapped scheduling on or off (or both).
+
+  jaxsched bench throughput                                     # the demo model, uniform workload
+  jaxsched bench throughput --workload long-tail -n 128 --max-num-seqs 32 --batching both --plot out/
+  jaxsched bench throughput MODEL --dataset prompts.jsonl --overlap both --json
+
+Every request is greedy with ignore_eos (as vLLM's throughput benchmark), so it produces exactly its
+max_tokens. Figures per run: requests/s, output and total tokens/s, steps, padding per step, peak
+and mean KV usage (sampled between steps), preemptions, idle seats (seat-steps with no running
+request: in static batching, the rows of a batch that have finished while its longest runs on),
+and host / device time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+from typing import Any
+
+import numpy as np
+
+from jaxsched.bench import driver, workloads
+from jaxsched.bench.driver import Run
+from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
+from jaxsched.bench.results import add_output_arguments, emit
+from jaxsched.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    workloads.add_workload_arguments(p)
+    g = p.add_argument_group("runs")
+    g.add_argument("--batching", choices=("continuous", "static", "both"), default="continuous",
+                   help="static: batches of --max-num-seqs requests in arrival order, each run until all of its "
+                        "requests finish; 'both' runs continuous, then static, on one engine")
+    g.add_argument("--overlap", choices=("on", "off", "both"), default=None,
+                   help="overlapped scheduling per run (default: the engine's --async-scheduling); 'both' runs "
+                        "without, then with it")
+    g.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
+                   help="share of the requests with a repetition penalty (0 to 1)")
+    g.add_argument("--flops", action="store_true",
+                   help="also the model FLOP/s achieved, against a float matmul peak measured here (~10 s)")
+    add_output_arguments(p)
+
+
+def sampling_params(reqs: list[workloads.BenchRequest], penalized: float) -> list[SamplingParams]:
+    # --penalized: that share of the requests uses a repetition penalty, whose tables are built on
+    # the host from the tokens so far (with overlap, a step with such rows waits for the one before)
+    n = len(reqs)
+    pen = np.arange(n) < round(penalized * n)
+    return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len,
+                           repetition_penalty=1.1 if p else 1.0) for r, p in zip(reqs, pen)]
+
+
+def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[SamplingParams],
+            batchings: list[str], overlaps: list[bool | None]) -> list[Run]:
+    """One run per (batching, overlap), batching outermost; overlap None keeps the engine's."""
+    runs = []
+    for b in batchings:
+        for o in overlaps:
+            if o is not None:
+                driver.set_overlap(engine, o)
+            logger.info("run: %s batching, overlap %s, %d requests", b, "on" if driver.overlap_of(engine) else "off",
+                        len(reqs))
+            runs.append(driver.run(engine, reqs, params, b))
+    return runs
+
+
+def run_fields(r: Run) -> dict[str, Any]:
+    """One run's figures, named as vLLM's benchmarks name them where the concept is the same."""
+    c = r.counters
+    steps = max(r.num_steps, 1)
+    scheduled, padded = c.get("num_scheduled_tokens", 0), c.get("num_padded_tokens", 0)
+    step_s, device_s = c.get("step_seconds", 0.0), c.get("device_seconds", 0.0)
+    d: dict[str, Any] = {
+        "batching": r.batching, "overlap": "on" if r.overlap else "off",
+        "elapsed_time": round(r.elapsed, 3), "num_requests": r.num_finished,
+        "total_input_tokens": r.prompt_tokens, "total_output_tokens": r.output_tokens,
+        "request_throughput": round(r.num_finished / r.elapsed, 3),
+        "output_throughput": round(r.output_tokens / r.elapsed, 2),
+        "total_token_throughput": round((r.output_tokens + r.prompt_tokens) / r.elapsed, 2),
+        "num_steps": r.num_steps,
+        "scheduled_tokens_per_step": round(scheduled / steps, 2),
+        "padded_tokens_per_step": round(padded / steps, 2),
+        "padding_share": round(padded / max(scheduled + padded, 1), 4),
+        "peak_kv_cache_usage_perc": round(r.peak_kv_usage, 4),
+        "mean_kv_cache_usage_perc": round(r.mean_kv_usage, 4),
+        "num_preemptions": int(c.get("num_preemptions", 0)),
+        "seats": r.seats,
+        "mean_running_requests": round(r.running_request_steps / max(r.step_calls, 1), 2),
+        "idle_seat_steps": r.idle_seat_steps,
+        "idle_seat_share": round(r.idle_seat_steps / max(r.seats * r.step_calls, 1), 4),
+        # per step: the wall time, and the part of it the host waited for the device; without
+        # overlap the device idles for the rest (the host's work), with overlap the host works
+        # while the device runs
+        "wall_ms_per_step": round(step_s / steps * 1e3, 3),
+        "host_ms_per_step": round((step_s - device_s) / steps * 1e3, 3),
+        "device_wait_ms_per_step": round(device_s / steps * 1e3, 3),
+    }
+    if not r.overlap:
+        d["device_idle_share"] = round(1 - device_s / max(step_s, 1e-9), 4)
+    # the host's time per step by phase (schedule, pack, update, detokenize...), where the engine
+    # counts it: any *_seconds counter beyond the step's wall and device-wait time
+    phases = {k.removesuffix("_seconds"): round(v / steps * 1e3, 3) for k, v in c.items()
+              if k.endswith("_seconds") and k not in ("step_seconds", "device_seconds")}
+    if phases:
+        d["host_ms_per_step_by_phase"] = phases
+    if r.cost_errors:
+        # the step-cost model's one-step-ahead predictions against the measured step times
+        pred, meas = np.array(r.cost_errors).T
+        rel = np.abs(pred - meas) / meas
+        d["cost_model_error"] = {"steps": int(rel.size), "mean": round(float(rel.mean()), 3),
+                                 **{f"p{q}": round(float(np.percentile(rel, q)), 3) for q in (50, 90, 99)},
+                                 "within_15_percent": round(float((rel <= 0.15).mean()), 3)}
+    return d
+
+
+def primary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run the top-level fields describe: continuous batching and overlap on, where run."""
+    return max(runs, key=lambda r: (r["batching"] == "continuous", r["overlap"] == "on"))
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios between runs that differ in one setting."""
+    out: dict[str, Any] = {}
+    by = {(r["batching"], r["overlap"]): r for r in runs}
+    p = primary(runs)
+    s = by.get(("static", p["overlap"]))
+    if p["batching"] == "continuous" and s is not None:
+        out["continuous_over_static"] = {
+            "output_throughput": round(p["output_throughput"] / s["output_throughput"], 3),
+            "elapsed_time": round(s["elapsed_time"] / p["elapsed_time"], 3),
+            "num_steps": round(s["num_steps"] / max(p["num_steps"], 1), 3),
+            "idle_seat_share": [p["idle_seat_share"], s["idle_seat_share"]],
+        }
+    off = by.get((p["batching"], "off"))
+    if p["overlap"] == "on" and off is not None:
+        # the device's time per step without overlap is what a step costs with no host work around it
+        device_only = off["device_wait_ms_per_step"]
+        out["overlap_speedup"] = round(off["elapsed_time"] / p["elapsed_time"], 3)
+        out["host_share_with_overlap"] = round(max(0.0, 1 - device_only / max(p["wall_ms_per_step"], 1e-9)), 3)
+    return out
+
+
+def flops_fields(engine: Any, reqs: list[workloads.BenchRequest], elapsed: float, dtype: str) -> dict[str, Any]:
+    from jaxsched.bench.flops import matmul_peak_gflops, model_flops
+
+    if any(r.prompt_len is None for r in reqs):
+        return {}
+    flops = model_flops(engine.model_config, np.array([r.prompt_len for r in reqs]),
+                        np.array([r.output_len for r in reqs]))
+    peak = matmul_peak_gflops(dtype)
+    achieved = flops["total"] / elapsed / 1e9
+    return {"model_tflop": round(flops["total"] / 1e12, 2),
+            "model_tflop_matmul_attention_lmhead": [round(flops[k] / 1e12, 2) for k in ("matmul", "attention", "lm_head")],
+            "achieved_gflops": round(achieved, 1), "matmul_peak_gflops": round(peak, 1),
+            "fraction_of_peak": round(achieved / peak, 3)}
+
+
+def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[str, Any]:
+    """The whole throughput result for `ns` on `engine`."""
+    vocab = engine.model_config.vocab_size
+    reqs = workloads.build(ns, vocab_size=vocab, tokenizer=driver.replicas(engine)[0].tokenizer,
+                           max_model_len=engine.scheduler_config.max_model_len)
+    params = sampling_params(reqs, ns.penalized)
+    batchings = ["continuous", "static"] if ns.batching == "both" else [ns.batching]
+    overlaps: list[bool | None] = {None: [None], "on": [True], "off": [False], "both": [False, True]}[ns.overlap]
+    measured = measure(engine, reqs, params, batchings, overlaps)
+    runs = [run_fields(r) for r in measured]
+    for r in runs:
+        if r["total_output_tokens"] != sum(x.output_len for x in reqs):
+            logger.warning("%s batching produced %d output tokens, %d were asked for", r["batching"],
+                           r["total_output_tokens"], sum(x.output_len for x in reqs))
+    res: dict[str, Any] = {"command": "throughput", "engine": describe_engine(engine),
+                           "workload": workloads.describe(ns, reqs), "init_s": round(init_s, 2),
+                           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    res.update(primary(runs))
+    res["runs"] = runs
+    res.update(compare(runs))
+    if any(getattr(e, "cost_model", None) is not None for e in driver.replicas(engine)):
+        res["deferred_decode_rows"] = sum(e.scheduler.num_deferred for e in driver.replicas(engine))
+    if ns.flops:  # the matmul peak in the weights' dtype where it is one of these, else float32
+        dtype = ns.dtype if ns.dtype in ("float32", "bfloat16") else "float32"
+        res["flops"] = flops_fields(engine, reqs, measured[runs.index(primary(runs))].elapsed, dtype)
+    return res
+
+
+def print_summary(res: dict[str, Any]) -> None:
+    e, w = res["engine"], res["workload"]
+    print(f"engine     {e['model']}: {e['max_num_seqs']} seats, KV {e['kv_blocks']} blocks x {e['block_size']}, "
+          f"{e['attention_backend']}, warm-up {e['warmup_s']} s")
+    print(f"workload   {w['name']}: {w['num_requests']} requests, {w['requested_output_tokens']} output tokens asked")
+    print(f"{'batching':<11}{'overlap':<8}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'steps':>8}"
+          f"{'pad/step':>10}{'peak KV':>9}{'preempt':>9}{'idle seats':>12}{'ms/step':>9}")
+    for r in res["runs"]:
+        print(f"{r['batching']:<11}{r['overlap']:<8}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+              f"{r['total_token_throughput']:>11.1f}{r['num_steps']:>8}{r['padded_tokens_per_step']:>10.1f}"
+              f"{r['peak_kv_cache_usage_perc'] * 100:>8.1f}%{r['num_preemptions']:>9}"
+              f"{r['idle_seat_share'] * 100:>11.1f}%{r['wall_ms_per_step']:>9.2f}")
+    if "continuous_over_static" in res:
+        c = res["continuous_over_static"]
+        print(f"continuous / static: {c['output_throughput']}x output tokens/s, {c['num_steps']}x fewer steps; "
+              f"idle seats {c['idle_seat_share'][0] * 100:.1f} % vs {c['idle_seat_share'][1] * 100:.1f} %")
+    if "overlap_speedup" in res:
+        print(f"overlap on / off: {res['overlap_speedup']}x; host share of a step with overlap "
+              f"{res['host_share_with_overlap'] * 100:.1f} %")
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.plot:
+        from jaxsched.bench.plots import require_matplotlib
+
+        require_matplotlib()
+    engine, init_s = build_engine(ns)
+    res = benchmark(engine, ns, init_s)
+    print_summary(res)
+    if ns.plot:
+        from jaxsched.bench import plots
+
+        for path in plots.throughput(res, ns.plot):
+            print(f"plot       {path}")
+    emit(res, ns)
+    return 0
