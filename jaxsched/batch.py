@@ -231,7 +231,9 @@ class BatchPacker:
 
         self.penalties.forget(out.finished_ids)
         for i, sp in enumerate(params):
-            if sp.uses_penalties:
+            # a prefill chunk that samples nothing needs no table (its logits are dropped), and its
+            # step then need not make the next one wait for tokens (InFlight.needs_tokens)
+            if sp.uses_penalties and sched[i].samples:
                 r = reqs[i]
                 b.presence_penalty[i] = sp.presence_penalty
                 b.frequency_penalty[i] = sp.frequency_penalty

@@ -14,8 +14,9 @@ finishes one. Step N+1 is scheduled as if every running request got its token fr
 decode rows take those tokens on the device (runner.py), and the host reads them one step later.
 A request that step N ends (EOS, a stop token or string) costs one wasted row in step N+1, whose
 token update() drops; one that ends by length is not scheduled again. The outputs are the
-synchronous engine's. A step whose rows use penalty tables (built on the host from the tokens so
-far) waits for the step before it instead.
+synchronous engine's. Penalty tables are built on the host from the tokens so far, so the step
+after one that sampled a penalised row waits for it (reads its tokens before scheduling). A step
+that swaps a request out waits too: the copy needs the pages of the step in flight.
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
 
@@ -273,19 +274,30 @@ class LLMEngine:
             prev = None
         out = self.scheduler.schedule()
         try:
-            step = self.runner.dispatch(out)
-        except Exception as e:  # on the device: end the requests whose KV it may have spoiled
-            raise self._failed([s.out for s in (prev,) if s is not None] + [out], e) from e
-        step.call_start = t0
-        if prev is not None:  # the device runs `step` while the host reads and processes `prev`
-            self._in_flight = None
-            outputs, device = self._complete(prev, [prev, step])
-        if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
-            self._in_flight = step
-        else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
-            more, d = self._complete(step, [step])
-            outputs += more
-            device += d
+            try:
+                step = self.runner.dispatch(out)
+            except Exception as e:  # on the device: end the requests whose KV it may have spoiled
+                if prev is not None:  # its tokens were computed before the failed call: apply them
+                    self._in_flight = None
+                    try:
+                        outputs, device = self._complete(prev, [prev])
+                    except StepFailedError as failed_too:
+                        failed_too.outputs += self._failed([out], e).outputs
+                        raise
+                raise self._failed([out], e) from e
+            step.call_start = t0
+            if prev is not None:  # the device runs `step` while the host reads and processes `prev`
+                self._in_flight = None
+                outputs, device = self._complete(prev, [prev, step])
+            if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
+                self._in_flight = step
+            else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
+                more, d = self._complete(step, [step])
+                outputs += more
+                device += d
+        except StepFailedError as e:  # outputs already built (a previous step's final ones) go out too
+            e.outputs[:0] = outputs
+            raise
         self._step_seconds += time.perf_counter() - t0
         self._device_seconds += device
         return outputs

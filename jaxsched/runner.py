@@ -1,8 +1,8 @@
 """ModelRunner: the weights and the KV pool on the device, one compiled program per (T, S) bucket,
-and execute(scheduler output) -> sampled tokens.
+and dispatch(scheduler output) / collect(step) -> sampled tokens.
 
-execute() runs a SchedulerOutput: the step's block moves (swap out, copy-on-write, swap in), then
-the batch packed into fixed-shape arrays and one jitted call (model + sampler). All compilation
+A step is a SchedulerOutput: its block moves (swap out, copy-on-write, swap in), then the batch
+packed into fixed-shape arrays and one jitted call (model + sampler). All compilation
 happens in warm_up(), ahead of time, one executable per bucket pair; a step only looks an
 executable up, so it can never compile. The KV pool is donated to every call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
@@ -49,8 +49,8 @@ class StepResult:
     sampled: SamplerOutput  # S rows (none for a step with no rows)
     started: float  # time.monotonic() when the step began
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be stored
-    # seconds the host waited on the device: the jitted call until its results were read, and the
-    # block moves (the rest of a step is host work, during which the device idles)
+    # seconds the host waited on the device: from collect() until the results were read, and the
+    # block moves (a swap-out copy waits for the step in flight, as its pages must be final)
     device_seconds: float = 0.0
     done: float = 0.0  # time.perf_counter() when its results were read (0: no rows)
 
@@ -322,10 +322,6 @@ class ModelRunner:
                     self.warmup_seconds)
         return self.warmup_seconds
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step and wait for its results (the synchronous engine)."""
-        return self.collect(self.dispatch(out))
-
     def dispatch(self, out: SchedulerOutput) -> InFlight:
         """Start one step: its block moves (even an empty step may have some), then its rows, without
         waiting for the device to finish them. Steps run on the device in the order dispatched."""
@@ -395,10 +391,18 @@ class ModelRunner:
     def recover_pool(self) -> None:
         """After a failed step: the pool was donated to the call that failed and may be gone; its
         contents are lost either way (the caller ends every request that had KV in it:
-        scheduler.recover)."""
-        if any(x.is_deleted() for x in self.kv):
+        scheduler.recover). The previous step's sampled ids go too: an error that surfaced when
+        the step was read is carried by every output of the call, and the next step reads both."""
+        try:
+            lost = any(x.is_deleted() for x in self.kv)
+            if not lost:
+                jax.block_until_ready(self.kv)
+        except Exception:  # noqa: BLE001 - the failed call's outputs hold its error
+            lost = True
+        if lost:
             logger.error("the KV pool was lost with the failed step; allocating a fresh one")
             self.kv = self._new_pool(self.kv[0].dtype)
+        self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
         self.packer.forget_prev()
 
     def _device(self, x: np.ndarray):

@@ -1,5 +1,6 @@
 """Execution prediction: what a step of a given shape costs, so the scheduler can choose between
-candidate batches (admit one more prefill chunk or not, which request to preempt) by predicted time.
+candidate batches by predicted time (scheduler._choose_by_cost: how far to trim a step's prefill
+chunks, and whether to defer decode rows one step while requests wait).
 
 A step's shape is its (T, S) bucket pair, which fixes the compiled program and so the matmul work,
 plus the KV context its attention reads (the sum of every row's sequence length after the step). Per
@@ -15,9 +16,10 @@ assumes a bigger bucket never costs less.
 
 The model is an input to the scheduler, not something the scheduler measures: scheduler.py reads no
 clocks, so a recorded trace replays to the same decisions. The engine times steps and feeds
-observe(); the scheduler only reads predict(). A replay reads the logged table (to_table) and stays
-exact, and with several hosts process 0 owns the table and sends it with the requests, so every
-host predicts, and so decides, the same. For that the arithmetic is plain Python floats in a fixed
+observe(); the scheduler only reads predict(). A replay that feeds the same seeds and observations
+(or loads a table saved with to_table) decides the same, and with several hosts process 0 sends
+its seeds and each step's observations with the step's operations (distributed.py), so every host
+predicts, and so decides, the same. For that the arithmetic is plain Python floats in a fixed
 order (no BLAS, whose summation order may differ between builds): the same observations in the
 same order give bit-identical predictions on any host. No jax, no clocks, no randomness here.
 """
@@ -126,9 +128,9 @@ class StepCostModel:
         self._add(shape.T, shape.S, float(shape.context), _check_seconds(seconds), 1.0, self.forgetting)
 
     def seed(self, T: int, S: int, seconds: float) -> None:
-        """Cold start: the warm-up timing of an (almost) empty step of (T, S), S rows of one token each,
-        so context = S. A weak observation that does not age the others."""
-        self._add(T, S, float(S), _check_seconds(seconds), SEED_WEIGHT, 1.0)
+        """Cold start: the warm-up timing of a step of (T, S) made of padding only (runner.time_pairs),
+        so context = 0. A weak observation that does not age the others."""
+        self._add(T, S, 0.0, _check_seconds(seconds), SEED_WEIGHT, 1.0)
 
     def known(self, T: int, S: int) -> bool:
         st = self._stats.get((T, S))

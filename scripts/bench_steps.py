@@ -21,6 +21,7 @@ import logging
 import statistics
 import time
 
+import jax
 import numpy as np
 from bench_offline import make_llm, parser, workload
 
@@ -28,12 +29,12 @@ from bench_offline import make_llm, parser, workload
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
     """Seconds of `reps` runs of one compiled step on captured flat buffers (the KV pool is donated
     and kept, as in execute()), and the sampled ids of the last run."""
-    fi, ff = batch_flat
+    prev, fi, ff = batch_flat
     pen = runner._no_penalties[S]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.kv, ints, _ = exe(runner.state, runner.kv, fi, ff, *pen)
+        runner.kv, ints, _, _ = exe(runner.state, runner.kv, prev, fi, ff, *pen)
         ints = np.asarray(ints)  # waits for the step
         times.append(time.perf_counter() - t0)
     return times, ints[:S]
@@ -62,7 +63,9 @@ def main() -> None:
 
     seconds: dict[tuple, float] = collections.defaultdict(float)
     count: collections.Counter = collections.Counter()
-    captured: dict[str, tuple] = {}  # kind -> ((T, S), (flat_i32, flat_f32)) of its largest bucket
+    # kind -> ((T, S), (prev_ids, flat_i32, flat_f32)) of its largest bucket; prev_ids: the sampled
+    # ids of the step before, where decode rows of an overlapped engine take their input token
+    captured: dict[str, tuple] = {}
     execute = runner.run
 
     def timed_execute(batch):
@@ -70,9 +73,9 @@ def main() -> None:
         n = int(batch.num_seqs[0])
         kind = "decode" if int(batch.query_start_loc[n]) == n else "prefill"
         if kind not in captured or (T, S) > captured[kind][0]:
-            captured[kind] = ((T, S), (batch.flat_i32.copy(), batch.flat_f32.copy()))
+            captured[kind] = ((T, S), (np.asarray(runner._prev_ids), batch.flat_i32.copy(), batch.flat_f32.copy()))
         t0 = time.perf_counter()
-        out = execute(batch)  # returns host arrays: the step has finished
+        out = jax.block_until_ready(execute(batch))  # run() only dispatches: wait for the step
         seconds[(kind, T, S)] += time.perf_counter() - t0
         count[(kind, T, S)] += 1
         return out

@@ -233,6 +233,42 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monk
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
 
 
+def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypatch):
+    """Overlapped scheduling: when step N+1 fails to start, step N (already on the device) is read
+    and applied first. A request it ends gets its normal final output inside the StepFailedError,
+    and only the requests of the failed step are ended with an error."""
+    eng = llm.llm_engine
+    assert eng.async_scheduling
+    ps = prompts_of(llm, 2)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate(ps[:1], short, use_tqdm=False)[0].outputs[0].token_ids
+    eng.add_request("short", ps[0], short)
+    eng.add_request("long", ps[1], long)
+    got: list[int] = []
+    while len(got) < 2:  # until the step in flight carries the short request's last token
+        for o in eng.step():
+            if o.request_id == "short":
+                got = list(o.outputs[0].token_ids)
+    assert eng._in_flight is not None and not got[2:]
+
+    def on_fire(batch):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(eng.runner, "run", on_fire)
+    with pytest.raises(StepFailedError, match="device on fire") as failed:
+        eng.step()
+    outs = {o.request_id: o for o in failed.value.outputs}
+    assert outs["short"].error is None and outs["short"].finished
+    assert outs["short"].outputs[0].token_ids == expected and outs["short"].outputs[0].finish_reason == "length"
+    assert outs["long"].error is not None and "device on fire" in outs["long"].error
+    assert failed.value.request_ids == ["long"]
+    monkeypatch.undo()
+    assert not eng.has_unfinished_requests()
+    eng.scheduler.check_invariants()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
 def test_a_pool_lost_with_a_failed_step_is_replaced(llm, monkeypatch):
     """The KV pool is donated to the step: when the call fails after taking it, the runner
     allocates a fresh pool, so the next steps run (the requests that had KV in it were ended)."""
