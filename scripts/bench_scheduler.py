@@ -1,8 +1,9 @@
 """Scheduler benchmark: no model. R requests (prompt 128 tokens, max_tokens 128) through
 schedule -> pack -> update with fabricated sampled tokens until all finish; per-step host time.
 
-Prints one JSON line per R: R, steps, step_us_p50, step_us_p99, step_us_mean, and the share of
-schedule / pack / update in the mean.
+Prints one JSON line per R: R, steps, step_us_p50, step_us_p99, step_us_mean, step_us_max, and the
+share of schedule / pack / update in the mean. A thin wrapper over `jaxsched bench scheduler`
+(jaxsched/bench/scheduler.py), which writes all R in one JSON result and plots them.
 
     python scripts/bench_scheduler.py                  # R = 256, 1024, 2048, 4096
     python scripts/bench_scheduler.py --R 2048 --max-steps 300
@@ -11,78 +12,16 @@ schedule / pack / update in the mean.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
 
-import numpy as np
-
-from jaxsched.batch import BatchPacker
-from jaxsched.block_manager import BlockManager, cdiv
-from jaxsched.buckets import seq_buckets, token_buckets
-from jaxsched.config import SchedulerConfig
-from jaxsched.request import Request, SamplingParams
-from jaxsched.scheduler import Scheduler
-
-
-def run(R: int, args: argparse.Namespace) -> dict:
-    max_len = args.prompt_len + args.max_tokens
-    cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=max_len + args.block_size, enable_chunked_prefill=True,
-                          token_buckets=token_buckets(args.max_num_batched_tokens),
-                          seq_buckets=seq_buckets(args.max_num_seqs), preemption_mode=args.preemption_mode)
-    M = cdiv(cfg.max_model_len, args.block_size)
-    num_blocks = args.num_blocks or args.max_num_seqs * M + 1
-    bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=args.prefix_caching)
-    sched = Scheduler(cfg, bm, policy=args.policy)
-    packer = BatchPacker(cfg.max_num_batched_tokens, cfg.max_num_seqs, M, args.block_size)
-    rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    for i in range(R):
-        prompt = rng.integers(3, 30000, args.prompt_len).tolist()
-        sched.add_request(Request(str(i), prompt, params, priority=int(i % 4), eos_token_ids=(2,)))
-    times, parts = [], np.zeros(3)
-    sampled = np.full(cfg.max_num_seqs, 7, np.int64).tolist()
-    gc.collect()
-    gc.freeze()  # what is alive now stays: the step's garbage is what a server would collect
-    steps = 0
-    while sched.has_unfinished_requests() and steps < args.max_steps:
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        packer.pack(out)
-        t2 = time.perf_counter()
-        sched.update(out, sampled[: out.num_seqs])
-        t3 = time.perf_counter()
-        times.append(t3 - t0)
-        parts += (t1 - t0, t2 - t1, t3 - t2)
-        steps += 1
-    gc.unfreeze()
-    us = np.asarray(times) * 1e6
-    return {
-        "R": R, "steps": steps, "step_us_p50": round(float(np.percentile(us, 50)), 1),
-        "step_us_p99": round(float(np.percentile(us, 99)), 1), "step_us_mean": round(float(us.mean()), 1),
-        "schedule_share": round(parts[0] / parts.sum(), 3), "pack_share": round(parts[1] / parts.sum(), 3),
-        "update_share": round(parts[2] / parts.sum(), 3), "finished": not sched.has_unfinished_requests(),
-        "preemptions": sched.num_preemptions,
-    }
+from jaxsched.bench.scheduler import add_arguments, run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--R", type=int, nargs="+", default=[256, 1024, 2048, 4096])
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=0, help="0: enough for max_num_seqs full sequences")
-    ap.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
-    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
-    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--max-steps", type=int, default=1_000_000)
+    add_arguments(ap, output=False)  # --R (or --sizes) and the scheduler's settings
     args = ap.parse_args()
-    for R in args.R:
+    for R in args.sizes:
         print(json.dumps(run(R, args)), flush=True)
 
 
