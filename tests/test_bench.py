@@ -1,0 +1,244 @@
+"""`jaxsched bench`: each command end to end on the tiny model with small sizes, its JSON fields and
+the sanity checks a broken measurement would fail (tokens counted as asked, static batching needing
+more steps than continuous on a long tail, one set of metrics per priority class, plots written)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from servers import uvicorn_thread
+
+from jaxsched import LLM
+from jaxsched.bench import main as bench_main
+from jaxsched.bench import serve, workloads
+from serving.app import build_app
+from serving.async_engine import AsyncEngine
+
+pytest.importorskip("matplotlib")  # the `test` extra installs it: --plot is part of every smoke test
+
+ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 8}
+ENGINE_FLAGS = [f for k, v in ENGINE.items() for f in ("--" + k.replace("_", "-"), str(v))]
+SMALL = ["--min-prompt", "4", "--max-prompt", "12", "--min-output", "2", "--max-output", "6"]
+
+
+def run_bench(argv: list[str], capsys) -> list[dict]:
+    """Run `jaxsched bench ARGV --json`; the JSON lines it printed."""
+    assert bench_main(["--log-level", "WARNING", *argv, "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def png(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_continuous_vs_static(llama_dir, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    [res] = run_bench(["throughput", llama_dir, *ENGINE_FLAGS, "--workload", "long-tail", "-n", "16", *SMALL,
+                       "--batching", "both", "--overlap", "both", "--output-json", str(out),
+                       "--plot", str(tmp_path / "plots")], capsys)
+    assert json.loads(out.read_text()) == res
+    asked = res["workload"]["requested_output_tokens"]
+    assert res["workload"]["name"] == "long-tail" and res["workload"]["num_requests"] == 16
+    runs = {(r["batching"], r["overlap"]): r for r in res["runs"]}
+    assert set(runs) == {(b, o) for b in ("continuous", "static") for o in ("off", "on")}
+    for r in runs.values():
+        for k in ("request_throughput", "output_throughput", "total_token_throughput", "padded_tokens_per_step",
+                  "peak_kv_cache_usage_perc", "num_preemptions", "idle_seat_steps", "idle_seat_share",
+                  "wall_ms_per_step", "host_ms_per_step", "device_wait_ms_per_step"):
+            assert isinstance(r[k], (int, float)), k
+        assert r["num_requests"] == 16 and r["total_output_tokens"] == asked  # ignore_eos: exactly as asked
+        assert r["total_input_tokens"] == res["workload"]["prompt_tokens"]
+        assert 0 < r["peak_kv_cache_usage_perc"] <= 1 and r["output_throughput"] > 0
+        assert r["seats"] == 4
+    for o in ("off", "on"):  # a static batch waits for its longest request: more steps, more idle seats
+        c, s = runs[("continuous", o)], runs[("static", o)]
+        assert s["num_steps"] >= c["num_steps"]
+        assert s["idle_seat_share"] > c["idle_seat_share"]
+    assert "device_idle_share" in runs[("continuous", "off")]
+    assert (res["batching"], res["overlap"]) == ("continuous", "on")  # the top level is the primary run
+    assert res["continuous_over_static"]["num_steps"] >= 1.0
+    assert res["overlap_speedup"] > 0 and "host_share_with_overlap" in res
+    assert png(tmp_path / "plots" / "throughput_batching.png")
+
+
+def test_latency(llama_dir, tmp_path, capsys):
+    [res] = run_bench(["latency", llama_dir, *ENGINE_FLAGS, "--batch-size", "4", "--input-len", "40",
+                       "--output-len", "6", "--num-iters", "2", "--no-async-scheduling",
+                       "--plot", str(tmp_path)], capsys)
+    assert res["batch_size"] == 4 and res["num_iters"] == 2 and len(res["latencies"]) == 2
+    assert set(res["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    # 160 prompt tokens, 32 per step (shared with the decodes of requests already prefilled): at least
+    # 5 steps until every request has its first token, then the last one's 5 other tokens
+    assert res["prefill_steps"] >= 5 and res["decode_steps"] == 5
+    assert 0 < res["mean_prefill_ms"] < res["avg_latency"] * 1e3
+    assert res["mean_decode_step_ms"] > 0 and res["decode_tokens_per_s"] > 0
+    assert png(tmp_path / "latency_steps.png")
+
+
+def test_scheduler_through_the_cli(tmp_path, capsys):
+    from serving.cli import main as cli_main
+
+    out = tmp_path / "s.json"
+    assert cli_main(["--log-level", "WARNING", "bench", "scheduler", "--sizes", "16", "64", "--max-num-seqs", "8",
+                     "--max-num-batched-tokens", "256", "--prompt-len", "16", "--max-tokens", "8",
+                     "--output-json", str(out), "--plot", str(tmp_path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert json.loads(out.read_text()) == res
+    assert [r["R"] for r in res["results"]] == [16, 64]
+    for r in res["results"]:
+        assert r["finished"] and 0 < r["step_us_p50"] <= r["step_us_p99"]
+        assert abs(r["schedule_share"] + r["pack_share"] + r["update_share"] - 1) < 0.01
+    assert png(tmp_path / "scheduler_steps.png")
+
+
+def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
+    """bench_offline.py keeps what bench_steps.py / bench_vs_vllm.py import; bench_scheduler.py its
+    --R flag and its JSON lines."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import bench_offline
+    import bench_scheduler
+
+    args = bench_offline.parser("x").parse_args(["-n", "5", "--min-prompt", "3", "--max-prompt", "7"])
+    prompts, params, plens, olens = bench_offline.workload(args, 300)
+    assert [len(p["prompt_token_ids"]) for p in prompts] == plens.tolist()
+    assert [p.max_tokens for p in params] == olens.tolist() and all(p.ignore_eos for p in params)
+    assert callable(bench_offline.make_llm)
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--R", "8", "--prompt-len", "8", "--max-tokens", "4"])
+    bench_scheduler.main()
+    line = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert line["R"] == 8 and {"step_us_p50", "step_us_p99"} <= set(line)
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert bench_main(["scheduler", "--sizes", "8", "--plot", str(tmp_path)]) == 2
+    assert "pip install 'jaxsched[plot]'" in capsys.readouterr().err
+
+
+# -- workloads --------------------------------------------------------------------------------
+def ns_of(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    workloads.add_workload_arguments(p)
+    ns = p.parse_args([])
+    ns.seed = 0
+    vars(ns).update(kw)
+    return ns
+
+
+def test_long_tail_workload():
+    reqs = workloads.synthetic(ns_of(workload="long-tail", num_requests=40), vocab_size=300)
+    short = [r.output_len for r in reqs if r.output_len <= 64]
+    long = [r.output_len for r in reqs if r.output_len > 64]
+    assert len(long) == 4 and all(160 <= o <= 640 and o % 10 == 0 for o in long)  # 10 % of them, 10x
+    assert len(short) == 36 and all(16 <= o <= 64 for o in short)
+    assert all(16 <= r.prompt_len <= 128 and len(r.prompt) == r.prompt_len for r in reqs)
+    text = workloads.synthetic(ns_of(num_requests=3, max_prompt=20), vocab_size=None)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len for r in text)
+
+
+def test_datasets(tmp_path, tokenizer_dir):
+    from jaxsched.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "hello world", "max_tokens": 5}\n\n{"prompt": [5, 6, 7], "max_tokens": 3}\n')
+    reqs = workloads.load_dataset(str(jsonl), None, 0, tok, None, None)
+    assert [(r.prompt, r.output_len) for r in reqs] == [("hello world", 5), ([5, 6, 7], 3)]
+    assert reqs[1].prompt_len == 3
+    assert [r.output_len for r in workloads.load_dataset(str(jsonl), 1, 0, None, 9, None)] == [9]
+    share = tmp_path / "sharegpt.json"
+    conv = [{"conversations": [{"from": "human", "value": f"what is a cat ? {i}"},
+                               {"from": "gpt", "value": "dogs and cats like to play in the sun . " * (i + 1)}]}
+            for i in range(5)] + [{"conversations": [{"from": "human", "value": "one turn only"}]}]
+    share.write_text(json.dumps(conv))
+    reqs = workloads.load_dataset(str(share), 3, 0, tok, None, None)
+    assert len(reqs) == 3 and all(r.prompt.startswith("what is a cat") and r.output_len >= 4 for r in reqs)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        workloads.load_dataset(str(share), 3, 0, None, None, None)
+    with pytest.raises(ValueError, match="no usable requests"):
+        workloads.load_dataset(str(share), 3, 0, tok, None, 4)  # nothing fits max_model_len 4
+
+
+def test_priority_field_and_classes():
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    req = workloads.BenchRequest("hi", 4)
+    base = ["--endpoint", "/v1/chat/completions"]
+    on = p.parse_args([*base, "--priority-share", "0.5"])
+    assert serve.request_body(on, "m", req, "high")["priority"] == -10
+    assert serve.request_body(on, "m", req, "normal")["priority"] == 0
+    body = serve.request_body(on, "m", req, "high")
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_completion_tokens"] == 4
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    for args in (["--priority-share", "0.5", "--no-priority-field"], []):  # fcfs servers: no field at all
+        assert "priority" not in serve.request_body(p.parse_args(args), "m", req, "high")
+    classes = serve.classes_of(20, 0.2, seed=3)
+    assert classes.count("high") == 4 and classes == serve.classes_of(20, 0.2, seed=3)
+    a1, a2 = serve.arrival_times(50, 2.0, 0), serve.arrival_times(50, 4.0, 0)
+    assert a1[0] == 0 and (a1 == 2 * a2).all() and 15 < a1[-1] < 35  # the same arrivals, scaled
+
+
+# -- serve, against this server ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server_url(llama_dir):
+    engine = AsyncEngine(LLM(llama_dir, scheduling_policy="priority", **ENGINE).llm_engine)
+    with uvicorn_thread(build_app(engine, served_model_name="tiny")) as url:
+        yield url
+    engine.shutdown()
+
+
+METRICS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
+
+
+def test_serve_priority_classes_sweep_and_plots(server_url, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    lines = run_bench(["serve", "--base-url", server_url, "-n", "12", *SMALL, "--priority-share", "0.25",
+                       "--sweep", "40,inf", "--goodput", "ttft:60000", "e2el:60000", "--label", "priority",
+                       "--output-json", str(out), "--plot", str(tmp_path)], capsys)
+    saved = json.loads(out.read_text())
+    assert [r["request_rate"] for r in saved["sweep"]] == [40.0, "inf"] and len(lines) == 2
+    for res, full in zip(lines, saved["sweep"]):
+        assert res["model"] == "tiny" and res["completed"] == 12 and res["failed"] == 0 and res["errors"] == {}
+        assert res["total_output_tokens"] == res["workload"]["requested_output_tokens"]  # ignore_eos
+        assert res["total_input_tokens"] > 0 and res["request_goodput"] > 0 and res["goodput_requests"] == 12
+        for k in METRICS + ["request_throughput", "output_throughput", "total_token_throughput"]:
+            assert isinstance(res[k], (int, float)), k
+        assert res["median_ttft_ms"] <= res["p99_ttft_ms"] <= res["p99_e2el_ms"] + 1e-6
+        assert res["priority"]["field_sent"] is True
+        classes = res["classes"]
+        assert classes["high"]["completed"] == 3 and classes["normal"]["completed"] == 9
+        assert all(isinstance(classes[c][k], float) for c in classes for k in METRICS if "tpot" not in k)
+        assert "ttfts" not in res and len(full["ttfts"]) == 12 and full["request_classes"].count("high") == 3
+    for name in ("serve_latency_cdf_rate40.0.png", "serve_latency_cdf_rateinf.png", "serve_sweep.png"):
+        assert png(tmp_path / name), name
+
+
+def test_serve_chat_dataset_errors_and_compare(server_url, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "max_tokens": m}) + "\n" for p, m in
+                            [("what is a cat ?", 5), ("hello world", 4), ("one two three", 1000), ("the sun", 3)]))
+    first = tmp_path / "fcfs.json"
+    common = ["serve", "--base-url", server_url, "--endpoint", "/v1/chat/completions", "--dataset", str(data),
+              "--num-warmups", "0", "--max-concurrency", "2", "--priority-share", "0.5"]
+    [res] = run_bench([*common, "--no-priority-field", "--label", "fcfs", "--output-json", str(first)], capsys)
+    assert res["completed"] == 3 and res["failed"] == 1 and res["max_concurrent_requests"] <= 2
+    [(msg, n)] = res["errors"].items()
+    assert n == 1 and msg.startswith("HTTP 400") and "maximum context length" in msg
+    assert res["total_output_tokens"] == 5 + 4 + 3
+    assert res["priority"]["field_sent"] is False and set(res["classes"]) == {"high", "normal"}
+    [res2] = run_bench([*common, "--label", "priority", "--compare", str(first), "--plot", str(tmp_path)], capsys)
+    assert res2["completed"] == 3 and res2["priority"]["field_sent"] is True
+    assert png(tmp_path / "serve_latency_cdf.png")
+
+
+def test_serve_refuses_clearly(server_url, capsys):
+    """A wrong model name fails the warm-up request, an unreachable server the first call: exit 2
+    with the reason, not a traceback, and no half-run benchmark."""
+    assert bench_main(["serve", "--base-url", server_url, "--model", "nope", "-n", "2"]) == 2
+    assert "warm-up request" in (err := capsys.readouterr().err) and "does not exist" in err
+    assert bench_main(["serve", "--base-url", "http://127.0.0.1:1", "-n", "2"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
