@@ -2,6 +2,8 @@
 
   jaxsched serve [MODEL] [--host H --port P] [engine flags]  the OpenAI-compatible HTTP server
   jaxsched generate [MODEL] --prompt "..." [engine flags]   offline generation (chat template by default)
+  jaxsched run-batch -i IN.jsonl -o OUT.jsonl [MODEL] [engine flags]  an OpenAI batch file, offline
+  jaxsched bench throughput | serve | latency | scheduler [flags]    benchmarks: JSON results, --plot PNGs
 
 Engine flags carry vLLM's names (--max-model-len, --max-num-seqs, ...); no MODEL means the demo model.
 """
@@ -17,7 +19,9 @@ import sys
 import time
 import typing
 
+from jaxsched import bench as bench_cmd
 from jaxsched.config import EngineArgs
+from serving import run_batch
 from serving.server import DEFAULT_SHUTDOWN_TIMEOUT
 
 
@@ -164,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds requests in flight get to finish after SIGTERM / SIGINT before they are failed "
                           "and the server exits (default: %(default)s)")
     add_engine_flags(srv)
+    rb = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, one result line per request")
+    run_batch.add_arguments(rb)
+    add_engine_flags(rb)
+    bench = sub.add_parser("bench", help="benchmarks (as vllm bench): throughput, serve, latency, scheduler",
+                           description=bench_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_cmd.add_arguments(bench)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -172,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(ns)
         if ns.command == "serve":
             return cmd_serve(ns)
+        if ns.command == "run-batch":
+            return run_batch.cmd_run_batch(ns, engine_args_from(ns))
+        if ns.command == "bench":
+            return bench_cmd.run(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
