@@ -205,13 +205,18 @@ class BlockManager:
         self.req_num_registered.clear()
 
     # -- stats ---------------------------------------------------------------------------------
-    def stats(self) -> KVCacheStats:
-        used = self.num_usable_blocks - len(self.free_queue)
-        allocated = used * self.block_size
-        # waste is each request's unfilled tail; shared (always full) prefix blocks add none
+    def slot_usage(self) -> tuple[int, int]:
+        """(allocated, wasted) token slots: in used blocks, and of those the unfilled tails of the
+        requests' last blocks (shared prefix blocks are always full and add none). O(requests)."""
+        allocated = (self.num_usable_blocks - len(self.free_queue)) * self.block_size
         P = self.block_size
         waste = sum(len(self.req_blocks[rid]) * P - slots for rid, slots in self.req_slots.items()
                     if rid in self.req_blocks)
+        return allocated, waste
+
+    def stats(self) -> KVCacheStats:
+        used = self.num_usable_blocks - len(self.free_queue)
+        allocated, waste = self.slot_usage()
         used_slots = allocated - waste
         cached_free = sum(1 for b in self.cached.values() if self.ref_cnt[b] == 0)
         return KVCacheStats(

@@ -140,6 +140,7 @@ class LLMEngine:
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
+        self._phase_seconds = dict.fromkeys(("schedule", "pack", "update", "output"), 0.0)  # host work by phase
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
 
@@ -257,7 +258,8 @@ class LLMEngine:
         """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names),
         and the steps' wall and device-wait seconds."""
         return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
-                                   device_seconds=self._device_seconds)
+                                   device_seconds=self._device_seconds,
+                                   **{f"{k}_seconds": v for k, v in self._phase_seconds.items()})
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -272,10 +274,13 @@ class LLMEngine:
             self._in_flight = None
             outputs, device = self._complete(prev, [prev])
             prev = None
+        t1 = time.perf_counter()
         out = self.scheduler.schedule()
+        self._phase_seconds["schedule"] += time.perf_counter() - t1
         try:
             try:
                 step = self.runner.dispatch(out)
+                self._phase_seconds["pack"] += step.pack_seconds
             except Exception as e:  # on the device: end the requests whose KV it may have spoiled
                 if prev is not None:  # its tokens were computed before the failed call: apply them
                     self._in_flight = None
@@ -311,9 +316,14 @@ class LLMEngine:
             raise self._failed([s.out for s in in_flight], e) from e
         if res.done:
             self._observe(step, res)
+        t0 = time.perf_counter()
         failed = self.outputs.fail(res.rejected)  # before update: the tokens of their rows do not count
         got = self.scheduler.update(step.out, res.sampled.sampled)
-        return failed + self.outputs.process(step.out, got, res), res.device_seconds
+        t1 = time.perf_counter()
+        outputs = failed + self.outputs.process(step.out, got, res)
+        self._phase_seconds["update"] += t1 - t0
+        self._phase_seconds["output"] += time.perf_counter() - t1
+        return outputs, res.device_seconds
 
     def _observe(self, step: InFlight, res: StepResult) -> None:
         """Feed the cost model what the step cost the engine: from the start of the step() call

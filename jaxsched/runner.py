@@ -67,6 +67,7 @@ class InFlight:
     floats: object = None
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
+    pack_seconds: float = 0.0  # host time packing its batch
     call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
     # a row used penalty tables, which are built on the host from the tokens read: the next step
     # must wait for this one's tokens (Engine.step)
@@ -335,7 +336,9 @@ class ModelRunner:
             if out.is_empty:
                 self.packer.penalties.forget(out.finished_ids)
                 return step
+            t0 = time.perf_counter()
             batch = self.packer.pack(out)
+            step.pack_seconds = time.perf_counter() - t0
             step.ints, step.floats = self.run(batch)
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.has_penalties
             return step

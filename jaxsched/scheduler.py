@@ -229,7 +229,9 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        allocated, waste = bm.slot_usage()
         return EngineStats(
+            kv_allocated_slots=allocated, kv_internal_waste_slots=waste,
             num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
             num_requests_swapped=len(self.swapped), kv_cache_usage_perc=bm.usage,
             num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs,

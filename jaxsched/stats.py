@@ -28,6 +28,16 @@ class EngineStats:
     last_step_padded_tokens: int = 0
     step_seconds: float = 0.0  # wall time of every step (LLMEngine.step), since start
     device_seconds: float = 0.0  # of which the host waited on the device (jitted calls, block moves)
+    # the host's work in the steps, by phase, since start: scheduling, packing the batch into its
+    # fixed-shape arrays, applying the sampled tokens to the scheduler, and building the outputs
+    # (detokenizing, stop strings, logprobs)
+    schedule_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    update_seconds: float = 0.0
+    output_seconds: float = 0.0
+    # KV slots now: in blocks held by requests, and of those the unfilled tails of last blocks
+    kv_allocated_slots: int = 0
+    kv_internal_waste_slots: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -38,3 +48,19 @@ class EngineStats:
         """The share of step time spent on the host (schedule, pack, update, detokenize): in the
         synchronous engine the device idles for all of it."""
         return 1.0 - self.device_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def scheduling_share(self) -> float:
+        """The design's "scheduling overhead": the scheduler's share of the steps' wall time."""
+        return self.schedule_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def kv_internal_waste_perc(self) -> float:
+        """The share of allocated KV slots that hold no token (0 to 1): the last blocks' tails."""
+        return self.kv_internal_waste_slots / self.kv_allocated_slots if self.kv_allocated_slots else 0.0
+
+    @property
+    def kv_external_fragmentation_perc(self) -> float:
+        """Zero by construction: the pool is pages of one size and a request's pages need not be
+        contiguous, so every free block can serve any request; nothing is ever free but unusable."""
+        return 0.0

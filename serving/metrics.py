@@ -20,6 +20,8 @@ PREFIX = "jaxsched:"
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_STEP_HOST = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_PHASES = ("schedule", "pack", "update", "output")
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -54,6 +56,18 @@ class EngineMetrics:
         self.engine_step_seconds = counter("engine_step_seconds", "Seconds the engine thread spent in steps.")
         self.engine_device_wait_seconds = counter("engine_device_wait_seconds",
                                                   "Seconds of the steps spent waiting for the device.")
+        # the host's part of the steps by phase, and per step: "scheduling overhead as a share of the
+        # step" is engine_host_seconds{phase="schedule"} / engine_step_seconds
+        self.engine_host_seconds = counter("engine_host_seconds", "Seconds of the steps spent on the host, by phase "
+                                           "(schedule, pack, update, output).", ("phase",))
+        self.engine_step_host_seconds = histogram("engine_step_host_seconds",
+                                                  "Host seconds of a step (its wall time less the device wait).",
+                                                  _STEP_HOST)
+        self.kv_cache_internal_waste_perc = gauge(
+            "kv_cache_internal_waste_perc", "Share of allocated KV slots holding no token (last blocks' tails).")
+        self.kv_cache_external_fragmentation_perc = gauge(
+            "kv_cache_external_fragmentation_perc",
+            "Free KV blocks no request could use: 0 by construction (one page size, pages need not be contiguous).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that finished (not aborted).",
@@ -65,6 +79,8 @@ class EngineMetrics:
              "data_parallel_size"), registry=self.registry)
         self._preemptions_seen = 0
         self._seconds_seen = (0.0, 0.0)
+        self._phases_seen = dict.fromkeys(_PHASES, 0.0)
+        self._steps_seen = 0
 
     def describe_cache(self, block_size: int, num_blocks: int, bytes_per_device: int, kv_heads_per_device: int,
                        tensor_parallel_size: int, data_parallel_size: int) -> None:
@@ -80,10 +96,21 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.num_requests_swapped.set(stats.num_requests_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.kv_cache_internal_waste_perc.set(stats.kv_internal_waste_perc)
+        self.kv_cache_external_fragmentation_perc.set(stats.kv_external_fragmentation_perc)
+        for phase in _PHASES:
+            now = getattr(stats, f"{phase}_seconds")
+            if now > self._phases_seen[phase]:
+                self.engine_host_seconds.labels(phase=phase).inc(now - self._phases_seen[phase])
+                self._phases_seen[phase] = now
         if stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
         step, device = self._seconds_seen
+        if stats.num_steps > self._steps_seen and stats.step_seconds > step:  # published after every step
+            host = max(0.0, (stats.step_seconds - step) - (stats.device_seconds - device))
+            self.engine_step_host_seconds.observe(host / (stats.num_steps - self._steps_seen))
+        self._steps_seen = max(self._steps_seen, stats.num_steps)
         if stats.step_seconds > step:
             self.engine_step_seconds.inc(stats.step_seconds - step)
         if stats.device_seconds > device:

@@ -233,6 +233,37 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monk
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
 
 
+def test_stats_time_the_host_phases_and_count_kv_waste(llm):
+    """EngineStats splits the host's step work by phase (each phase moves, and together they stay
+    within the steps' wall time less the device wait), and counts the unfilled tails of the
+    requests' last blocks while they run (none once they are done)."""
+    eng = llm.llm_engine
+    before = eng.stats()
+    B = eng.cache_config.block_size
+    ps = prompts_of(llm, 4)
+    for i, p in enumerate(ps):
+        eng.add_request(f"w{i}", p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    eng.step()
+    eng.step()
+    mid = eng.stats()
+    req = eng.scheduler.requests
+    held = {rid: len(eng.block_manager.req_blocks[rid]) for rid in req if rid in eng.block_manager.req_blocks}
+    assert held and mid.kv_allocated_slots == (eng.block_manager.num_usable_blocks
+                                               - eng.block_manager.num_free_blocks) * B
+    assert 0 < mid.kv_internal_waste_slots < len(held) * B  # at most a tail per request, never a whole block
+    assert 0 < mid.kv_internal_waste_perc < 1 and mid.kv_external_fragmentation_perc == 0.0
+    while eng.has_unfinished_requests():
+        eng.step()
+    after = eng.stats()
+    phases = ("schedule", "pack", "update", "output")
+    moved = {k: getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds") for k in phases}
+    assert all(v > 0 for v in moved.values()), moved
+    host = (after.step_seconds - before.step_seconds) - (after.device_seconds - before.device_seconds)
+    assert sum(moved.values()) <= host + 1e-3
+    assert 0 < after.scheduling_share < 1
+    assert after.kv_internal_waste_slots == 0 and after.kv_internal_waste_perc == 0.0
+
+
 def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypatch):
     """Overlapped scheduling: when step N+1 fails to start, step N (already on the device) is read
     and applied first. A request it ends gets its normal final output inside the StepFailedError,

@@ -193,6 +193,15 @@ def test_metrics_move(server):
     steps = [total(m, "jaxsched:engine_step_seconds", "jaxsched:engine_step_seconds_total") for m in (before, after)]
     device = total(after, "jaxsched:engine_device_wait_seconds", "jaxsched:engine_device_wait_seconds_total")
     assert steps[1] > steps[0] and 0 < device <= steps[1]  # the engine thread's time in steps moved
+    kind, samples = after["jaxsched:engine_host_seconds"]
+    phases = {dict(labels)["phase"]: v for (name, labels), v in samples.items()}
+    assert kind == "counter" and set(phases) == {"schedule", "pack", "update", "output"}
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) < steps[1]
+    host_steps = total(after, "jaxsched:engine_step_host_seconds", "jaxsched:engine_step_host_seconds_count")
+    assert host_steps > total(before, "jaxsched:engine_step_host_seconds", "jaxsched:engine_step_host_seconds_count")
+    for gauge in ("kv_cache_internal_waste_perc", "kv_cache_external_fragmentation_perc"):
+        kind, samples = after["jaxsched:" + gauge]
+        assert kind == "gauge" and samples == {("jaxsched:" + gauge, (("model_name", "tiny"),)): 0.0}, gauge
     kind, samples = after["jaxsched:request_queue_time_seconds"]
     assert kind == "histogram"
     assert ("jaxsched:request_queue_time_seconds_bucket", (("le", "+Inf"), ("model_name", "tiny"))) in samples
