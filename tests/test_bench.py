@@ -54,6 +54,9 @@ def test_throughput_continuous_vs_static(llama_dir, tmp_path, capsys):
         assert r["total_input_tokens"] == res["workload"]["prompt_tokens"]
         assert 0 < r["peak_kv_cache_usage_perc"] <= 1 and r["output_throughput"] > 0
         assert r["seats"] == 4
+        assert 0 < r["mean_kv_internal_waste_perc"] < 1  # partly filled last blocks while requests run
+        assert set(r["host_ms_per_step_by_phase"]) == {"schedule", "pack", "update", "output"}
+        assert 0 < r["scheduling_share"] < 1
     for o in ("off", "on"):  # a static batch waits for its longest request: more steps, more idle seats
         c, s = runs[("continuous", o)], runs[("static", o)]
         assert s["num_steps"] >= c["num_steps"]

@@ -24,7 +24,7 @@ from jaxsched.stats import EngineStats
 BATCHING = ("continuous", "static")
 # EngineStats fields that are gauges (a value now), not counters (a total since start)
 _GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                     "last_step_padded_tokens"})
+                     "last_step_padded_tokens", "kv_allocated_slots", "kv_internal_waste_slots"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Run:
     mean_kv_usage: float
     step_calls: int  # engine.step() calls (one step of every busy replica)
     running_request_steps: int  # sum over step() calls of the requests running after it
+    # KV slots summed over step() calls: in blocks held by requests, and their unfilled tails
+    kv_allocated_slot_steps: int = 0
+    kv_waste_slot_steps: int = 0
     cost_errors: tuple[tuple[float, float], ...] = ()  # the step-cost model's (predicted, measured) seconds
 
     @property
@@ -93,7 +96,7 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
     made = [engine.make_request(engine.next_request_id(), r.prompt, p) for r, p in zip(reqs, params)]
     batches = [made] if batching == "continuous" else [made[i:i + seats] for i in range(0, len(made), seats)]
     kv_peak = kv_sum = 0.0
-    running = samples = finished = out_tokens = prompt_tokens = 0
+    running = samples = finished = out_tokens = prompt_tokens = allocated = waste = 0
     before = engine.stats()
     t0 = time.perf_counter()
     for batch in batches:
@@ -111,6 +114,8 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
             kv_peak = max(kv_peak, s.kv_cache_usage_perc)
             kv_sum += s.kv_cache_usage_perc
             running += s.num_requests_running
+            allocated += s.kv_allocated_slots
+            waste += s.kv_internal_waste_slots
             samples += 1
     elapsed = time.perf_counter() - t0
     after = engine.stats()
@@ -120,5 +125,5 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
     return Run(batching=batching, overlap=overlap_of(engine), elapsed=elapsed, num_finished=finished,
                output_tokens=out_tokens, prompt_tokens=prompt_tokens, counters=delta, seats=seats,
                peak_kv_usage=kv_peak, mean_kv_usage=kv_sum / max(samples, 1), step_calls=samples,
-               running_request_steps=running,
+               running_request_steps=running, kv_allocated_slot_steps=allocated, kv_waste_slot_steps=waste,
                cost_errors=errors)

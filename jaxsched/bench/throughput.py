@@ -90,6 +90,9 @@ def run_fields(r: Run) -> dict[str, Any]:
         "padding_share": round(padded / max(scheduled + padded, 1), 4),
         "peak_kv_cache_usage_perc": round(r.peak_kv_usage, 4),
         "mean_kv_cache_usage_perc": round(r.mean_kv_usage, 4),
+        # the share of allocated KV slots holding no token (last blocks' tails), over the run's steps;
+        # external fragmentation is 0 by construction (EngineStats.kv_external_fragmentation_perc)
+        "mean_kv_internal_waste_perc": round(r.kv_waste_slot_steps / max(r.kv_allocated_slot_steps, 1), 4),
         "num_preemptions": int(c.get("num_preemptions", 0)),
         "seats": r.seats,
         "mean_running_requests": round(r.running_request_steps / max(r.step_calls, 1), 2),
@@ -110,6 +113,7 @@ def run_fields(r: Run) -> dict[str, Any]:
               if k.endswith("_seconds") and k not in ("step_seconds", "device_seconds")}
     if phases:
         d["host_ms_per_step_by_phase"] = phases
+        d["scheduling_share"] = round(c.get("schedule_seconds", 0.0) / max(step_s, 1e-9), 5)
     if r.cost_errors:
         # the step-cost model's one-step-ahead predictions against the measured step times
         pred, meas = np.array(r.cost_errors).T
