@@ -57,7 +57,7 @@ class LLMEngine:
         import jax
 
         from jaxsched.block_manager import BlockManager
-        from jaxsched.buckets import bucket_pairs, round_up, seq_buckets_for
+        from jaxsched.buckets import bucket_pairs
         from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
         from jaxsched.parallel import engine_devices, make_mesh
         from jaxsched.runner import ModelRunner, device_memory, weights_bytes
@@ -111,7 +111,7 @@ class LLMEngine:
         if self.cost_model is not None:
             sc = cfg.scheduler
             self.cost_seeds = self.runner.time_pairs(
-                [(T, round_up(seq_buckets_for(sc.seq_buckets, T), min(T, sc.max_num_seqs)))
+                [self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
                  for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
             for T, S, seconds in self.cost_seeds:
                 self.cost_model.seed(T, S, seconds)

@@ -30,6 +30,7 @@ budget, and read best together; the pools live in block_manager.py and the order
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -255,7 +256,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_pending and self._ends_by_length(req):  # its pending token is its last: no row
+            if req.num_pending and self._length_reached(req, req.num_pending):  # its pending token is its last
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, cap)
@@ -279,7 +280,7 @@ class Scheduler:
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
         if sched:
-            if self.cost_model is not None and self.cost_model.known(*self._pair(total, len(sched))):
+            if self.cost_model is not None and self.cost_model.known(*self.bucket_pair(total, len(sched))):
                 total = self._choose_by_cost(out, total, was_running)
             else:
                 total = self._fit_bucket(list(sched.values()), total)
@@ -290,7 +291,7 @@ class Scheduler:
                 bm.register(row.request)
                 row.block_ids = bm.block_ids(row.request.request_id)
             out.num_tokens = total
-            out.token_bucket, out.seq_bucket = self._pair(total, len(sched))
+            out.token_bucket, out.seq_bucket = self.bucket_pair(total, len(sched))
             out.context = context
         out.finished_ids = self._finished_ids
         self._finished_ids = []
@@ -314,12 +315,13 @@ class Scheduler:
             row.samples = True
             req.num_pending += 1
 
-    def _ends_by_length(self, req: Request) -> bool:
-        """Whether the tokens a request has pending reach max_tokens or max_model_len, so it ends
-        when they are read whatever they are (overlapped scheduling gives it no row meanwhile)."""
+    def _length_reached(self, req: Request, pending: int) -> bool:
+        """Whether a request's tokens, with `pending` more not read yet, reach max_tokens or
+        max_model_len: it ends then, whatever the tokens are (update(); with overlapped scheduling
+        a request whose pending token is its last gets no row meanwhile)."""
         max_tokens = req.sampling_params.max_tokens
-        return ((max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens)
-                or req.num_tokens + req.num_pending >= self.config.max_model_len)
+        return ((max_tokens is not None and req.num_output_tokens + pending >= max_tokens)
+                or req.num_tokens + pending >= self.config.max_model_len)
 
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling of an n > 1 request waits until the first sibling has computed its prompt, then
@@ -467,7 +469,7 @@ class Scheduler:
         self._insert(self.waiting, req)
         out.preempted.append(rid)
 
-    def _pair(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    def bucket_pair(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (T, S) bucket pair of a step of num_tokens tokens in num_seqs rows."""
         T = round_up(self.config.token_buckets, num_tokens)
         return T, round_up(seq_buckets_for(self.config.seq_buckets, T), num_seqs)
@@ -492,12 +494,14 @@ class Scheduler:
         context = sum(row.request.num_computed_tokens + row.num_new_tokens for row in rows)
         floor = total - chunk_cut - len(deferrable)
         best, best_score = total, None
+        dropped_ctx = list(itertools.accumulate((row.request.num_computed_tokens + 1 for row in deferrable),
+                                                initial=0))  # context the first j deferred rows take off
         for k in [total, *reversed([b for b in self.config.token_buckets if floor <= b < total])]:
             cut = total - k
             trimmed = min(cut, chunk_cut)
-            dropped = deferrable[: cut - trimmed]
-            ctx = context - trimmed - sum(row.request.num_computed_tokens + 1 for row in dropped)
-            seconds = model.predict(StepShape(*self._pair(k, len(rows) - len(dropped)), ctx))
+            n_dropped = cut - trimmed
+            ctx = context - trimmed - dropped_ctx[n_dropped]
+            seconds = model.predict(StepShape(*self.bucket_pair(k, len(rows) - n_dropped), ctx))
             if target is not None:
                 if best_score is None or seconds < best_score:
                     best, best_score = k, seconds
@@ -555,7 +559,6 @@ class Scheduler:
         token that is thrown away) and the request has not ended since. With overlapped scheduling
         the next step was scheduled already: a request preempted by it still gets its token here.
         """
-        max_model_len = self.config.max_model_len
         got_token: list[int] = []
         ended: list[tuple[Request, RequestStatus]] = []
         for i, row in enumerate(out.scheduled.values()):
@@ -573,9 +576,7 @@ class Scheduler:
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
-            elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
-                req.num_tokens >= max_model_len
-            ):
+            elif self._length_reached(req, 0):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 was = req.status

@@ -39,13 +39,12 @@ from bench_offline import parser as offline_parser  # same flags; scripts/ is on
 
 
 def draw_requests(args, vocab_size: int) -> dict:
-    """bench_offline.workload()'s draws, in the same order from the same seed, as plain lists."""
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
-    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
-    prompts = [rng.integers(0, vocab_size, p).tolist() for p in prompt_lens]
-    return {"prompts": prompts, "max_tokens": [int(o) for o in output_lens]}
+    """`jaxsched bench throughput`'s uniform workload (bench_offline.py's), as plain lists."""
+    from jaxsched.bench import workloads
+
+    ns = argparse.Namespace(**{**vars(args), "workload": "uniform", "long_share": 0.0, "long_factor": 1})
+    reqs = workloads.synthetic(ns, vocab_size)
+    return {"prompts": [r.prompt for r in reqs], "max_tokens": [r.output_len for r in reqs]}
 
 
 def vocab_size_of(model: str) -> int:
