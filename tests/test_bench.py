@@ -68,6 +68,17 @@ def test_throughput_continuous_vs_static(llama_dir, tmp_path, capsys):
     assert png(tmp_path / "plots" / "throughput_batching.png")
 
 
+def test_throughput_stops_at_max_steps(llama_dir, capsys):
+    """--max-steps: the run measures that many steps with the workload queued, then aborts the rest
+    (none is left in the engine for the next run)."""
+    [res] = run_bench(["throughput", llama_dir, *ENGINE_FLAGS, "-n", "24", *SMALL, "--max-steps", "3",
+                       "--batching", "both"], capsys)
+    for r in res["runs"]:
+        assert 3 <= r["num_steps"] <= 4 and r["num_requests"] < 24  # a step in flight may be read after
+        assert r["total_output_tokens"] < res["workload"]["requested_output_tokens"]
+        assert 0 < r["scheduling_share"] < 1
+
+
 def test_latency(llama_dir, tmp_path, capsys):
     [res] = run_bench(["latency", llama_dir, *ENGINE_FLAGS, "--batch-size", "4", "--input-len", "40",
                        "--output-len", "6", "--num-iters", "2", "--no-async-scheduling",

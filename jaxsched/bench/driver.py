@@ -82,9 +82,11 @@ def counters(stats: EngineStats) -> dict[str, float]:
             if f.name not in _GAUGES and isinstance(getattr(stats, f.name), (int, float))}
 
 
-def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingParams], batching: str) -> Run:
-    """Run `reqs` to completion with `batching`; the prefix cache is emptied first, so that a
-    repeated workload is computed again rather than found in the cache."""
+def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingParams], batching: str,
+        max_steps: int | None = None) -> Run:
+    """Run `reqs` to completion with `batching`, or for `max_steps` step() calls, after which the
+    requests left are aborted (outside the measurement); the prefix cache is emptied first, so that
+    a repeated workload is computed again rather than found in the cache."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
     for e in replicas(engine):
@@ -99,11 +101,12 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
     running = samples = finished = out_tokens = prompt_tokens = allocated = waste = 0
     before = engine.stats()
     t0 = time.perf_counter()
+    pending: set[str] = set()
     for batch in batches:
         for req in batch:
             engine.add_request_obj(req)
         pending = {r.request_id for r in batch}
-        while pending:
+        while pending and samples != max_steps:
             for o in engine.step():
                 if o.finished and o.request_id in pending:
                     pending.discard(o.request_id)
@@ -117,8 +120,14 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
             allocated += s.kv_allocated_slots
             waste += s.kv_internal_waste_slots
             samples += 1
+        if samples == max_steps:
+            break
     elapsed = time.perf_counter() - t0
     after = engine.stats()
+    if pending:  # stopped at max_steps: end the rest, and read the step still in flight
+        engine.abort_request(list(pending))
+        while engine.has_unfinished_requests():
+            engine.step()
     c0 = counters(before)
     delta = {k: v - c0.get(k, 0) for k, v in counters(after).items()}
     errors = tuple(x for e in replicas(engine) for x in (getattr(e, "cost_errors", None) or ()))

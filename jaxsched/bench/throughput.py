@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without, then with it")
     g.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
                    help="share of the requests with a repetition penalty (0 to 1)")
+    g.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="stop each run after N engine steps and abort the requests left: the steps with the "
+                        "whole workload queued (e.g. -n 2000 --max-steps 40 for the scheduler's share then)")
     g.add_argument("--flops", action="store_true",
                    help="also the model FLOP/s achieved, against a float matmul peak measured here (~10 s)")
     add_output_arguments(p)
@@ -58,7 +61,7 @@ def sampling_params(reqs: list[workloads.BenchRequest], penalized: float) -> lis
 
 
 def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[SamplingParams],
-            batchings: list[str], overlaps: list[bool | None]) -> list[Run]:
+            batchings: list[str], overlaps: list[bool | None], max_steps: int | None = None) -> list[Run]:
     """One run per (batching, overlap), batching outermost; overlap None keeps the engine's."""
     runs = []
     for b in batchings:
@@ -67,7 +70,7 @@ def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[Sampli
                 driver.set_overlap(engine, o)
             logger.info("run: %s batching, overlap %s, %d requests", b, "on" if driver.overlap_of(engine) else "off",
                         len(reqs))
-            runs.append(driver.run(engine, reqs, params, b))
+            runs.append(driver.run(engine, reqs, params, b, max_steps))
     return runs
 
 
@@ -137,7 +140,9 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     s = by.get(("static", p["overlap"]))
     if p["batching"] == "continuous" and s is not None:
         out["continuous_over_static"] = {
-            "output_throughput": round(p["output_throughput"] / s["output_throughput"], 3),
+            # None where a run finished nothing (--max-steps)
+            "output_throughput": round(p["output_throughput"] / s["output_throughput"], 3)
+            if s["output_throughput"] else None,
             "elapsed_time": round(s["elapsed_time"] / p["elapsed_time"], 3),
             "num_steps": round(s["num_steps"] / max(p["num_steps"], 1), 3),
             "idle_seat_share": [p["idle_seat_share"], s["idle_seat_share"]],
@@ -174,10 +179,12 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
     params = sampling_params(reqs, ns.penalized)
     batchings = ["continuous", "static"] if ns.batching == "both" else [ns.batching]
     overlaps: list[bool | None] = {None: [None], "on": [True], "off": [False], "both": [False, True]}[ns.overlap]
-    measured = measure(engine, reqs, params, batchings, overlaps)
+    if ns.max_steps is not None and ns.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {ns.max_steps}")
+    measured = measure(engine, reqs, params, batchings, overlaps, ns.max_steps)
     runs = [run_fields(r) for r in measured]
     for r in runs:
-        if r["total_output_tokens"] != sum(x.output_len for x in reqs):
+        if r["total_output_tokens"] != sum(x.output_len for x in reqs) and ns.max_steps is None:
             logger.warning("%s batching produced %d output tokens, %d were asked for", r["batching"],
                            r["total_output_tokens"], sum(x.output_len for x in reqs))
     res: dict[str, Any] = {"command": "throughput", "engine": describe_engine(engine),
