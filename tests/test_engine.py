@@ -264,6 +264,23 @@ def test_stats_time_the_host_phases_and_count_kv_waste(llm):
     assert after.kv_internal_waste_slots == 0 and after.kv_internal_waste_perc == 0.0
 
 
+def test_exit_waits_for_the_step_in_flight(llm):
+    """The exit hook waits for a step still running (jax's CPU client torn down under a running
+    computation deadlocked the process), and the engine is registered with it."""
+    from jaxsched import engine as engine_mod
+
+    eng = llm.llm_engine
+    assert eng in engine_mod._ENGINES and engine_mod._AT_EXIT
+    eng.add_request("x", prompts_of(llm, 1)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    step = eng._in_flight
+    assert step is not None and step.ints is not None
+    engine_mod._wait_for_steps_in_flight()
+    assert step.ints.is_ready() and step.floats.is_ready()
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypatch):
     """Overlapped scheduling: when step N+1 fails to start, step N (already on the device) is read
     and applied first. A request it ends gets its normal final output inside the StepFailedError,
