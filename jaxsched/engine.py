@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 # at interpreter exit while a computation still runs, deadlocks: the process hung for minutes after
 # 43 steps of 2,048 tokens with 2,000 requests queued. So at exit each such step is waited for first.
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
-_AT_EXIT: list[bool] = []
+_at_exit_registered = False
 
 
 def _wait_for_steps_in_flight() -> None:
@@ -70,10 +70,11 @@ def _register(engine: LLMEngine) -> None:
     """Track `engine` for _wait_for_steps_in_flight. The exit hook is registered once, after jax
     was imported (here, at the first engine): atexit runs hooks last-registered first, so it runs
     before jax's own."""
+    global _at_exit_registered
     _ENGINES.add(engine)
-    if not _AT_EXIT:
+    if not _at_exit_registered:
         atexit.register(_wait_for_steps_in_flight)
-        _AT_EXIT.append(True)
+        _at_exit_registered = True
 
 PromptType = str | dict[str, Any]
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1

@@ -135,7 +135,6 @@ def _parse(lineno: int, raw: bytes, seen: dict[str, int]) -> tuple[str | None, s
             raise RequestError(f"custom_id {cid!r} is already used by line {seen[cid]}: custom_ids must be unique "
                                "within a batch (this line was not run)", param="custom_id",
                                code="duplicate_custom_id")
-        seen[cid] = lineno
         if line.method != "POST":
             raise RequestError(f"method must be \"POST\", got {_short(line.method)}", status=405, param="method",
                                code="method_not_allowed")
@@ -154,6 +153,7 @@ def _parse(lineno: int, raw: bytes, seen: dict[str, int]) -> tuple[str | None, s
         if stream is True:
             raise RequestError("stream=true is not supported in a batch file: each line gets one whole response; "
                                "drop \"stream\" (or set it to false)", param="stream", code="stream_not_supported")
+        seen[cid] = lineno  # claimed by a line that runs: a refused line leaves its id to a later one
         return cid, line.url, body
     except RequestError as e:
         raise _LineError(e, cid) from None
@@ -214,10 +214,11 @@ def _refused(cid: str | None, e: RequestError) -> BatchOutput:
 class _OrderedWriter:
     """Writes finished lines in input order; holds those that wait for an earlier line."""
 
-    def __init__(self, out: IO[bytes], error_out: IO[bytes] | None) -> None:
+    def __init__(self, out: IO[bytes], error_out: IO[bytes] | None, on_written: Any = None) -> None:
         self.out, self.error_out = out, error_out
         self.next = 0
         self.waiting: dict[int, tuple[bytes, bool]] = {}
+        self.on_written = on_written  # called once per line written
 
     def put(self, index: int, record: BatchOutput) -> None:
         self.waiting[index] = (_enc.encode(record) + b"\n", record.error is not None)
@@ -227,6 +228,8 @@ class _OrderedWriter:
             if failed and self.error_out is not None:
                 self.error_out.write(data)
             self.next += 1
+            if self.on_written is not None:
+                self.on_written()
 
 
 class BatchRunner:
@@ -242,21 +245,24 @@ class BatchRunner:
         self._t0 = 0.0
 
     async def run(self, lines: Iterable[bytes], out: IO[bytes], error_out: IO[bytes] | None = None) -> BatchSummary:
-        writer = _OrderedWriter(out, error_out)
+        # A line holds a slot from when it is read until it is written: the lines in the engine plus
+        # the finished ones waiting for an earlier line stay within max_in_flight, so memory is bounded
+        # however long the line at the head runs.
         slots = asyncio.Semaphore(self.max_in_flight)
+        writer = _OrderedWriter(out, error_out, on_written=slots.release)
         tasks: set[asyncio.Task] = set()
         seen: dict[str, int] = {}
         self._t0 = time.perf_counter()
         index = 0
         async for lineno, raw in _numbered(lines):
             i, index = index, index + 1
+            await slots.acquire()  # the bound: a line is read only when an earlier one was written
             try:
                 cid, url, body = _parse(lineno, raw, seen)
             except _LineError as e:
                 self._finish(writer, i, _refused(e.custom_id, e.err))
                 continue
-            await slots.acquire()  # the bound: a line is read only when one in flight has finished
-            task = asyncio.create_task(self._one(writer, i, cid, url, body, slots))
+            task = asyncio.create_task(self._one(writer, i, cid, url, body))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
@@ -264,17 +270,15 @@ class BatchRunner:
         self.summary.seconds = time.perf_counter() - self._t0
         return self.summary
 
-    async def _one(self, writer: _OrderedWriter, index: int, cid: str | None, url: str, body: bytes,
-                   slots: asyncio.Semaphore) -> None:
+    async def _one(self, writer: _OrderedWriter, index: int, cid: str | None, url: str, body: bytes) -> None:
         try:
             status, resp = await _call_app(self.app, url, body)
+            record = self._record(cid, status, resp)
         except Exception as e:  # one line's failure must not end the batch
             logger.exception("custom_id %r failed", cid)
-            status, resp = 500, _enc.encode(ErrorResponse(ErrorInfo(
-                f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")))
-        finally:
-            slots.release()
-        self._finish(writer, index, self._record(cid, status, resp))
+            record = _error_line(cid, 500, ErrorInfo(f"internal error: {type(e).__name__}: {e}", "server_error",
+                                                     None, "internal_error"))
+        self._finish(writer, index, record)
 
     def _record(self, cid: str | None, status: int, resp: bytes) -> BatchOutput:
         if status == 200:

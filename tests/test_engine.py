@@ -270,7 +270,7 @@ def test_exit_waits_for_the_step_in_flight(llm):
     from jaxsched import engine as engine_mod
 
     eng = llm.llm_engine
-    assert eng in engine_mod._ENGINES and engine_mod._AT_EXIT
+    assert eng in engine_mod._ENGINES and engine_mod._at_exit_registered
     eng.add_request("x", prompts_of(llm, 1)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     eng.step()
     step = eng._in_flight

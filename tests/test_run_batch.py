@@ -225,3 +225,45 @@ def test_files_that_cannot_be_opened_fail_before_the_model_loads(tmp_path, monke
     assert "is the input file" in capsys.readouterr().err and src.read_text() == "{}\n"
     assert cli.main(["run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--max-in-flight", "0"]) == 2
     assert "--max-in-flight must be >= 1" in capsys.readouterr().err
+
+
+def test_lines_held_stay_within_max_in_flight_behind_a_slow_head():
+    """A line holds its slot until it is written: behind a slow first line, the lines read but not
+    yet written (in the engine, or finished and waiting for it) never exceed --max-in-flight, so a
+    long file does not pile up in memory. A refused first id leaves the id to a later valid line,
+    and a reply that cannot be decoded fails its line alone."""
+    import asyncio
+    import io
+
+    from serving.run_batch import BatchRunner
+
+    out = io.BytesIO()
+    started = 0
+    peak = 0
+    ok = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+    async def app(scope, receive, send):
+        nonlocal started, peak
+        body = (await receive())["body"]
+        started += 1
+        peak = max(peak, started - out.getvalue().count(b"\n"))
+        if b"slow" in body:
+            await asyncio.sleep(0.3)
+        reply = b"not json" if b"garbled" in body else ok
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": reply})
+
+    def line(cid, prompt, **extra):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "m", "prompt": prompt}, **extra}).encode()
+
+    lines = [line("c0", "slow"), line("dup", "x", url="/v1/nope"), line("dup", "x"), line("g", "garbled")]
+    lines += [line(f"c{i}", "fast") for i in range(1, 40)]
+    summary = asyncio.run(BatchRunner(app, max_in_flight=3).run(lines, out))
+    rows = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [r["custom_id"] for r in rows] == ["c0", "dup", "dup", "g"] + [f"c{i}" for i in range(1, 40)]
+    assert peak <= 3, peak
+    assert rows[1]["error"]["code"] == "not_found" and rows[2]["error"] is None  # the id went to the valid line
+    assert rows[3]["error"]["type"] == "server_error" and rows[3]["response"]["body"] is None
+    assert summary.failed == 2 and all(r["error"] is None for r in rows[4:])

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the requests with a repetition penalty (0 to 1)")
     g.add_argument("--max-steps", type=int, default=None, metavar="N",
                    help="stop each run after N engine steps and abort the requests left: the steps with the "
-                        "whole workload queued (e.g. -n 2000 --max-steps 40 for the scheduler's share then)")
+                        "whole workload queued (e.g. -n 2000 --max-steps 40 for the scheduler's share then); "
+                        "token throughputs then count finished requests only")
     g.add_argument("--flops", action="store_true",
                    help="also the model FLOP/s achieved, against a float matmul peak measured here (~10 s)")
     add_output_arguments(p)
