@@ -217,7 +217,6 @@ class BlockManager:
     def stats(self) -> KVCacheStats:
         used = self.num_usable_blocks - len(self.free_queue)
         allocated, waste = self.slot_usage()
-        used_slots = allocated - waste
         cached_free = sum(1 for b in self.cached.values() if self.ref_cnt[b] == 0)
         return KVCacheStats(
             num_blocks=self.num_usable_blocks,
@@ -225,8 +224,8 @@ class BlockManager:
             num_free_blocks=len(self.free_queue),
             num_cached_blocks=cached_free,
             allocated_slots=allocated,
-            used_slots=used_slots,
-            internal_waste=allocated - used_slots,
+            used_slots=allocated - waste,
+            internal_waste=waste,
         )
 
     def check_invariants(self) -> None:

@@ -27,6 +27,7 @@ from jaxsched.bench.driver import Run
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit
 from jaxsched.request import SamplingParams
+from jaxsched.step_cost import WITHIN  # the "close enough" share of the cost model's error report
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def run_fields(r: Run) -> dict[str, Any]:
         rel = np.abs(pred - meas) / meas
         d["cost_model_error"] = {"steps": int(rel.size), "mean": round(float(rel.mean()), 3),
                                  **{f"p{q}": round(float(np.percentile(rel, q)), 3) for q in (50, 90, 99)},
-                                 "within_15_percent": round(float((rel <= 0.15).mean()), 3)}
+                                 "within_15_percent": round(float((rel <= WITHIN).mean()), 3)}
     return d
 
 
