@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from jaxsched.bench import throughput, workloads
-from jaxsched.bench.flops import matmul_peak_gflops, model_flops
 
 
 def make_llm(args):
@@ -108,9 +107,7 @@ def main() -> None:
     elapsed, n_out = run.elapsed, run.output_tokens
     assert n_out == int(output_lens.sum()), "every request must produce exactly max_tokens tokens"
     n_total = n_out + int(prompt_lens.sum())
-    flops = model_flops(engine.model_config, prompt_lens, output_lens)
-    peak = matmul_peak_gflops(args.dtype)
-    achieved = flops["total"] / elapsed / 1e9
+    flops = throughput.flops_fields(engine, reqs, elapsed, args.dtype)
     cc = engine.cache_config
     res = {
         "requests": n,
@@ -121,11 +118,7 @@ def main() -> None:
         "warmup_s": round(engine.runner.warmup_seconds, 1),
         "init_s": round(init_s, 1),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "model_tflop": round(flops["total"] / 1e12, 2),
-        "model_tflop_matmul_attention_lmhead": [round(flops[k] / 1e12, 2) for k in ("matmul", "attention", "lm_head")],
-        "achieved_gflops": round(achieved, 1),
-        "matmul_peak_gflops": round(peak, 1),
-        "fraction_of_peak": round(achieved / peak, 3),
+        **flops,
         "preemptions": d["num_preemptions"],
         "padding_share": round(d["padding_share"], 3),
         "steps": d["num_steps"],
@@ -146,7 +139,7 @@ def main() -> None:
         off = throughput.run_fields(runs["off"])
         ratios = throughput.compare([off, d])
         res["off_output_tokens_per_s"] = round(n_out / runs["off"].elapsed, 1)
-        res["overlap_speedup"] = round(runs["off"].elapsed / elapsed, 3)
+        res["overlap_speedup"] = ratios["overlap_speedup"]
         res["off_wall_ms_per_step"] = off["wall_ms_per_step"]
         res["off_device_ms_per_step"] = off["device_wait_ms_per_step"]
         res["host_share_with_overlap"] = ratios["host_share_with_overlap"]
@@ -170,8 +163,8 @@ def main() -> None:
               f"per step of which {res['off_device_ms_per_step']} ms device")
         print(f"overlap on / off    {res['overlap_speedup']}x; with overlap the host's share of the step is "
               f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time)")
-    print(f"model FLOP/s        {achieved:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
-          f"{args.dtype} matmul peak {peak:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
+    print(f"model FLOP/s        {res['achieved_gflops']:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
+          f"{args.dtype} matmul peak {res['matmul_peak_gflops']:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
     if args.json:
         print(json.dumps(res))
 
