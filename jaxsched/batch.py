@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from jaxsched.grammar import fill_rows, mask_words
 from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids
-from jaxsched.request import INT32_MAX, Request, SamplingParams
+from jaxsched.request import INT32_MAX, MAX_LOGIT_BIAS, Request, SamplingParams
 from jaxsched.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -55,6 +56,7 @@ class BatchDescriptor:
     sample_index: object = _flat("i32", _rows)  # i32[S]  output index of the token sampled this step
     num_logprobs: object = _flat("i32", _rows)  # i32[S]  -1 = no logprobs
     penalty_num: object = _flat("i32", _rows)  # i32[S]  valid entries of the row's penalty table; 0 = none
+    masked: object = _flat("i32", _rows)  # i32[S]  1: the row's token_mask applies (a constrained request)
     # i32[T]  0: the token id is in token_ids; j + 1: it is the token the previous step sampled for
     # its row j, which only the device has yet (overlapped scheduling)
     from_prev: object = _flat("i32", _tokens)
@@ -69,6 +71,16 @@ class BatchDescriptor:
     penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
     penalty_counts: object = None  # f32[S, W] output count of each; MASKED (-1) = blocked by min_tokens
     has_penalties: bool = False  # host only: whether any row of this step uses them
+    # Token constraints and logit_bias (grammar.py), sent like the penalty tables: only in steps
+    # where a row uses them (None: the sampler skips that stage, as in tests that build a batch by hand).
+    token_mask: object = None  # i32[S, VW] bit t % 32 of word t // 32 allows token t; all ones = free
+    bias_ids: object = None  # i32[S, LB] token ids whose logits get a bias; V (out of range) = no entry
+    bias_values: object = None  # f32[S, LB] the bias added to each
+    has_mask: bool = False  # host only: whether any row of this step is constrained
+    has_bias: bool = False  # host only: whether any row of this step has a logit_bias
+    # host only: a constrained row's next mask needs the token this step samples, so the next step
+    # must wait for it (and so must the penalty tables: has_penalties)
+    needs_tokens: bool = False
     # host only: request id -> why its row could not be stored; such a row runs with neutral values
     # and the engine fails that request (and only it) after the step
     rejected: dict[str, str] = field(default_factory=dict)
@@ -85,13 +97,15 @@ class BatchDescriptor:
 
     @classmethod
     def from_flat(cls, flat_i32, flat_f32, T: int, S: int, M: int, penalty_ids=None,
-                  penalty_counts=None) -> BatchDescriptor:
+                  penalty_counts=None, token_mask=None, bias_ids=None, bias_values=None) -> BatchDescriptor:
         """Rebuild the descriptor from the flat buffers (numpy or jax arrays alike), plus the
-        penalty tables (fresh zero tables of PENALTY_CAPACITY columns when not given)."""
+        penalty tables (fresh zero tables of PENALTY_CAPACITY columns when not given) and the
+        constraint tables (absent when not given)."""
         if penalty_ids is None:
             penalty_ids = np.zeros((S, PENALTY_CAPACITY), np.int32)
             penalty_counts = np.zeros((S, PENALTY_CAPACITY), np.float32)
-        kw = {"penalty_ids": penalty_ids, "penalty_counts": penalty_counts}
+        kw = {"penalty_ids": penalty_ids, "penalty_counts": penalty_counts, "token_mask": token_mask,
+              "bias_ids": bias_ids, "bias_values": bias_values}
         for name, start, stop, shape in _layout("i32", T, S, M):
             kw[name] = flat_i32[start:stop].reshape(shape)
         for name, start, stop, shape in _layout("f32", T, S, M):
@@ -122,15 +136,23 @@ class BatchPacker:
     """Owns the preallocated flat buffers (sized for the largest bucket) and fills them each step."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 penalty_capacity: int = PENALTY_CAPACITY) -> None:
+                 penalty_capacity: int = PENALTY_CAPACITY, vocab_size: int = 0, grammar_executor=None) -> None:
+        """vocab_size: V, the width of the token masks and the logit_bias tables' "no entry" id;
+        0 packs no constraint tables (the sampler then skips those stages)."""
         self.M = max_blocks_per_seq
         self.P = block_size
+        self.V = vocab_size
+        self.grammar_executor = grammar_executor  # a callable giving llguidance's thread pool, or None
         n_i32, n_f32 = flat_sizes(max_tokens, max_seqs, max_blocks_per_seq)
+        VW = mask_words(vocab_size) if vocab_size else 1
         # Two sets of buffers, used in turns: a CPU device may read a step's numpy input in place
         # (zero copy) while it runs, and with overlapped scheduling the next step is packed then.
         self._buffers = [(np.zeros(n_i32, np.int32), np.zeros(n_f32, np.float32),
                           np.zeros((max_seqs, penalty_capacity), np.int32),  # rows past penalty_num are
-                          np.zeros((max_seqs, penalty_capacity), np.float32))  # never read: no clearing
+                          np.zeros((max_seqs, penalty_capacity), np.float32),  # never read: no clearing
+                          np.zeros((max_seqs, VW), np.int32),
+                          np.zeros((max_seqs, MAX_LOGIT_BIAS), np.int32),
+                          np.zeros((max_seqs, MAX_LOGIT_BIAS), np.float32))
                          for _ in range(2)]
         self._turn = 0
         self.max_seqs = max_seqs
@@ -164,8 +186,9 @@ class BatchPacker:
               buffers: tuple[np.ndarray, ...]) -> BatchDescriptor:
         T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
         n_i32, n_f32 = flat_sizes(T, S, M)
-        i32, f32, pen_ids, pen_counts = buffers
-        b = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, M, pen_ids[:S], pen_counts[:S])
+        i32, f32, pen_ids, pen_counts, mask, bias_ids, bias_values = buffers
+        tables = (mask[:S], bias_ids[:S], bias_values[:S]) if self.V else (None, None, None)
+        b = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, M, pen_ids[:S], pen_counts[:S], *tables)
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
@@ -241,7 +264,35 @@ class BatchPacker:
                 b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i])
                 b.has_penalties = True
         self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
+        if self.V:
+            self._pack_constraints(b, sched, reqs, params, bad)
+        b.needs_tokens = b.needs_tokens or b.has_penalties
         return b
+
+    def _pack_constraints(self, b: BatchDescriptor, sched: list[ScheduledRequest], reqs: list[Request],
+                          params: list[SamplingParams], bad: dict[int, str]) -> None:
+        """The token masks and logit_bias tables of the rows that sample this step."""
+        constrained, biased = [], []
+        for i, (row, r, sp) in enumerate(zip(sched, reqs, params)):
+            if not row.samples or i in bad:
+                continue
+            if r.constraint is not None:
+                constrained.append((r.constraint, i))
+                b.needs_tokens = b.needs_tokens or r.constraint.depends_on_tokens
+            if sp.logit_bias:
+                biased.append((i, sp.logit_bias))
+        if constrained:
+            b.token_mask[:] = -1  # all ones: the rows without a constraint may take any token
+            fill_rows(constrained, b.token_mask, self.grammar_executor() if self.grammar_executor else None)
+            b.masked[[i for _, i in constrained]] = 1
+            b.has_mask = True
+        if biased:
+            b.bias_ids[:] = self.V
+            b.bias_values[:] = 0.0
+            for i, items in biased:
+                b.bias_ids[i, : len(items)] = [t for t, _ in items]
+                b.bias_values[i, : len(items)] = [v for _, v in items]
+            b.has_bias = True
 
 
 _NEUTRAL = SamplingParams(temperature=0.0)  # what a rejected row samples with (its token is dropped)

@@ -167,6 +167,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        from jaxsched.grammar import GrammarCompiler
+
+        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
+        self.runner.packer.grammar_executor = lambda: self.grammars.executor
         self._rng = np.random.default_rng(cfg.seed)
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
@@ -242,10 +246,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}", "logprobs")
         V = self.model_config.vocab_size
-        for t in params.stop_token_ids:
-            if t >= V:
-                raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {V}) (the vocab size), got {t}",
-                                          "stop_token_ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias or ()])):
+            for t in ids or ():
+                if t >= V:
+                    raise InvalidRequestError(f"{name} must hold token ids in [0, {V}) (the vocab size), got {t}", name)
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)
@@ -255,9 +260,20 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_ids=self.eos_token_ids, sample_seed=seed % (2**31 - 1),
-                      prompt=text)
+                      prompt=text, constraint=self.constraint(params))
         self.scheduler.check_fits(req)
         return req
+
+    def constraint(self, params: SamplingParams):
+        """The TokenConstraint of a request's params (grammar.py), or None. A grammar is compiled
+        here (cached) unless it was compiled ahead, as the server does (GrammarCompiler.compile)."""
+        from jaxsched.grammar import AllowedTokens
+
+        if params.allowed_token_ids is not None:
+            return AllowedTokens(params.allowed_token_ids, self.model_config.vocab_size)
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs).constraint()
 
     def add_request(self, request_id: str, prompt: PromptType | Sequence[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,

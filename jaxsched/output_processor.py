@@ -96,7 +96,7 @@ class OutputProcessor:
             hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
         children = [dataclasses.replace(req, request_id=f"{i}_{rid}", sample_seed=sample_seed(req.sample_seed, i),
                                         group_id=rid, group_size=n, output_token_ids=[], block_hashes=[],
-                                        cache_salt=salt)
+                                        cache_salt=salt, constraint=req.constraint and req.constraint.fork())
                     for i in range(n)]
         for child in children:
             self._track(child)

@@ -11,8 +11,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxsched.errors import InvalidRequestError
+from jaxsched.structured_output import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from jaxsched.grammar import TokenConstraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,6 +56,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what OpenAI-style clients send: int6
 MAX_N = 128  # samples per request: each is a sequence in the batch, and they are added at once
 MAX_STOP = 64  # stop strings, and stop token ids, per request: each generated token is checked against them
 MAX_STOP_CHARS = 1024  # streaming holds back up to this many characters (a stop string may be starting)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request: the width of the step's bias table (batch.py)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
 
 
 def short_repr(v: object) -> str:
@@ -106,6 +113,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # Constraints on the tokens sampled: a grammar (jaxsched/structured_output.py), a bias added to
+    # chosen logits ({token id: bias in [-100, 100]}, as OpenAI's logit_bias), a set of the only
+    # tokens allowed. All three are applied on the device (sampler.py); logprobs stay the model's.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
 
     def __post_init__(self) -> None:
         # Normalise list-like fields to tuples so the object stays hashable and immutable.
@@ -155,8 +168,40 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
                                       "min_tokens")
+        self._check_constraints()
         object.__setattr__(self, "_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    def _check_constraints(self) -> None:
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
+                                      "structured_outputs")
+        bias = self.logit_bias
+        if bias is not None:
+            items = bias.items() if isinstance(bias, dict) else bias
+            try:
+                items = tuple((t, b) for t, b in items)
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+            if len(items) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias has {len(items)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                                          "logit_bias")
+            for t, b in items:
+                _int("logit_bias", t, 0, INT32_MAX, "keys are token ids of the vocabulary")
+                _float("logit_bias", b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, "a value added to the token's logit")
+            object.__setattr__(self, "logit_bias", tuple(sorted(dict(items).items())) or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (tuple, list)) or not allowed:
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+            for t in allowed:
+                _int("allowed_token_ids", t, 0, INT32_MAX, "token ids of the vocabulary")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+            if so is not None:
+                raise InvalidRequestError("allowed_token_ids cannot be combined with structured outputs: the grammar "
+                                          "already decides which tokens may come; pass one of them",
+                                          "allowed_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +239,8 @@ class Request:
     error: str | None = None  # why it ended with FINISHED_ERROR
     num_preemptions: int = 0
     deferred_step: int = -2  # the last step the step-cost model put this request's decode row off
+    # which tokens it may sample next (grammar.py): follows its accepted tokens; None = any
+    constraint: TokenConstraint | None = None
     # arrival order, set by the scheduler: the tie-breaker of every ordering
     seq_no: int = 0
     # the scheduler's step count when the request arrived (priority aging counts steps, not seconds)

@@ -31,8 +31,10 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.grammar import mask_words
 from jaxsched.parallel import place
 from jaxsched.paths import cache_dir
+from jaxsched.request import MAX_LOGIT_BIAS
 from jaxsched.sampler import SamplerOutput, sample
 from jaxsched.scheduler import SchedulerOutput
 from pallas_kernels import backends, tuning
@@ -150,7 +152,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
-                                  config.penalty_capacity)
+                                  config.penalty_capacity, cfg.vocab_size)
         backend = backends.get(config.attention_backend)
         # [L, NB, K, P, H] each, K pages transposed for the CPU backends; a bfloat16 pool is uint16
         # bits for them (pool_storage.py)
@@ -168,7 +170,8 @@ class ModelRunner:
         self._swap_in_exe: dict[int, object] = {}
         self._copy_exe: dict[int, object] = {}
         self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
-        self._no_penalties: dict[int, tuple] = {}
+        # per S: the penalty and constraint tables of a step where no row uses them, kept on the device
+        self._idle_tables: dict[int, tuple] = {}
 
     def _new_pool(self, dt):
         def zeros():
@@ -199,13 +202,20 @@ class ModelRunner:
             return [np.asarray(x) for x in jax.device_get(xs)]
         return [np.asarray(x.addressable_data(0)) for x in xs]
 
-    def _step(self, state, kv, prev_ids, flat_i32, flat_f32, penalty_ids, penalty_counts, *, T: int, S: int):
+    def _table_shapes(self, S: int) -> list[tuple[tuple[int, int], object]]:
+        """(shape, dtype) of the step's tables besides the flat buffers, in the order _step takes
+        them: penalty ids and counts, token mask, logit_bias ids and values."""
+        W, V = self.penalty_capacity, self.model_config.vocab_size
+        return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
+                ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
+
+    def _step(self, state, kv, prev_ids, flat_i32, flat_f32, tables, *, T: int, S: int):
         """prev_ids: i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs):
         decode rows scheduled before the host read them take them from here (batch.from_prev).
-        Returns the pool, the packed sampler output, and this step's prev_ids for the next."""
+        tables: _table_shapes's arrays. Returns the pool, the packed sampler output, and this
+        step's prev_ids for the next."""
         model = nnx.merge(self.graphdef, state)
-        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, penalty_ids,
-                                          penalty_counts)
+        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, *tables)
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
@@ -220,10 +230,9 @@ class ModelRunner:
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
                                                               self._replicated, self._replicated)}
         fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,), **out)
-        W = self.penalty_capacity
+        tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
         lowered = fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
-                           self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32),
-                           self._input((S, W), jnp.int32), self._input((S, W), jnp.float32), T=T, S=S)
+                           self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32), tables, T=T, S=S)
         options = tuning.compiler_options(self._platform) if self._use_compiler_options else {}
         if not options:
             return lowered.compile()
@@ -313,9 +322,13 @@ class ModelRunner:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
         self._compile_swaps()
-        W = self.penalty_capacity
+        V = self.model_config.vocab_size
         for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
-            self._no_penalties[S] = tuple(self._device(np.zeros((S, W), dt)) for dt in (np.int32, np.float32))
+            (pi, pc, m, bi, bv) = self._table_shapes(S)
+            self._idle_tables[S] = (self._device(np.zeros(*pi)), self._device(np.zeros(*pc)),
+                                    self._device(np.full(m[0], -1, m[1])),  # all ones: every token allowed
+                                    self._device(np.full(bi[0], V, bi[1])),  # id V: no entry
+                                    self._device(np.zeros(*bv)))
         self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s", len(pairs),
@@ -340,7 +353,7 @@ class ModelRunner:
             batch = self.packer.pack(out)
             step.pack_seconds = time.perf_counter() - t0
             step.ints, step.floats = self.run(batch)
-            step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.has_penalties
+            step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
             return step
         except Exception:
             self.recover_pool()
@@ -368,12 +381,13 @@ class ModelRunner:
         exe = self._executables.get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
             raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
-        if batch.has_penalties:
-            pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts))
-        else:  # nothing to send: tables that stay on the device, never read (penalty_num is 0)
-            pen = self._no_penalties[S]
+        # tables no row uses are not sent: their idle copies stay on the device (never read, or neutral)
+        idle = self._idle_tables[S]
+        pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts)) if batch.has_penalties else idle[:2]
+        mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
+        bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
         self.kv, ints, floats, self._prev_ids = exe(self.state, self.kv, self._prev_ids, self._put(batch.flat_i32),
-                                                    self._put(batch.flat_f32), *pen)
+                                                    self._put(batch.flat_f32), (*pen, *mask, *bias))
         return ints, floats
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:

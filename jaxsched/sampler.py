@@ -14,6 +14,13 @@ counts (jaxsched/penalties.py says why, and how a request that could outgrow it 
 a gather and a scatter of [S, W] entries, no [S, V] array crosses to the device. The whole stage
 sits under lax.cond, so a step where no row is penalised pays nothing for it.
 
+Then logit_bias (OpenAI's: a value added to chosen tokens' logits, from an [S, LB] table scattered
+like the penalties), then the token masks of constrained rows (structured outputs and
+allowed_token_ids, jaxsched/grammar.py): an i32[S, VW] bitmask, unpacked on the device, that sets
+disallowed tokens to -inf. The mask goes to the token choice (greedy or drawn) inside a lax.cond whose
+outputs are the [S] sampled ids, so a step without constrained rows never unpacks it, and no [S, V]
+array leaves the cond (a cond returning the logits copies them in its identity branch).
+
 Logprobs are of the model's raw distribution (vLLM's default): the sampled token's logprob and
 rank, and the top `max_logprobs` alternatives, before penalties and temperature.
 """
@@ -116,11 +123,26 @@ def apply_penalties(logits, batch):
     return logits.at[jnp.arange(S)[:, None], ids].set(x.astype(logits.dtype), mode="drop")
 
 
-def sample(logits, batch, max_logprobs: int):
-    """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
+def apply_logit_bias(logits, batch):
+    """Add each row's logit_bias entries: logits f32[S, V] -> f32[S, V]. Entries with id V (no
+    entry) are dropped by the scatter."""
+    if batch.bias_ids is None:
+        return logits
+    S = logits.shape[0]
+    return logits.at[jnp.arange(S)[:, None], batch.bias_ids].add(batch.bias_values.astype(logits.dtype), mode="drop")
+
+
+def apply_token_mask(logits, token_mask):
+    """Disallowed tokens to -inf: logits f32[S, V], token_mask i32[S, VW] -> f32[S, V]."""
     S, V = logits.shape
-    raw = logits
-    logits = apply_penalties(logits, batch)
+    VW = token_mask.shape[1]
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return jnp.where(bits.reshape(S, VW * 32)[:, :V] == 1, logits, -jnp.inf)
+
+
+def _choose(logits, batch):
+    """The token of each row: the argmax for greedy rows, a Gumbel-max draw for the others."""
+    V = logits.shape[1]
     greedy = argmax_rows(logits)
     do_sample = batch.temperature > 0
 
@@ -133,7 +155,20 @@ def sample(logits, batch, max_logprobs: int):
         g = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
         return jnp.where(do_sample, argmax_rows(x + g), greedy)
 
-    sampled = jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
+    return jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
+
+
+def sample(logits, batch, max_logprobs: int):
+    """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
+    S = logits.shape[0]
+    raw = logits
+    logits = apply_logit_bias(apply_penalties(logits, batch), batch)
+    if batch.token_mask is None:
+        sampled = _choose(logits, batch)
+    else:
+        sampled = jax.lax.cond(jnp.any(batch.masked > 0),
+                               lambda lg: _choose(apply_token_mask(lg, batch.token_mask), batch),
+                               lambda lg: _choose(lg, batch), logits)
 
     k = max_logprobs
 

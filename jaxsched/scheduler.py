@@ -571,7 +571,16 @@ class Scheduler:
             got_token.append(i)
             params = req.sampling_params
             status = None
-            if not params.ignore_eos and token in req.eos_token_ids:
+            if req.constraint is not None:  # the mask allowed it, so the grammar takes it (else: a bug, this request fails)
+                why = req.constraint.accept(token)
+                if why is not None:
+                    req.error = why
+                    status = RequestStatus.FINISHED_ERROR
+                elif req.constraint.finished:  # the output is complete: the grammar allows nothing more
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                pass
+            elif not params.ignore_eos and token in req.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED

@@ -30,11 +30,11 @@ def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np
     """Seconds of `reps` runs of one compiled step on captured flat buffers (the KV pool is donated
     and kept, as in execute()), and the sampled ids of the last run."""
     prev, fi, ff = batch_flat
-    pen = runner._no_penalties[S]
+    pen = runner._idle_tables[S]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.kv, ints, _, _ = exe(runner.state, runner.kv, prev, fi, ff, *pen)
+        runner.kv, ints, _, _ = exe(runner.state, runner.kv, prev, fi, ff, pen)
         ints = np.asarray(ints)  # waits for the step
         times.append(time.perf_counter() - t0)
     return times, ints[:S]
