@@ -45,20 +45,75 @@ class ErrorResponse(Struct):
 
 
 # -- requests ----------------------------------------------------------------------------------
+# Every field of OpenAI's and vLLM's /v1/completions and /v1/chat/completions requests is declared
+# here, honoured or not: serving/request_fields.py says which are honoured and refuses the others
+# when they are given a value other than their default. Defaults are OpenAI's (vLLM's for its own
+# fields), so a field left out and a field given its default look the same.
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's; stream chunks are never padded here
+    continuous_usage_stats: bool | None = False  # vLLM's
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Struct, kw_only=True):
+    """vLLM's `structured_outputs`: at most one of json, regex, choice, grammar, json_object."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # declared so that it is refused rather than ignored
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionName
 
 
 class _Sampling(Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     JSON null means "the default" for every optional field, as in OpenAI's API (clients send
-    `"n": null`); _null_defaults restores the defaults of the fields whose type is not Optional.
+    `"n": null`); _null_defaults restores the defaults of the fields whose default is not null.
     """
 
     _null_defaults: ClassVar[dict[str, Any]] = {
         "n": 1, "stream": False, "min_tokens": 0, "ignore_eos": False, "priority": 0, "skip_special_tokens": True,
-        "include_stop_str_in_output": False, "echo": False, "add_generation_prompt": True}
+        "include_stop_str_in_output": False, "echo": False, "add_generation_prompt": True,
+        "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+        "return_token_offsets": False, "return_mm_kwargs": True, "routed_experts_prompt_start": 0}
 
     model: str | None = None
     temperature: float | None = None
@@ -82,6 +137,39 @@ class _Sampling(Struct, kw_only=True):
     priority: int | None = 0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+    watermarking: bool | None = None
+    spaces_between_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # "left" or "right"
+    response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM takes it on completions too
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older spelling of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None  # qualified names or {"qualname": ..., "args": ..., "kwargs": ...}
+    cache_salt: str | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    return_token_offsets: bool | None = False  # vLLM's render endpoints only
+    return_mm_kwargs: bool | None = True  # vLLM's render endpoints only
+    routed_experts_prompt_start: int | None = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name, default in self._null_defaults.items():
@@ -90,12 +178,17 @@ class _Sampling(Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
+    _null_defaults: ClassVar[dict[str, Any]] = {**_Sampling._null_defaults, "add_special_tokens": True}
+
     prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's extensions
+    add_special_tokens: bool | None = True
+    prompt_embeds: str | list[str] | None = None  # base64 tensors
 
 
 class ContentPart(Struct, kw_only=True):
@@ -103,21 +196,68 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCallIn(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # the call a "tool" message answers
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
+    _null_defaults: ClassVar[dict[str, Any]] = {
+        **_Sampling._null_defaults, "add_special_tokens": False, "continue_final_message": False, "store": False,
+        "include_reasoning": True}
+
     messages: list[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a named function
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = False
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI in favour of tools
+    function_call: str | dict[str, Any] | None = None  # deprecated by OpenAI in favour of tool_choice
+    # vLLM's extensions
     add_generation_prompt: bool | None = True
-    chat_template: str | None = None  # vLLM's; refused unless the server runs with --trust-request-chat-template
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False  # vLLM's: prepend the last message to the reply when it has the reply's role
+    best_of: int | None = None  # older vLLM's
+    include_reasoning: bool | None = True
+    documents: list[dict[str, Any]] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    structural_tag: str | None = None  # older vLLM's
+    return_prompt_text: bool | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):
