@@ -273,7 +273,8 @@ class LLMEngine:
             return AllowedTokens(params.allowed_token_ids, self.model_config.vocab_size)
         if params.structured_outputs is None:
             return None
-        return self.grammars.compile(params.structured_outputs).constraint()
+        banned = self.eos_token_ids if params.ignore_eos else ()
+        return self.grammars.compile(params.structured_outputs).constraint(banned)
 
     def add_request(self, request_id: str, prompt: PromptType | Sequence[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,

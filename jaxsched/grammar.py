@@ -79,15 +79,31 @@ class AllowedTokens(TokenConstraint):
 
 
 class GrammarConstraint(TokenConstraint):
-    """An llguidance matcher over the request's output tokens."""
+    """An llguidance matcher over the request's output tokens.
+
+    `banned` (the EOS ids of an ignore_eos request) are taken out of every mask unless nothing else
+    is left: the grammar then goes on to max_tokens rather than ending where it could, and a
+    grammar that can only end still ends."""
 
     depends_on_tokens = True
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, banned: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
+        self.banned = banned
 
     def fill(self, row: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.after_fill(row)
+
+    def after_fill(self, row: np.ndarray) -> None:
+        if not self.banned:
+            return
+        kept = row.copy()
+        bits = row.view(np.uint32)
+        for t in self.banned:
+            bits[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+        if not row.any():
+            row[:] = kept
 
     def accept(self, token: int) -> str | None:
         if self.matcher.consume_token(token):
@@ -99,16 +115,19 @@ class GrammarConstraint(TokenConstraint):
         return self.matcher.is_stopped()
 
     def fork(self) -> GrammarConstraint:
-        return GrammarConstraint(self.matcher.deep_copy())
+        return GrammarConstraint(self.matcher.deep_copy(), self.banned)
 
 
 def fill_rows(rows: list[tuple[TokenConstraint, int]], mask: np.ndarray, executor: Any = None) -> None:
     """Fill mask[i] for each (constraint, i); grammar rows in parallel on llguidance's threads
     (they release the GIL) when there are several."""
-    grammars = [(c.matcher, i) for c, i in rows if isinstance(c, GrammarConstraint)]
+    grammars = [(c, i) for c, i in rows if isinstance(c, GrammarConstraint)]
     if executor is not None and len(grammars) > 1:
         assert mask.flags["C_CONTIGUOUS"]
-        executor.unsafe_compute_mask_ptr(grammars, mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+        executor.unsafe_compute_mask_ptr([(c.matcher, i) for c, i in grammars], mask.ctypes.data, mask.shape[1] * 4,
+                                         mask.shape[0])
+        for c, i in grammars:
+            c.after_fill(mask[i])
         rows = [(c, i) for c, i in rows if not isinstance(c, GrammarConstraint)]
     for c, i in rows:
         c.fill(mask[i])
@@ -121,8 +140,8 @@ class CompiledGrammar:
         self._matcher = matcher
         self.text = text
 
-    def constraint(self) -> GrammarConstraint:
-        return GrammarConstraint(self._matcher.deep_copy())
+    def constraint(self, banned: tuple[int, ...] = ()) -> GrammarConstraint:
+        return GrammarConstraint(self._matcher.deep_copy(), banned)
 
 
 class GrammarCompiler:

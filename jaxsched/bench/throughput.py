@@ -28,6 +28,7 @@ from jaxsched.bench.engine_args import add_engine_arguments, build_engine, descr
 from jaxsched.bench.results import add_output_arguments, emit
 from jaxsched.request import SamplingParams
 from jaxsched.step_cost import WITHIN  # the "close enough" share of the cost model's error report
+from jaxsched.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without, then with it")
     g.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
                    help="share of the requests with a repetition penalty (0 to 1)")
+    g.add_argument("--structured", default="0", metavar="SHARES",
+                   help="comma-separated shares of the requests (0 to 1) constrained by a grammar (JSON objects, "
+                        "one per line, without end: each still runs to its max_tokens); one run per share, e.g. "
+                        "0,0.5,1 for the cost of structured outputs")
     g.add_argument("--max-steps", type=int, default=None, metavar="N",
                    help="stop each run after N engine steps and abort the requests left: the steps with the "
                         "whole workload queued (e.g. -n 2000 --max-steps 40 for the scheduler's share then); "
@@ -53,13 +58,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_arguments(p)
 
 
-def sampling_params(reqs: list[workloads.BenchRequest], penalized: float) -> list[SamplingParams]:
+# --structured: JSON objects, one per line, for ever. With ignore_eos the grammar never ends by itself
+# (EOS is taken out of its masks), so a constrained request makes exactly its max_tokens, as the others.
+BENCH_GRAMMAR = StructuredOutputsParams(grammar=(
+    'start: (obj "\\n")+\nobj: %json {"type": "object", "properties": {"id": {"type": "integer"}, "name": '
+    '{"type": "string", "maxLength": 24}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, '
+    '"maxItems": 4}}, "required": ["id", "name", "tags"], "additionalProperties": false}\n'))
+
+
+def sampling_params(reqs: list[workloads.BenchRequest], penalized: float,
+                    structured: float = 0.0) -> list[SamplingParams]:
     # --penalized: that share of the requests uses a repetition penalty, whose tables are built on
-    # the host from the tokens so far (with overlap, a step with such rows waits for the one before)
+    # the host from the tokens so far (with overlap, a step with such rows waits for the one before);
+    # --structured: that share (spread evenly over the arrival order) follows BENCH_GRAMMAR
     n = len(reqs)
     pen = np.arange(n) < round(penalized * n)
+    so = np.floor(np.arange(1, n + 1) * structured) > np.floor(np.arange(n) * structured)
     return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len,
-                           repetition_penalty=1.1 if p else 1.0) for r, p in zip(reqs, pen)]
+                           repetition_penalty=1.1 if p else 1.0, structured_outputs=BENCH_GRAMMAR if c else None)
+            for r, p, c in zip(reqs, pen, so)]
 
 
 def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[SamplingParams],
@@ -129,6 +146,28 @@ def run_fields(r: Run) -> dict[str, Any]:
     return d
 
 
+def parse_shares(text: str) -> list[float]:
+    try:
+        shares = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not 0.0 <= x <= 1.0 for x in shares):
+        raise ValueError(f"--structured takes comma-separated shares between 0 and 1, got {text!r}")
+    return shares
+
+
+def structured_ratios(runs: list[dict[str, Any]], base: float) -> dict[str, float]:
+    """Output tokens/s of each share's run over the `base` share's, for the same batching and overlap."""
+    by = {(r["batching"], r["overlap"], r["structured_share"]): r for r in runs}
+    out = {}
+    for r in runs:
+        b = by[(r["batching"], r["overlap"], base)]
+        if r["structured_share"] != base and b["output_throughput"]:
+            key = f"{r['batching']}/overlap {r['overlap']}/{r['structured_share']:g}"
+            out[key] = round(r["output_throughput"] / b["output_throughput"], 3)
+    return out
+
+
 def primary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run the top-level fields describe: continuous batching and overlap on, where run."""
     return max(runs, key=lambda r: (r["batching"] == "continuous", r["overlap"] == "on"))
@@ -178,13 +217,20 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
     vocab = engine.model_config.vocab_size
     reqs = workloads.build(ns, vocab_size=vocab, tokenizer=driver.replicas(engine)[0].tokenizer,
                            max_model_len=engine.scheduler_config.max_model_len)
-    params = sampling_params(reqs, ns.penalized)
+    shares = parse_shares(ns.structured)
     batchings = ["continuous", "static"] if ns.batching == "both" else [ns.batching]
     overlaps: list[bool | None] = {None: [None], "on": [True], "off": [False], "both": [False, True]}[ns.overlap]
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {ns.max_steps}")
-    measured = measure(engine, reqs, params, batchings, overlaps, ns.max_steps)
-    runs = [run_fields(r) for r in measured]
+    if any(shares):  # compiled (and the tokenizer converted for llguidance) before any run is timed
+        for e in driver.replicas(engine):
+            e.grammars.compile(BENCH_GRAMMAR)
+    runs, measured = [], []
+    for share in shares:
+        params = sampling_params(reqs, ns.penalized, share)
+        for r in measure(engine, reqs, params, batchings, overlaps, ns.max_steps):
+            measured.append(r)
+            runs.append({**run_fields(r), "structured_share": share})
     for r in runs:
         if r["total_output_tokens"] != sum(x.output_len for x in reqs) and ns.max_steps is None:
             logger.warning("%s batching produced %d output tokens, %d were asked for", r["batching"],
@@ -192,14 +238,17 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
     res: dict[str, Any] = {"command": "throughput", "engine": describe_engine(engine),
                            "workload": workloads.describe(ns, reqs), "init_s": round(init_s, 2),
                            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
-    res.update(primary(runs))
+    free = [r for r in runs if r["structured_share"] == shares[0]]
+    res.update(primary(free))
     res["runs"] = runs
-    res.update(compare(runs))
+    res.update(compare(free))
+    if len(shares) > 1:
+        res["structured_over_free"] = structured_ratios(runs, shares[0])
     if any(getattr(e, "cost_model", None) is not None for e in driver.replicas(engine)):
         res["deferred_decode_rows"] = sum(e.scheduler.num_deferred for e in driver.replicas(engine))
     if ns.flops:  # the matmul peak in the weights' dtype where it is one of these, else float32
         dtype = ns.dtype if ns.dtype in ("float32", "bfloat16") else "float32"
-        res["flops"] = flops_fields(engine, reqs, measured[runs.index(primary(runs))].elapsed, dtype)
+        res["flops"] = flops_fields(engine, reqs, measured[runs.index(primary(free))].elapsed, dtype)
     return res
 
 
@@ -208,10 +257,10 @@ def print_summary(res: dict[str, Any]) -> None:
     print(f"engine     {e['model']}: {e['max_num_seqs']} seats, KV {e['kv_blocks']} blocks x {e['block_size']}, "
           f"{e['attention_backend']}, warm-up {e['warmup_s']} s")
     print(f"workload   {w['name']}: {w['num_requests']} requests, {w['requested_output_tokens']} output tokens asked")
-    print(f"{'batching':<11}{'overlap':<8}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'steps':>8}"
+    print(f"{'batching':<11}{'overlap':<8}{'struct':>7}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'steps':>8}"
           f"{'pad/step':>10}{'peak KV':>9}{'preempt':>9}{'idle seats':>12}{'ms/step':>9}")
     for r in res["runs"]:
-        print(f"{r['batching']:<11}{r['overlap']:<8}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+        print(f"{r['batching']:<11}{r['overlap']:<8}{r['structured_share']:>7.2f}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
               f"{r['total_token_throughput']:>11.1f}{r['num_steps']:>8}{r['padded_tokens_per_step']:>10.1f}"
               f"{r['peak_kv_cache_usage_perc'] * 100:>8.1f}%{r['num_preemptions']:>9}"
               f"{r['idle_seat_share'] * 100:>11.1f}%{r['wall_ms_per_step']:>9.2f}")
@@ -219,6 +268,8 @@ def print_summary(res: dict[str, Any]) -> None:
         c = res["continuous_over_static"]
         print(f"continuous / static: {c['output_throughput']}x output tokens/s, {c['num_steps']}x fewer steps; "
               f"idle seats {c['idle_seat_share'][0] * 100:.1f} % vs {c['idle_seat_share'][1] * 100:.1f} %")
+    for k, v in res.get("structured_over_free", {}).items():
+        print(f"structured {k} / share {res['runs'][0]['structured_share']:g}: {v}x output tokens/s")
     if "overlap_speedup" in res:
         print(f"overlap on / off: {res['overlap_speedup']}x; host share of a step with overlap "
               f"{res['host_share_with_overlap'] * 100:.1f} %")
