@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 import weakref
@@ -254,13 +255,19 @@ class LLMEngine:
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         check_penalty_capacity(params, ids, self.eos_token_ids, self.scheduler_config.max_model_len,
                                self.model_config.vocab_size, self.config.penalty_capacity)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_ids=self.eos_token_ids, sample_seed=seed % (2**31 - 1),
-                      prompt=text, constraint=self.constraint(params))
+                      prompt=text, constraint=self.constraint(params),
+                      # prefix caching: requests share cached blocks only with requests of the same salt
+                      cache_salt=int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+                      if salt else 0)
         self.scheduler.check_fits(req)
         return req
 

@@ -77,15 +77,18 @@ def max_token_chars(tokenizer) -> int:
 
 def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                    max_chars: int | None = None) -> list[int]:
+                    max_chars: int | None = None, tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
     """Token ids of a chat, rendered by transformers' sandboxed Jinja environment and tokenized as
-    apply_chat_template(tokenize=True) does (the template writes the special tokens itself).
-    With max_chars, a rendered prompt longer than that raises PromptTooLongError untokenized."""
+    apply_chat_template(tokenize=True) does (the template writes the special tokens itself, unless
+    add_special_tokens asks for the tokenizer's too). With max_chars, a rendered prompt longer than
+    that raises PromptTooLongError untokenized. `tools` (OpenAI tool objects) go to the template."""
     text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                         add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                         continue_final_message=continue_final_message, **(template_kwargs or {}))
     if not isinstance(text, str):
         raise ValueError("the chat template did not render to text")  # noqa: TRY004 - a template problem
     if max_chars is not None and len(text) > max_chars:
         raise PromptTooLongError(f"the chat renders to {len(text)} characters, more than any prompt that fits "
                                  f"max_model_len ({max_chars} characters at most)")
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -30,7 +31,9 @@ from starlette.routing import Route
 import jaxsched
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.outputs import RequestOutput
+from jaxsched.structured_output import StructuredOutputsParams
 from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from serving.chat_tools import DEFAULT_TOOL_PARSER, ChatTools
 from serving.convert import Converter
 from serving.protocol import (
     ChatCompletionRequest,
@@ -46,12 +49,15 @@ from serving.protocol import (
     TokenizeResponse,
     decode_request,
 )
+from serving.request_fields import refuse_unsupported
 from serving.responses import ChatResponder, CompletionResponder, Responder
 from serving.streaming import DeltaTracker, EventStream, merge, sse
+from serving.tool_calls import PARSERS
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds a structured output's grammar may take to compile
 _enc = msgspec.json.Encoder()
 
 
@@ -86,7 +92,8 @@ class _ApiKeyMiddleware:
 
 class _Server:
     def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
+                 grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT) -> None:
         llm = engine.engine
         self.engine = engine
         self.name = name
@@ -95,6 +102,57 @@ class _Server:
         self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.config.max_logprobs,
                               trust_request_chat_template=trust_request_chat_template)
         self.root = llm.config.model_path
+        self.policy = getattr(llm.config.scheduling_policy, "name", "custom")
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}: one of {', '.join(sorted(PARSERS))}")
+        self.tool_call_parser = tool_call_parser
+        # Grammars compile here, on their own threads with a time limit, before the request reaches
+        # the engine; the compiled grammar travels with the request (GrammarCompiler.compile), so
+        # the engine's thread never compiles one. (A data-parallel engine's other replicas compile
+        # their own copy, cached, at the request's first use there.)
+        self.grammars = llm.grammars if hasattr(llm, "grammars") else llm.replicas[0].grammars
+        self.grammar_timeout = grammar_timeout
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.grammar_pool.submit(self._convert_tokenizer)  # ~1 s once: not on the first request
+
+    def _convert_tokenizer(self) -> None:
+        try:
+            self.grammars.ll_tokenizer()
+        except Exception as e:  # noqa: BLE001 - said again, as a 400, to each request that needs it
+            logger.warning("structured outputs will not be available: %s", e)
+
+    async def compile_grammar(self, so: StructuredOutputsParams | None) -> None:
+        """Compile a request's grammar off the event loop and the engine's thread: a 400 naming the
+        problem for a definition that does not compile or takes longer than the time limit."""
+        if so is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self.grammar_pool, self.grammars.compile, so),
+                                   self.grammar_timeout)
+        except TimeoutError:
+            raise RequestError(f"the structured output's {so.kind} took more than {self.grammar_timeout:g} s to "
+                               "compile: simplify it", param="structured_outputs",
+                               code="grammar_compile_timeout") from None
+        except InvalidRequestError as e:
+            raise RequestError(str(e), param=e.param) from e
+
+    def check_priority(self, priority: int) -> None:
+        if priority and self.policy == "fcfs":
+            raise RequestError(f"priority {priority} is not honoured: this server schedules first come, first "
+                               "served; leave priority at 0, or start the server with --scheduling-policy priority",
+                               param="priority", code="unsupported_parameter")
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        if not isinstance(keep, int) or not 1 <= keep <= self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, {self.max_model_len}], "
+                               f"got {keep}", param="truncate_prompt_tokens")
+        return ids[-keep:]
 
     # -- plumbing ------------------------------------------------------------------------------
     async def body(self, request: Request) -> bytes:
@@ -127,8 +185,9 @@ class _Server:
 
     async def submit(self, r: Responder, prompts: list[list[int]], params: list[Any]) -> list[RequestStream]:
         """Queue one engine request per prompt; all are accepted or none is."""
+        salt = {"cache_salt": r.req.cache_salt} if r.req.cache_salt is not None else {}
         res = await asyncio.gather(*(
-            self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, sp, request_id=f"{r.rid}-{i}",
+            self.engine.add_request({"prompt_token_ids": ids, "prompt": text, **salt}, sp, request_id=f"{r.rid}-{i}",
                                     priority=r.req.priority)
             for i, (ids, text, sp) in enumerate(zip(prompts, r.texts, params))), return_exceptions=True)
         errors = [x for x in res if isinstance(x, BaseException)]
@@ -170,15 +229,18 @@ class _Server:
         req, unknown = decode_request(await self.body(request), CompletionRequest)
         _log_unknown(unknown, "/v1/completions")
         self.check_model(req.model)
-        if req.suffix is not None:
-            raise RequestError("suffix is not supported by this server", param="suffix")
+        refuse_unsupported(req, "completions")
         if req.best_of is not None and req.best_of != req.n:
             raise RequestError("best_of is not supported by this server (leave it unset or equal to n)",
                                param="best_of")
-        prompts = await self.conv.completion_prompts(req.prompt)
-        params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids, _ in prompts]
+        self.check_priority(req.priority)
+        so = self.conv.structured_outputs(req)
+        prompts = await self.conv.completion_prompts(req.prompt, req.add_special_tokens)
+        prompts = [(self.truncate(ids, req.truncate_prompt_tokens), text) for ids, text in prompts]
+        params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs, so) for ids, _ in prompts]
         self.conv.check_sequences(len(prompts), req.n)  # n is valid now
-        r = CompletionResponder(self.conv, f"cmpl-{uuid.uuid4().hex}", self.name, req,
+        await self.compile_grammar(so)
+        r = CompletionResponder(self.conv, f"cmpl-{req.request_id or uuid.uuid4().hex}", self.name, req,
                                 [len(ids) for ids, _ in prompts], [text for _, text in prompts])
         return await self.respond(request, r, [ids for ids, _ in prompts], params)
 
@@ -186,13 +248,25 @@ class _Server:
         req, unknown = decode_request(await self.body(request), ChatCompletionRequest)
         _log_unknown(unknown, "/v1/chat/completions")
         self.check_model(req.model)
+        refuse_unsupported(req, "chat")
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_priority(req.priority)
+        tools = ChatTools.from_request(req, self.tool_call_parser)
+        so = self.conv.structured_outputs(req, tools.structured_outputs() if tools else None)
         ids = await self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                          req.chat_template)
+                                          req.chat_template, tools=tools.tools if tools else None,
+                                          tool_parser=tools.parser if tools else DEFAULT_TOOL_PARSER,
+                                          continue_final_message=req.continue_final_message,
+                                          add_special_tokens=req.add_special_tokens)
+        ids = self.truncate(ids, req.truncate_prompt_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        r = ChatResponder(self.conv, f"chatcmpl-{uuid.uuid4().hex}", self.name, req, [len(ids)], [None])
+        sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                       so)
+        await self.compile_grammar(so)
+        r = ChatResponder(self.conv, f"chatcmpl-{req.request_id or uuid.uuid4().hex}", self.name, req, [len(ids)],
+                          [None])
+        r.tools = tools
         return await self.respond(request, r, [ids], [sp])
 
     async def respond(self, request: Request, r: Responder, prompts: list[list[int]], params: list[Any]) -> Response:
@@ -228,7 +302,9 @@ class _Server:
                     d = trackers[i].delta(c)
                     completion_tokens += len(d.token_ids)
                     if d.text or d.finish_reason or d.logprobs:
-                        yield sse(r.chunk([r.delta_choice(i, d)]))
+                        choice = r.delta_choice(i, d)
+                        if choice is not None:
+                            yield sse(r.chunk([choice]))
             if r.include_usage:
                 yield sse(r.chunk([], r.usage(completion_tokens)))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
@@ -314,12 +390,16 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, trust_request_chat_template: bool = False) -> Starlette:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, trust_request_chat_template: bool = False,
+              tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
+              grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT) -> Starlette:
     """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
-    /v1/*; chat templates sent in requests are refused unless `trust_request_chat_template`. Beyond
+    /v1/*; chat templates sent in requests are refused unless `trust_request_chat_template`;
+    `tool_call_parser` reads tool calls out of the model's text (tool_choice "auto"; None refuses
+    it); a grammar that takes longer than `grammar_timeout` seconds to compile gets a 400. Beyond
     the engine's max_num_queued_requests (EngineArgs) queued requests, new ones get 503 with Retry-After."""
     name = served_model_name or engine.engine.config.model_path
-    s = _Server(engine, name, max_request_bytes, trust_request_chat_template)
+    s = _Server(engine, name, max_request_bytes, trust_request_chat_template, tool_call_parser, grammar_timeout)
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat), methods=["POST"]),

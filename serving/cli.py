@@ -22,7 +22,9 @@ import typing
 from jaxsched import bench as bench_cmd
 from jaxsched.config import EngineArgs
 from serving import run_batch
+from serving.chat_tools import DEFAULT_TOOL_PARSER
 from serving.server import DEFAULT_SHUTDOWN_TIMEOUT
+from serving.tool_calls import PARSERS
 
 
 def _flag(name: str) -> str:
@@ -102,7 +104,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
-                    trust_request_chat_template=ns.trust_request_chat_template)
+                    trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser)
     # a multi-host engine's leader tells the other processes to stop, however this process ends,
     # once its engine thread has finished its last step
     on_exit = None
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
                           "a template is code the server runs, so by default they get HTTP 400")
+    srv.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(PARSERS),
+                     help="how tool calls are read out of the model's text for tool_choice 'auto' (default: "
+                          "%(default)s, the <tool_call>{json}</tool_call> format of Hermes, Qwen and SmolLM3 models; "
+                          "llama3_json: Llama 3's JSON format)")
     srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                      help="seconds requests in flight get to finish after SIGTERM / SIGINT before they are failed "
                           "and the server exits (default: %(default)s)")

@@ -9,15 +9,20 @@ Errors are RequestErrors naming the parameter to change.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 from typing import Any
+
+import msgspec
 
 from jaxsched.errors import InvalidRequestError
 from jaxsched.gguf_tokenizer import byte_alphabet
 from jaxsched.outputs import Logprob
 from jaxsched.request import SamplingParams, short_repr
+from jaxsched.structured_output import StructuredOutputsParams, from_response_format
 from jaxsched.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
+from serving.chat_tools import as_text_call, template_takes_tools, tool_prompt
 from serving.protocol import (
     ChatCompletionRequest,
     ChatLogprobEntry,
@@ -106,7 +111,7 @@ class Converter:
                                "one request may ask for: split it into several requests",
                                param="prompt" if n == 1 else "n")
 
-    async def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+    async def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[tuple[list[int], str | None]]:
         """(token ids, text) of each prompt of a /v1/completions request."""
         if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
             self.check_sequences(len(prompt), 1)  # before tokenizing any of them
@@ -119,20 +124,23 @@ class Converter:
             if all(isinstance(p, str) for p in prompt):
                 for p in prompt:
                     self._check_length(p, "prompt")
-                return [(await self._nonempty(p), p) for p in prompt]
+                return [(await self._nonempty(p, add_special_tokens), p) for p in prompt]
             if all(isinstance(p, list) for p in prompt):
                 return [(self._check_ids(p, "prompt"), None) for p in prompt]
         raise RequestError("prompt must be a non-empty string, a list of strings, a list of token ids or a list "
                            "of token-id lists", param="prompt")
 
-    async def _nonempty(self, text: str) -> list[int]:
-        ids = await self.tokenize(text)
+    async def _nonempty(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = await self.tokenize(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise RequestError("prompt is empty: pass at least one character", param="prompt")
         return ids
 
     @staticmethod
-    def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    def conversation(messages: list[ChatMessage], tools_as_text: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them. An assistant's tool calls go in with their
+        arguments as objects (what templates that take tools expect; vLLM does the same), or, with
+        tools_as_text (a template that knows no tools), as the <tool_call> text they came from."""
         if not messages:
             raise RequestError("messages is empty: pass at least one {'role': ..., 'content': ...}",
                                param="messages")
@@ -150,7 +158,20 @@ class Converter:
                                            f"got type {short_repr(part.type)}", param="messages")
                     texts.append(part.text)
                 content = "\n".join(texts)
-            conv.append({"role": m.role, "content": content or ""})
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                   "arguments": _arguments(c.function.arguments, i)}}
+                         for c in m.tool_calls]
+                if tools_as_text:
+                    msg["content"] = "\n".join([msg["content"], *map(as_text_call, calls)]).strip()
+                else:
+                    msg["tool_calls"] = calls
+            conv.append(msg)
         return conv
 
     def template_args(self, chat_template: str | None, kwargs: dict[str, Any] | None) -> tuple[str | None,
@@ -178,16 +199,35 @@ class Converter:
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
-                          limit: bool = True) -> list[int]:
-        conv = self.conversation(messages)
+                          limit: bool = True, tools: list[dict[str, Any]] | None = None, tool_parser: str = "hermes",
+                          continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """The chat's prompt ids. `tools` go to the template, or, when the template never reads
+        them, into a system message in `tool_parser`'s format (chat_tools.tool_prompt)."""
         template, variables = self.template_args(chat_template, kwargs)
+        as_text = bool(tools) and not template_takes_tools(template or self.tokenizer.chat_template)
+        conv = self.conversation(messages, tools_as_text=as_text)
+        if as_text:
+            prompt = tool_prompt(tools, tool_parser)
+            if conv[0]["role"] in ("system", "developer"):
+                conv[0] = {**conv[0], "content": f"{conv[0]['content']}\n\n{prompt}".strip()}
+            else:
+                conv.insert(0, {"role": "system", "content": prompt})
+            tools = None
+        if continue_final_message:
+            if add_generation_prompt:
+                raise RequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                                   "add_generation_prompt to false to continue the last message",
+                                   param="continue_final_message")
+            if conv[-1]["role"] != "assistant":
+                raise RequestError("continue_final_message needs the last message to be the assistant's",
+                                   param="continue_final_message")
         for i, m in enumerate(conv):
             if limit:
                 self._check_length(m["content"], f"messages[{i}].content")
         try:
             ids = await (self.pool if limit else self.utility_pool).run(
                 chat_prompt_ids, conv, add_generation_prompt, template, variables,
-                self.max_prompt_chars if limit else None)
+                self.max_prompt_chars if limit else None, tools, continue_final_message, add_special_tokens)
         except PromptTooLongError as e:
             raise RequestError(f"{e}: shorten the messages", param="messages", code="context_length_exceeded") from e
         except Exception as e:
@@ -195,8 +235,40 @@ class Converter:
         return self._check_ids(ids, "messages")
 
     # -- sampling parameters -------------------------------------------------------------------
+    @staticmethod
+    def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                           forced: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+        """What the request's output must match: response_format, structured_outputs, vLLM's older
+        guided_* fields, or `forced` (tool_choice "required" or named). More than one is a 400."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        try:
+            rf = req.response_format
+            if rf is not None:
+                so = from_response_format(msgspec.to_builtins(rf))
+                if so is not None:
+                    given.append(("response_format", so))
+            if req.structured_outputs is not None:
+                kw = {k: v for k, v in msgspec.structs.asdict(req.structured_outputs).items()
+                      if v is not None and k != "structural_tag"}
+                given.append(("structured_outputs", StructuredOutputsParams(**kw)))
+            guided = {k: getattr(req, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                      if getattr(req, f"guided_{k}") is not None}
+            if guided:
+                given.append((f"guided_{next(iter(guided))}",
+                              StructuredOutputsParams(**guided, whitespace_pattern=req.guided_whitespace_pattern)))
+        except InvalidRequestError as e:
+            raise RequestError(str(e), param=e.param) from e
+        if forced is not None:
+            given.append(("tool_choice", forced))
+        if len(given) > 1:
+            names = ", ".join(n for n, _ in given)
+            raise RequestError(f"the output can follow one constraint only, got {names}: pass one of them",
+                               param=given[1][0])
+        return given[0][1] if given else None
+
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                        max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                        max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if prompt_len >= self.max_model_len:
             raise RequestError(f"the prompt is {prompt_len} tokens but max_model_len is {self.max_model_len}: "
@@ -210,8 +282,13 @@ class Converter:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
                 "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
                 code="context_length_exceeded")
+        bias = None
         if req.logit_bias:
-            raise RequestError("logit_bias is not supported by this server", param="logit_bias")
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise RequestError("logit_bias keys must be token ids written as strings of digits, e.g. "
+                                   '{"1234": -100}', param="logit_bias") from None
         if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
             raise RequestError(f"logprobs must be between 0 and {self.max_logprobs} (the server's max_logprobs), "
                                f"got {logprobs}", param="top_logprobs" if param == "messages" else "logprobs")
@@ -227,6 +304,7 @@ class Converter:
             "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
+            "logit_bias": bias, "allowed_token_ids": req.allowed_token_ids, "structured_outputs": structured_outputs,
         }
         try:
             return SamplingParams(**kw)
@@ -287,3 +365,12 @@ class Converter:
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     # tokenizer(...) rather than .backend_tokenizer.encode: it encodes as a batch, which releases the GIL
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _arguments(text: str, i: int) -> Any:
+    """A tool call's arguments (JSON text, as OpenAI sends them) as an object for the template."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise RequestError(f"messages[{i}].tool_calls has arguments that are not valid JSON: send the JSON text the "
+                           "call was made with", param="messages") from None

@@ -323,9 +323,21 @@ class ChatLogprobs(Struct):
     content: list[ChatLogprobEntry] | None
 
 
-class ChatResponseMessage(Struct):
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(Struct):
+    id: str
+    type: str  # "function"
+    function: FunctionCallOut
+
+
+class ChatResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # present only when the model called tools
 
 
 class ChatChoice(Struct):
@@ -345,9 +357,22 @@ class ChatCompletionResponse(Struct):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next characters of the arguments' JSON
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    index: int
+    id: str | None = None  # in a call's first delta only, with type and the function's name
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(Struct):

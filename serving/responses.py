@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from jaxsched.outputs import CompletionOutput
+from serving.chat_tools import ChatTools, finish_reason
 from serving.convert import Converter
 from serving.protocol import (
     ChatChoice,
@@ -104,13 +105,20 @@ class CompletionResponder(Responder):
 class ChatResponder(Responder):
     req: ChatCompletionRequest
     prompt_param = "messages"
+    tools: ChatTools | None = None  # set when the request has tools (chat_tools.py)
 
     def _logprobs(self, token_ids: list[int], logprobs: Any) -> Any:
         return self.conv.chat_logprobs(token_ids, logprobs, self.req.top_logprobs or 0) if logprobs else None
 
     def choice(self, prompt: int, c: CompletionOutput) -> ChatChoice:
-        return ChatChoice(self.index(prompt, c), ChatResponseMessage("assistant", c.text),
-                          self._logprobs(c.token_ids, c.logprobs), c.finish_reason, c.stop_reason)
+        message, reason = ChatResponseMessage("assistant", c.text), c.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(c.text)
+            if calls:
+                message = ChatResponseMessage("assistant", content, self.tools.calls_out(calls))
+                reason = finish_reason(reason, True)
+        return ChatChoice(self.index(prompt, c), message, self._logprobs(c.token_ids, c.logprobs), reason,
+                          c.stop_reason)
 
     def response(self, choices: list[Any], usage: UsageInfo) -> ChatCompletionResponse:
         return ChatCompletionResponse(self.rid, "chat.completion", self.created, self.model, choices, usage)
@@ -119,9 +127,16 @@ class ChatResponder(Responder):
         role = DeltaMessage(role="assistant", content="")
         return [self.chunk([ChatStreamChoice(j, role, None, None) for j in range(self.req.n)])]
 
-    def delta_choice(self, prompt: int, d: CompletionDelta) -> ChatStreamChoice:
-        return ChatStreamChoice(self.index(prompt, d), DeltaMessage(content=d.text),
-                                self._logprobs(d.token_ids, d.logprobs), d.finish_reason)
+    def delta_choice(self, prompt: int, d: CompletionDelta) -> ChatStreamChoice | None:
+        index = self.index(prompt, d)
+        logprobs = self._logprobs(d.token_ids, d.logprobs)
+        if self.tools is None:
+            return ChatStreamChoice(index, DeltaMessage(content=d.text), logprobs, d.finish_reason)
+        content, calls = self.tools.stream(index, d.text, d.finish_reason is not None)
+        reason = finish_reason(d.finish_reason, self.tools.called(index))
+        if content is None and calls is None and reason is None and logprobs is None:
+            return None  # text held back (a tool call may be starting): nothing to send yet
+        return ChatStreamChoice(index, DeltaMessage(content=content, tool_calls=calls), logprobs, reason)
 
     def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
