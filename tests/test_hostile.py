@@ -154,8 +154,9 @@ _INT_FIELDS = ["prompt", "max_tokens", "n", "top_k", "seed", "logprobs", "min_to
 
 def _expected(field: str, value: int) -> tuple[int, str | None]:
     """(status, param) for a valid completion request with `value` in `field`."""
+    # priority: this server schedules fcfs, where any priority but 0 is refused (not ignored)
     accepted = {"top_k": value >= -1,  # beyond the vocabulary, or -1: off
-                "seed": -(2**63) <= value < 2**64, "priority": -(2**63) <= value < 2**63}
+                "seed": -(2**63) <= value < 2**64, "priority": value == 0}
     return (200, None) if accepted.get(field, False) else (400, field)
 
 
