@@ -121,9 +121,10 @@ class _Server:
         except Exception as e:  # noqa: BLE001 - said again, as a 400, to each request that needs it
             logger.warning("structured outputs will not be available: %s", e)
 
-    async def compile_grammar(self, so: StructuredOutputsParams | None) -> None:
+    async def compile_grammar(self, so: StructuredOutputsParams | None, source: str | None) -> None:
         """Compile a request's grammar off the event loop and the engine's thread: a 400 naming the
-        problem for a definition that does not compile or takes longer than the time limit."""
+        problem, and the request field it came from (`source`), for a definition that does not
+        compile or takes longer than the time limit."""
         if so is None:
             return
         loop = asyncio.get_running_loop()
@@ -132,10 +133,11 @@ class _Server:
                                    self.grammar_timeout)
         except TimeoutError:
             raise RequestError(f"the structured output's {so.kind} took more than {self.grammar_timeout:g} s to "
-                               "compile: simplify it", param="structured_outputs",
+                               f"compile: simplify it ({source})", param=source,
                                code="grammar_compile_timeout") from None
         except InvalidRequestError as e:
-            raise RequestError(str(e), param=e.param) from e
+            param = e.param if source == "structured_outputs" else source
+            raise RequestError(f"{e} ({source})" if source != "structured_outputs" else str(e), param=param) from e
 
     def check_priority(self, priority: int) -> None:
         if priority and self.policy == "fcfs":
@@ -234,12 +236,12 @@ class _Server:
             raise RequestError("best_of is not supported by this server (leave it unset or equal to n)",
                                param="best_of")
         self.check_priority(req.priority)
-        so = self.conv.structured_outputs(req)
+        so, source = self.conv.structured_outputs(req)
         prompts = await self.conv.completion_prompts(req.prompt, req.add_special_tokens)
         prompts = [(self.truncate(ids, req.truncate_prompt_tokens), text) for ids, text in prompts]
         params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs, so) for ids, _ in prompts]
         self.conv.check_sequences(len(prompts), req.n)  # n is valid now
-        await self.compile_grammar(so)
+        await self.compile_grammar(so, source)
         r = CompletionResponder(self.conv, f"cmpl-{req.request_id or uuid.uuid4().hex}", self.name, req,
                                 [len(ids) for ids, _ in prompts], [text for _, text in prompts])
         return await self.respond(request, r, [ids for ids, _ in prompts], params)
@@ -253,7 +255,7 @@ class _Server:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_priority(req.priority)
         tools = ChatTools.from_request(req, self.tool_call_parser)
-        so = self.conv.structured_outputs(req, tools.structured_outputs() if tools else None)
+        so, source = self.conv.structured_outputs(req, tools.structured_outputs() if tools else None)
         ids = await self.conv.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                                           req.chat_template, tools=tools.tools if tools else None,
                                           tool_parser=tools.parser if tools else DEFAULT_TOOL_PARSER,
@@ -263,7 +265,7 @@ class _Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                        so)
-        await self.compile_grammar(so)
+        await self.compile_grammar(so, source)
         r = ChatResponder(self.conv, f"chatcmpl-{req.request_id or uuid.uuid4().hex}", self.name, req, [len(ids)],
                           [None])
         r.tools = tools

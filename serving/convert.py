@@ -237,9 +237,11 @@ class Converter:
     # -- sampling parameters -------------------------------------------------------------------
     @staticmethod
     def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
-                           forced: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
-        """What the request's output must match: response_format, structured_outputs, vLLM's older
-        guided_* fields, or `forced` (tool_choice "required" or named). More than one is a 400."""
+                           forced: StructuredOutputsParams | None = None
+                           ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """What the request's output must match, and the field that asked for it (what a compile
+        error names): response_format, structured_outputs, vLLM's older guided_* fields, or `forced`
+        (tool_choice "required" or named: its schema comes from `tools`). More than one is a 400."""
         given: list[tuple[str, StructuredOutputsParams]] = []
         try:
             rf = req.response_format
@@ -264,7 +266,10 @@ class Converter:
             names = ", ".join(n for n, _ in given)
             raise RequestError(f"the output can follow one constraint only, got {names}: pass one of them",
                                param=given[1][0])
-        return given[0][1] if given else None
+        if not given:
+            return None, None
+        name, so = given[0]
+        return so, "tools" if name == "tool_choice" else name
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                         max_tokens: int | None, logprobs: int | None,

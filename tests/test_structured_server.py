@@ -310,27 +310,19 @@ def test_two_constraints_at_once_are_a_400(server, route):
     assert body["param"] in ("response_format", "tool_choice"), body
 
 
-PARAM_BUG = ("a definition that fails to compile is a 400 whose param is always structured_outputs.<kind> "
-             "(jaxsched/grammar.py:209, passed on as is by serving/app.py:138 compile_grammar), whichever field "
-             "the client sent it in: convert.structured_outputs() knows it (response_format, guided_*, "
-             "tool_choice's tools) but returns only the params (serving/convert.py:267)")
-
-
-@pytest.mark.xfail(strict=True, reason=PARAM_BUG)
+# a definition that fails to compile names the field the client sent it in
 def test_a_bad_schema_in_response_format_names_response_format(server):
     e = bad_request(lambda: server.client.chat.completions.create(
         model="tiny", messages=ASK, max_tokens=5, response_format=json_schema_format({"type": 5})))
     assert error(e)["param"].startswith("response_format"), error(e)
 
 
-@pytest.mark.xfail(strict=True, reason=PARAM_BUG)
 def test_a_bad_guided_regex_names_guided_regex(server):
     e = bad_request(lambda: server.client.completions.create(model="tiny", prompt="hi", max_tokens=5,
                                                              extra_body={"guided_regex": "(a"}))
     assert error(e)["param"] == "guided_regex", error(e)
 
 
-@pytest.mark.xfail(strict=True, reason=PARAM_BUG)
 def test_a_forced_tool_with_a_bad_parameters_schema_names_tools(server):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
     e = bad_request(lambda: server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5,
