@@ -263,3 +263,10 @@ def test_markdown_table() -> None:
     assert len(lines) == 2 + len(FIELDS)
     assert "| `prompt_logprobs` | `/v1/completions`, `/v1/chat/completions` | refused |" in table
     assert "| `suffix` | `/v1/completions` | refused |" in table
+
+
+def test_the_readme_table_is_the_one_the_code_renders():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert markdown_table() in readme, "README's request-field table is stale: paste serving.request_fields.markdown_table()"
