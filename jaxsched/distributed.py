@@ -142,7 +142,9 @@ class DistributedEngine:
     # -- the leader ----------------------------------------------------------------------------
     def add_request_obj(self, req: Request) -> None:
         self._check_leader("add requests")
-        blob = pickle.dumps(req)  # before the engine touches it: the followers start from the same state
+        # before the engine touches it: the followers start from the same state. A token constraint
+        # (an llguidance matcher) does not pickle: each follower builds its own from the params
+        blob = pickle.dumps(dataclasses.replace(req, constraint=None))
         self.engine.add_request_obj(req)
         self._ops.append(("add", blob))
 
@@ -229,6 +231,7 @@ class DistributedEngine:
             for op, arg in msg.ops:
                 if op == "add":
                     req: Request = pickle.loads(arg)
+                    req.constraint = self.engine.constraint(req.sampling_params)
                     self.engine.add_request_obj(req)
                     if keep:
                         added.append(req.request_id)

@@ -57,9 +57,10 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}", f"{PARAM}.json") from e
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError("structured_outputs.json must be a JSON Schema (an object or a boolean), "
-                                          f"got {type(schema).__name__}", f"{PARAM}.json")
+            if not isinstance(schema, dict):  # a boolean schema is valid JSON Schema, but llguidance takes objects
+                raise InvalidRequestError("structured_outputs.json must be a JSON Schema object (for any JSON, use "
+                                          f'{{}}; for any object, json_object), got {type(schema).__name__}',
+                                          f"{PARAM}.json")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
@@ -74,6 +75,11 @@ class StructuredOutputsParams:
         if size > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError(f"the structured output's definition is {size} characters; at most "
                                       f"{MAX_GRAMMAR_CHARS} are accepted", PARAM)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the compiled grammar kept by GrammarCompiler.compile (an llguidance matcher) does not
+        # pickle, and is only valid with the tokenizer that compiled it
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
 
     @property
     def kind(self) -> str:

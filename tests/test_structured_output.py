@@ -556,23 +556,13 @@ def test_grammar_compile_cache(llm):
 # -- known bugs ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=InvalidRequestError, reason=(
-    "StructuredOutputsParams accepts a boolean JSON Schema ('must be a JSON Schema (an object or a boolean)'), "
-    "but grammar_text() passes it to llguidance with whitespace options, which refuses it: 'Expecting object "
-    "schema to apply options'"))
-def test_a_boolean_schema_compiles(llm):
-    so = SO(json="true")  # any JSON value
-    llm.llm_engine.grammars.compile(so)
-    o = generate(llm, [ids(llm, TEXTS[0])], greedy(so, max_tokens=64))[0][0]
-    if o.finish_reason == "stop":
-        json.loads(o.text)
+def test_a_boolean_schema_is_refused_with_what_to_send_instead():
+    # a valid JSON Schema, but llguidance compiles objects only: refused up front, saying what works
+    with pytest.raises(InvalidRequestError, match="JSON Schema object") as e:
+        SO(json="true")
+    assert e.value.param == "structured_outputs.json"
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "DistributedEngine.add_request_obj (jaxsched/distributed.py) pickles the Request for the other hosts; a "
-    "constrained Request holds an llguidance matcher (Request.constraint) and its params the compiled grammar "
-    "(StructuredOutputsParams._compiled, with the LLTokenizer), neither of which pickles: 'cannot pickle "
-    "builtins.LLMatcher object'"))
 def test_a_constrained_request_goes_to_the_other_hosts(llm):
     """The leader of a multi-host engine sends each added request to the followers as a pickle; here
     the leader's add path runs on this process's engine (no other host needed to reach it)."""
@@ -582,8 +572,13 @@ def test_a_constrained_request_goes_to_the_other_hosts(llm):
     leader = object.__new__(DistributedEngine)
     leader.__dict__.update(engine=eng, is_leader=True, process_id=0, _ops=[], _stopped=False, _step=0)
     req = eng.make_request("multihost", ids(llm, TEXTS[0]), greedy(SO(regex=REGEXES[0])))
-    leader.add_request_obj(req)  # raises before the request is added
+    leader.add_request_obj(req)
     assert leader._ops and leader._ops[0][0] == "add"
+    import pickle
+
+    sent = pickle.loads(leader._ops[0][1])  # what a follower gets: params, no matcher (it builds its own)
+    assert sent.constraint is None and sent.sampling_params == req.sampling_params
+    assert eng.constraint(sent.sampling_params) is not None
     done = []
     while eng.has_unfinished_requests():
         done += [o for o in eng.step() if o.finished]
