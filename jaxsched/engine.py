@@ -247,11 +247,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}", "logprobs")
         V = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", [t for t, _ in params.logit_bias or ()])):
+        for name, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids),
+                                ("logit_bias", "logit_bias keys", [t for t, _ in params.logit_bias or ()])):
             for t in ids or ():
                 if t >= V:
-                    raise InvalidRequestError(f"{name} must hold token ids in [0, {V}) (the vocab size), got {t}", name)
+                    raise InvalidRequestError(f"{what} must be token ids in [0, {V}) (the vocab size), got {t}", name)
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)

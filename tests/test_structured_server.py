@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -672,3 +673,24 @@ def test_mixed_burst_compiles_nothing(server):
         outs = concurrently(run, jobs * 2, workers=16)
     assert len(outs) == 2 * len(jobs)
     assert all(o.choices[0].finish_reason == "stop" for o in (outs[0], outs[1], outs[2]))
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400_and_the_server_goes_on(server):
+    """A second app on the same engine, whose grammars may take 50 ms: a compile that takes longer
+    (held up here, as a hostile schema would be) is a 400 naming the field, and nothing reaches the
+    engine; the first server, with the default limit, keeps serving."""
+    slow_app = build_app(server.engine, served_model_name="tiny", api_key=KEY, grammar_timeout=0.05)
+    grammars = slow_app.state.server.grammars
+    compile_ = grammars.compile
+    slow_app.state.server.grammars = type("Slow", (), {
+        "compile": staticmethod(lambda so: (time.sleep(0.5), compile_(so))[1]),
+        "ll_tokenizer": grammars.ll_tokenizer})()
+    with uvicorn_thread(slow_app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        e = bad_request(lambda: client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=5, extra_body={"guided_regex": "[0-9]{3}"}))
+        body = error(e)
+        assert body["param"] == "guided_regex" and body["code"] == "grammar_compile_timeout", body
+        assert "took more than 0.05 s" in body["message"]
+    text, finish = chat_text(server, temperature=0, extra_body={"structured_outputs": {"regex": REGEX}})
+    assert finish == "stop" and re.fullmatch(REGEX, text)
