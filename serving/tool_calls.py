@@ -343,6 +343,15 @@ class ToolParser:
         self._mode = "call"
         return True
 
+    def _object_modes(self, text: str, update: StreamUpdate, then: str) -> bool | None:
+        """The modes every format shares, "open" and "call" (`then`: the mode after a call): True to read
+        on, False to wait for more text (or broken); None in any other mode."""
+        if self._mode == "open":
+            return self._open(text)
+        if self._mode == "call":
+            return self._read_call(text, update, then)
+        return None
+
     def _read_call(self, text: str, update: StreamUpdate, then: str) -> bool:
         """Mode "call": reads the call object further. True once it is complete (the mode is then `then`)."""
         scan = self._scan
@@ -402,11 +411,8 @@ class HermesToolParser(ToolParser):
                     return
                 self._send_content(update, text[self._pos:at])
                 self._pos, self._mode = at + len(self.START), "open"
-            elif self._mode == "open":
-                if not self._open(text):
-                    return
-            elif self._mode == "call":
-                if not self._read_call(text, update, then="close"):
+            elif (more := self._object_modes(text, update, then="close")) is not None:
+                if not more:
                     return
             elif self._mode == "close":
                 self._pos = _skip_space(text, self._pos)
@@ -460,11 +466,8 @@ class Llama3JsonToolParser(ToolParser):
                 self._send_content(update, text[self._pos:])
                 self._pos = len(text)
                 return
-            elif self._mode == "open":
-                if not self._open(text):
-                    return
-            elif self._mode == "call":
-                if not self._read_call(text, update, then="separator"):
+            elif (more := self._object_modes(text, update, then="separator")) is not None:
+                if not more:
                     return
             elif self._mode == "separator":
                 self._pos = _skip_space(text, self._pos)
@@ -513,11 +516,8 @@ class JsonToolParser(ToolParser):
                 else:  # "]" ends the array; what follows is for parse() to judge
                     self._mode = "done" if self._mode == "separator" and c == "]" else "broken"
                     return
-            elif self._mode == "open":
-                if not self._open(text):
-                    return
-            elif self._mode == "call":
-                if not self._read_call(text, update, then="separator"):
+            elif (more := self._object_modes(text, update, then="separator")) is not None:
+                if not more:
                     return
             else:
                 return
