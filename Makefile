@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: test test-leg1 test-leg2 generate serve bench clean
+.PHONY: test test-leg1 test-leg2 generate serve bench clean proto
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,3 +63,8 @@ bench: $(VENV)/.base
 
 clean:
 	rm -rf $(VENV) $(VENV312) .pytest_cache
+
+# The gRPC stubs (committed) from serving/proto/jaxsched.proto, with the test extras' grpcio-tools;
+# tests/test_grpc.py fails when the committed ones differ from what this writes.
+proto: $(VENV)/.test
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/proto/jaxsched.proto

@@ -31,6 +31,7 @@ from starlette.routing import Route
 import jaxsched
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.outputs import RequestOutput
+from jaxsched.request import SamplingParams
 from jaxsched.structured_output import StructuredOutputsParams
 from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from serving.chat_tools import DEFAULT_TOOL_PARSER, ChatTools
@@ -187,11 +188,19 @@ class _Server:
 
     async def submit(self, r: Responder, prompts: list[list[int]], params: list[Any]) -> list[RequestStream]:
         """Queue one engine request per prompt; all are accepted or none is."""
-        salt = {"cache_salt": r.req.cache_salt} if r.req.cache_salt is not None else {}
+        return await self.add_requests([f"{r.rid}-{i}" for i in range(len(prompts))], prompts, r.texts, params,
+                                       r.req.priority, r.req.cache_salt, r.prompt_param)
+
+    async def add_requests(self, request_ids: list[str], prompts: list[list[int]], texts: list[str | None],
+                           params: list[Any], priority: int, cache_salt: str | None,
+                           prompt_param: str = "prompt") -> list[RequestStream]:
+        """Queue one engine request per prompt; all are accepted or none is. The engine's refusals
+        are RequestErrors: a full queue 503 with Retry-After, a stopped engine 503, bad input 400."""
+        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         res = await asyncio.gather(*(
-            self.engine.add_request({"prompt_token_ids": ids, "prompt": text, **salt}, sp, request_id=f"{r.rid}-{i}",
-                                    priority=r.req.priority)
-            for i, (ids, text, sp) in enumerate(zip(prompts, r.texts, params))), return_exceptions=True)
+            self.engine.add_request({"prompt_token_ids": ids, "prompt": text, **salt}, sp, request_id=rid,
+                                    priority=priority)
+            for rid, ids, text, sp in zip(request_ids, prompts, texts, params)), return_exceptions=True)
         errors = [x for x in res if isinstance(x, BaseException)]
         if errors:
             for x in res:
@@ -203,7 +212,7 @@ class _Server:
             if isinstance(e, EngineDeadError):
                 raise RequestError(str(e), status=503, code="engine_dead")
             if isinstance(e, InvalidRequestError):  # the engine's own checks (LLMEngine.make_request)
-                raise RequestError(str(e), param=r.prompt_param if e.param == "prompt" else e.param)
+                raise RequestError(str(e), param=prompt_param if e.param == "prompt" else e.param)
             raise e
         return list(res)
 
@@ -231,6 +240,15 @@ class _Server:
         req, unknown = decode_request(await self.body(request), CompletionRequest)
         _log_unknown(unknown, "/v1/completions")
         self.check_model(req.model)
+        prompts, params = await self.completion_inputs(req)
+        r = CompletionResponder(self.conv, f"cmpl-{req.request_id or uuid.uuid4().hex}", self.name, req,
+                                [len(ids) for ids, _ in prompts], [text for _, text in prompts])
+        return await self.respond(request, r, [ids for ids, _ in prompts], params)
+
+    async def completion_inputs(self, req: CompletionRequest) -> tuple[list[tuple[list[int], str | None]],
+                                                                       list[SamplingParams]]:
+        """A completion request's (prompt ids, prompt text) and SamplingParams, one per prompt, with
+        every check (the gRPC front end's Generate goes through here too), its grammar compiled."""
         refuse_unsupported(req, "completions")
         if req.best_of is not None and req.best_of != req.n:
             raise RequestError("best_of is not supported by this server (leave it unset or equal to n)",
@@ -242,9 +260,7 @@ class _Server:
         params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs, so) for ids, _ in prompts]
         self.conv.check_sequences(len(prompts), req.n)  # n is valid now
         await self.compile_grammar(so, source)
-        r = CompletionResponder(self.conv, f"cmpl-{req.request_id or uuid.uuid4().hex}", self.name, req,
-                                [len(ids) for ids, _ in prompts], [text for _, text in prompts])
-        return await self.respond(request, r, [ids for ids, _ in prompts], params)
+        return prompts, params
 
     async def chat(self, request: Request) -> Response:
         req, unknown = decode_request(await self.body(request), ChatCompletionRequest)

@@ -1,6 +1,7 @@
 """The `jaxsched` command line.
 
-  jaxsched serve [MODEL] [--host H --port P] [engine flags]  the OpenAI-compatible HTTP server
+  jaxsched serve [MODEL] [--host H --port P] [--grpc-port G] [engine flags]  the OpenAI-compatible HTTP
+                                                            server (and gRPC, serving/proto/jaxsched.proto)
   jaxsched generate [MODEL] --prompt "..." [engine flags]   offline generation (chat template by default)
   jaxsched run-batch -i IN.jsonl -o OUT.jsonl [MODEL] [engine flags]  an OpenAI batch file, offline
   jaxsched bench throughput | serve | latency | scheduler [flags]    benchmarks: JSON results, --plot PNGs
@@ -83,6 +84,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from serving.server import serve
 
     log = logging.getLogger("jaxsched.serve")
+    if ns.grpc_port is not None and not 0 <= ns.grpc_port < 65536:
+        raise ValueError(f"--grpc-port must be a port number in [0, 65535], got {ns.grpc_port}")
     if ns.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
@@ -105,6 +108,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser)
+    front_ends = ()
+    if ns.grpc_port is not None:
+        from serving.grpc_server import GrpcFrontEnd
+
+        front_ends = (GrpcFrontEnd(app, ns.grpc_port, ns.host, api_key),)
     # a multi-host engine's leader tells the other processes to stop, however this process ends,
     # once its engine thread has finished its last step
     on_exit = None
@@ -114,7 +122,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             eng.shutdown()
     try:
         serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower(),
-              on_exit=on_exit)
+              on_exit=on_exit, front_ends=front_ends)
     finally:
         engine.shutdown()
     return 0
@@ -159,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=None,
+                     help="also serve gRPC (serving/proto/jaxsched.proto: token ids in and out) on this port, on "
+                          "the same engine and --host (default: off)")
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSCHED_API_KEY, else none)")

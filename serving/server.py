@@ -5,6 +5,10 @@ client that stops reading keeps the process alive for as long as it likes. Here 
 accepting connections (uvicorn), lets requests in flight finish for `shutdown_timeout` seconds,
 then fails the ones still running (a stream gets an error event, then [DONE]; a plain request a
 503) and gives their clients a moment to read that before uvicorn cancels what is left.
+
+Other front ends on the same engine (the gRPC server, serving/grpc_server.py) start on uvicorn's
+event loop once it listens, and stop with it under the same deadline: they refuse new calls at
+SIGTERM, and their calls in flight fail with the engine's requests when the deadline comes.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 
@@ -24,22 +28,59 @@ from serving.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT = 20.0  # seconds; inside Kubernetes' default 30 s grace period, with room to spare
+_STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot start
 _FLUSH_SECONDS = 2.0  # after the deadline: for the error events to reach clients that still read
 
 
+class FrontEnd(Protocol):
+    """Another server on the engine, run on uvicorn's event loop (GrpcFrontEnd)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float | None) -> None: ...
+
+
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float,
+                 front_ends: tuple[FrontEnd, ...] = ()) -> None:
         config.timeout_graceful_shutdown = int(shutdown_timeout + _FLUSH_SECONDS + 0.999)
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        self.front_ends = front_ends
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """The other front ends first, so that `started` means every one listens. A front end that
+        cannot start stops the process as uvicorn does when it cannot listen (exit status 3)."""
+        started: list[FrontEnd] = []
+        try:
+            for f in self.front_ends:
+                await f.start()
+                started.append(f)
+            await super().startup(sockets)  # sys.exit(3) when it cannot listen
+        except BaseException as e:
+            if not isinstance(e, SystemExit):
+                logger.error("could not start: %s", e)
+            for f in started:
+                await f.stop(0)
+            raise SystemExit(_STARTUP_FAILURE) from e
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         logger.info("shutting down: requests in flight have %.0f s to finish (--shutdown-timeout)",
                     self.shutdown_timeout)
         timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._deadline)
+        # New calls are refused at once; the ones in flight fail at the deadline, and what is left
+        # is cancelled half-way through the flush, so before uvicorn cancels its own tasks.
+        grace = self.shutdown_timeout + _FLUSH_SECONDS / 2
+        stops = [asyncio.ensure_future(f.stop(grace)) for f in self.front_ends]
         try:
             await super().shutdown(sockets)
+            pending = [s for s in stops if not s.done()]
+            if pending:  # (not awaited when done: the loop would run uvicorn's cancelled tasks again)
+                await asyncio.wait(pending)
+            for s in stops:
+                if s.exception() is not None:
+                    logger.error("a front end did not stop cleanly: %s", s.exception())
         finally:
             timer.cancel()
             self.engine.shutdown(timeout=0, reason="the server is shutting down")
@@ -51,15 +92,17 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-          log_level: str = "info", on_exit: Callable[[], None] | None = None) -> None:
-    """Serve `app` until SIGINT / SIGTERM, then shut down within shutdown_timeout (+ a few seconds).
+          log_level: str = "info", on_exit: Callable[[], None] | None = None,
+          front_ends: tuple[FrontEnd, ...] = ()) -> None:
+    """Serve `app` (and `front_ends`) until SIGINT / SIGTERM, then shut down within shutdown_timeout
+    (+ a few seconds).
 
     on_exit runs once the server is down, also when the process then exits by the signal that
     stopped it: uvicorn re-raises that signal after its graceful shutdown, and by the default action
     the process would die there, before any cleanup of the caller's (a multi-host engine's leader
     must tell the other processes to stop, or their coordination agents abort)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
-    server = GracefulServer(config, engine, shutdown_timeout)
+    server = GracefulServer(config, engine, shutdown_timeout, front_ends)
     if on_exit is None or threading.current_thread() is not threading.main_thread():  # signals: main thread only
         try:
             server.run()

@@ -57,16 +57,17 @@ def test_generate_runs_without_test_dependencies(tiny_llama_gguf):
 @pytest.fixture(scope="module")
 def served(tiny_llama_gguf, tmp_path_factory):
     """`jaxsched serve` on the tiny GGUF, runtime dependencies only, with a 3 s shutdown deadline."""
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*RUNTIME_ONLY, "serving.cli", "serve", tiny_llama_gguf, "--port", str(port),
-                                 "--served-model-name", "tiny", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-                                 *ENGINE_FLAGS], stdout=out, stderr=subprocess.STDOUT)
+                                 "--grpc-port", str(grpc_port), "--served-model-name", "tiny",
+                                 "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *ENGINE_FLAGS],
+                                stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
-        yield proc, url, log
+        yield proc, url, log, f"127.0.0.1:{grpc_port}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -74,7 +75,7 @@ def served(tiny_llama_gguf, tmp_path_factory):
 
 
 def test_serve_runs_without_test_dependencies(served):
-    _, url, log = served
+    _, url, log, _ = served
     r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "what is a cat ?"}], "max_tokens": 5,
         "temperature": 0, "ignore_eos": True})
@@ -85,9 +86,32 @@ def test_serve_runs_without_test_dependencies(served):
     assert "runtime_only: hiding" in log.read_text()
 
 
+def test_grpc_serves_beside_http_without_test_dependencies(served):
+    import grpc
+
+    from serving.proto import jaxsched_pb2 as pb
+    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+
+    *_, target = served
+    with grpc.insecure_channel(target) as channel:
+        msgs = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            text="what is a cat ?", sampling_params=pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
+            timeout=60))
+    assert sum(len(o.token_ids) for m in msgs for o in m.outputs) == 5 and msgs[-1].finished
+
+
 def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
-    """Runs last in this module: it ends the server."""
-    proc, url, log = served
+    """Runs last in this module: it ends the server. A gRPC stream that is never read holds on too."""
+    import grpc
+
+    from serving.proto import jaxsched_pb2 as pb
+    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+
+    proc, url, log, target = served
+    channel = grpc.insecure_channel(target)
+    unread = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+        text="one two", return_text=True, sampling_params=pb.SamplingParams(
+            max_tokens=100, n=128, ignore_eos=True, logprobs=5)), timeout=120)
     port = int(url.rsplit(":", 1)[1])
     # a client that asks for a large stream and never reads it (a small receive buffer fills fast)
     with socket.socket() as stalled:
@@ -108,3 +132,7 @@ def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
     text = log.read_text()
     assert took < SHUTDOWN_TIMEOUT + 5, text[-3000:]
     assert "shutdown deadline" in text and "Traceback" not in text, text[-3000:]
+    with pytest.raises(grpc.RpcError):  # the unread gRPC stream was ended, not left hanging
+        for _ in unread:
+            pass
+    channel.close()

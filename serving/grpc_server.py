@@ -1,0 +1,318 @@
+"""The gRPC front end (serving/proto/jaxsched.proto), beside the HTTP server on its AsyncEngine.
+
+    jaxsched serve --grpc-port 50051    # HTTP on --port, gRPC on 50051: one engine, one step loop
+
+It runs on the HTTP server's event loop (started and stopped with it, serving/server.py), so both
+front ends share the engine thread, its admission limit (max_num_queued_requests) and its metrics.
+A Generate request is turned into the HTTP route's CompletionRequest and goes through the same
+code (app._Server.completion_inputs): the same fields, defaults and checks, and errors that name the
+field as the client spelled it ("sampling_params.top_k"). Token ids go out as they come from the
+engine; text deltas only when asked (return_text).
+
+Status codes: INVALID_ARGUMENT for a bad field, RESOURCE_EXHAUSTED for a full queue (and, from
+grpcio itself, a message over --max-request-bytes), UNAVAILABLE once the engine is stopping,
+UNAUTHENTICATED without the --api-key (`authorization: Bearer KEY` metadata; the health service
+stays open, as /health does), INTERNAL when the engine failed the request. Every error carries
+trailing metadata `param` (the field) and `code` (the HTTP route's error code) where known.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import msgspec
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import jaxsched
+from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.async_engine import EngineDeadError, EngineStepError, RequestStream
+from serving.proto import jaxsched_pb2 as pb
+from serving.proto import jaxsched_pb2_grpc as pb_grpc
+from serving.protocol import CompletionRequest, RequestError
+from serving.streaming import DeltaTracker
+
+logger = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxsched.v1.Generation"
+# GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
+_TOP_LEVEL = ("priority", "truncate_prompt_tokens", "request_id", "cache_salt", "add_special_tokens")
+
+
+def _status(err: RequestError) -> grpc.StatusCode:
+    if err.status == 503:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if err.code == "server_overloaded" else grpc.StatusCode.UNAVAILABLE
+    return {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+            413: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(
+        err.status, grpc.StatusCode.INTERNAL if err.status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    """The fields a message has set, as JSON-like builtins (unset optional fields are absent)."""
+    out: dict[str, Any] = {}
+    for field, value in msg.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)
+        elif field.message_type is not None:
+            out[field.name] = ([_fields(v) for v in value]
+                               if field.is_repeated else _fields(value))
+        elif field.is_repeated:
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def completion_request(request: pb.GenerateRequest) -> tuple[CompletionRequest, str]:
+    """The HTTP route's request for a Generate call, and the name of the prompt's field."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise RequestError("the request has no prompt: set text or token_ids", param="prompt")
+    sampling = _fields(request.sampling_params)
+    if "logit_bias" in sampling:  # JSON's keys are strings, as the HTTP route takes them
+        sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
+    so = sampling.get("structured_outputs")
+    if so is not None and "choice" in so:
+        so["choice"] = so["choice"].get("choices", [])
+    body = {**sampling, "prompt": request.text if which == "text" else list(request.token_ids.ids),
+            "max_tokens": sampling.get("max_tokens"),  # unset: up to max_model_len in all, not 16
+            "priority": request.priority, "request_id": request.request_id or None,
+            "cache_salt": request.cache_salt or None}
+    for name in ("add_special_tokens", "truncate_prompt_tokens"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    try:
+        return msgspec.convert(body, CompletionRequest), which
+    except msgspec.ValidationError as e:  # proto types are narrower than JSON's: a bug, not the client's
+        raise RequestError(f"invalid request: {e}") from e
+
+
+class _Stream:
+    """One Generate call's cumulative outputs to GenerateResponses."""
+
+    def __init__(self, request_id: str, request: pb.GenerateRequest, stops: list[str], top: int | None) -> None:
+        self.request_id = request_id
+        self.final_only = request.stream == pb.STREAM_MODE_FINAL
+        self.interval = max(1, request.stream_interval)
+        self.return_text = request.return_text
+        self.top = top  # logprobs asked for (None: none)
+        self.tracker = DeltaTracker(stops)
+        self.sent: dict[int, int] = {}  # sample index -> tokens sent
+        self.done: set[int] = set()  # samples whose finish_reason is sent
+
+    def message(self, out: RequestOutput) -> pb.GenerateResponse | None:
+        if self.final_only and not out.finished:
+            return None
+        outputs = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            if c.index in self.done:  # its last message is sent
+                continue
+            new = len(c.token_ids) - self.sent.get(c.index, 0)
+            if c.finish_reason is None and (new == 0 or new < self.interval or self.final_only):
+                continue
+            outputs.append(self._output(c))
+            if c.finish_reason is not None:
+                self.done.add(c.index)
+        if not outputs and not out.finished:
+            return None
+        msg = pb.GenerateResponse(request_id=self.request_id, outputs=outputs, finished=out.finished)
+        if out.finished:
+            done = sum(len(c.token_ids) for c in out.outputs)
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=done,
+                                        total_tokens=len(out.prompt_token_ids) + done))
+        return msg
+
+    def _output(self, c: CompletionOutput) -> pb.Output:
+        d = self.tracker.delta(c)
+        self.sent[c.index] = len(c.token_ids)
+        o = pb.Output(index=c.index, token_ids=d.token_ids, text=d.text if self.return_text else "",
+                      finish_reason=d.finish_reason or "")
+        if self.top is not None and d.logprobs:
+            o.logprobs.extend(_logprob(t, entry, self.top) for t, entry in zip(d.token_ids, d.logprobs))
+        if isinstance(d.stop_reason, str):
+            o.stop_str = d.stop_reason
+        elif isinstance(d.stop_reason, int):
+            o.stop_token_id = d.stop_reason
+        return o
+
+
+def _logprob(token_id: int, entry: dict[int, Logprob], top: int) -> pb.TokenLogprob:
+    ranked = sorted((lp.rank, k, lp.logprob) for k, lp in entry.items() if lp.rank is not None and lp.rank <= top)
+    chosen = entry.get(token_id)
+    return pb.TokenLogprob(token_id=token_id, logprob=chosen.logprob if chosen else float("nan"),
+                           top=[pb.TopLogprob(token_id=k, logprob=v, rank=r) for r, k, v in ranked])
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, server: Any) -> None:
+        self.server = server  # app._Server: the HTTP routes' checks, converter and engine
+        self.live: dict[str, RequestStream] = {}  # Generate calls in flight, by request_id
+
+    async def _fail(self, context: grpc.aio.ServicerContext, err: RequestError, prompt_field: str | None = None
+                    ) -> None:
+        """End the call with err's status; a Generate call's (prompt_field given) names the field
+        as GenerateRequest spells it."""
+        param = err.param
+        if prompt_field is not None and param == "prompt":
+            param = prompt_field
+        elif prompt_field is not None and param is not None and param.split(".", 1)[0] not in _TOP_LEVEL:
+            param = f"sampling_params.{param}"
+        message = err.message if param is None else f"{param}: {err.message}"
+        context.set_trailing_metadata(tuple((k, v) for k, v in (("param", param), ("code", err.code)) if v))
+        await context.abort(_status(err), message)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        s = self.server
+        prompt_field = "prompt"  # the oneof, until we know which of its fields came
+        try:
+            req, prompt_field = completion_request(request)
+            prompts, params = await s.completion_inputs(req)  # one prompt: text or token ids
+            rid = request.request_id or uuid.uuid4().hex
+            stream, = await s.add_requests([rid], [prompts[0][0]], [prompts[0][1]], params, req.priority,
+                                           req.cache_salt, prompt_field)
+        except RequestError as e:
+            await self._fail(context, e, prompt_field)
+            return
+        sp = params[0]
+        self.live[rid] = stream
+        conv = _Stream(rid, request, list(sp.stop), sp.logprobs)
+        try:
+            async for out in stream:
+                msg = conv.message(out)
+                if msg is not None:
+                    yield msg
+        except EngineDeadError as e:  # shut down (the deadline passed) while it ran
+            await self._fail(context, RequestError(str(e), status=503, code="engine_dead"))
+        except EngineStepError as e:  # this request failed in the engine; the others went on
+            await self._fail(context, RequestError(str(e), status=500, code="request_failed"))
+        finally:  # also when the client cancels: closing an unfinished stream aborts its request
+            if self.live.get(rid) is stream:
+                del self.live[rid]
+            stream.close()
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = request.request_id in self.live
+        if found:  # its Generate stream ends with finish_reason "abort"
+            await self.server.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        try:  # counting tokens is this call's purpose: a text longer than max_model_len is tokenized too
+            ids = await self.server.conv.tokenize(request.text, param="text", add_special_tokens=add, limit=False)
+        except RequestError as e:
+            await self._fail(context, e)
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.server.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.DetokenizeResponse:
+        try:
+            return pb.DetokenizeResponse(text=await self.server.conv.detokenize(list(request.token_ids), "token_ids"))
+        except RequestError as e:
+            await self._fail(context, e)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        s = self.server
+        llm = s.engine.engine
+        eng = llm.replicas[0] if hasattr(llm, "replicas") else llm  # data parallel: the replicas agree
+        return pb.ModelInfo(served_model_name=s.name, model_path=str(s.root), max_model_len=s.max_model_len,
+                            vocab_size=s.conv.vocab_size, eos_token_ids=list(eng.eos_token_ids),
+                            max_logprobs=s.conv.max_logprobs, scheduling_policy=s.policy,
+                            max_num_seqs=llm.scheduler_config.max_num_seqs, version=jaxsched.__version__)
+
+
+class HealthService(health.aio.HealthServicer):
+    """grpc.health.v1: SERVING while the engine runs, for the server ("") and for Generation."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine = engine
+
+    async def _refresh(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.engine.is_running \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE):
+            await self.set(service, status)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                    ) -> health_pb2.HealthCheckResponse:
+        await self._refresh()
+        return await super().Check(request, context)
+
+
+class _ApiKey(grpc.aio.ServerInterceptor):
+    """`authorization: Bearer KEY` on every call but the health service's (as /health over HTTP)."""
+
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        got = got.encode() if isinstance(got, str) else got
+        if hmac.compare_digest(got, self.expected):
+            return handler
+        message = (f"{'missing' if not got else 'invalid'} API key: send the metadata "
+                   "'authorization: Bearer <key>' with the server's --api-key")
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # an async generator, as a server-streaming handler is
+
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+
+
+class GrpcFrontEnd:
+    """The gRPC server of an HTTP app (serving/app.py build_app), started on the app's event loop."""
+
+    def __init__(self, app: Any, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> None:
+        self.server = app.state.server
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.grpc: grpc.aio.Server | None = None
+        self.health: HealthService | None = None
+
+    @property
+    def target(self) -> str:
+        """host:port to connect to (the bound port, once started)."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        limit = self.server.max_request_bytes
+        self.grpc = grpc.aio.server(
+            interceptors=[_ApiKey(self.api_key)] if self.api_key else None,
+            # the HTTP side's body limit; a larger request is RESOURCE_EXHAUSTED
+            options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(self.server), self.grpc)
+        self.health = HealthService(self.server.engine)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        bound = self.grpc.add_insecure_port(self.target)
+        if bound == 0:
+            raise OSError(f"could not bind the gRPC server to {self.target} (--grpc-port): is the port in use?")
+        self.port = bound
+        await self.grpc.start()
+        await self.health._refresh()
+        logger.info("gRPC (%s) on %s", SERVICE, self.target)
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new calls at once; calls in flight get `grace` seconds, then are cancelled."""
+        if self.grpc is None:
+            return
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        await self.grpc.stop(grace)
