@@ -65,6 +65,7 @@ class RequestStream:
         self.request_id = request_id
         self.loop = loop
         self.finished = False
+        self._released = False  # its place in the admission count is given back
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._accepted: asyncio.Future[None] = loop.create_future()
 
@@ -76,6 +77,15 @@ class RequestStream:
             self._accepted.set_exception(item)
         else:
             self._queue.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                # the engine is done with it: a consumer that reads slowly (or not at all, a client
+                # that stopped reading) must not keep holding a place in the admission queue
+                self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.engine._release()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -96,7 +106,7 @@ class RequestStream:
     def _done(self) -> None:
         if not self.finished:
             self.finished = True
-            self.engine._release()
+            self._release()
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished."""

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxsched.v1.Generation"
 # GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
-_TOP_LEVEL = ("priority", "truncate_prompt_tokens", "request_id", "cache_salt", "add_special_tokens")
+_TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens", "request_id", "cache_salt",
+              "add_special_tokens", "stream", "stream_interval")
 
 
 def _status(err: RequestError) -> grpc.StatusCode:
@@ -72,6 +73,14 @@ def completion_request(request: pb.GenerateRequest) -> tuple[CompletionRequest, 
     which = request.WhichOneof("prompt")
     if which is None:
         raise RequestError("the request has no prompt: set text or token_ids", param="prompt")
+    if which == "token_ids" and not request.token_ids.ids:
+        raise RequestError("token_ids is empty: pass at least one token", param="token_ids")
+    if request.stream not in pb.StreamMode.values():
+        raise RequestError(f"stream is {request.stream}, not a StreamMode: STREAM_MODE_TOKENS (0) or "
+                           "STREAM_MODE_FINAL (1)", param="stream")
+    if request.stream_interval < 0:
+        raise RequestError(f"stream_interval must be >= 0 tokens (0 or 1: every step's), got "
+                           f"{request.stream_interval}", param="stream_interval")
     sampling = _fields(request.sampling_params)
     if "logit_bias" in sampling:  # JSON's keys are strings, as the HTTP route takes them
         sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
@@ -94,8 +103,11 @@ def completion_request(request: pb.GenerateRequest) -> tuple[CompletionRequest, 
 class _Stream:
     """One Generate call's cumulative outputs to GenerateResponses."""
 
-    def __init__(self, request_id: str, request: pb.GenerateRequest, stops: list[str], top: int | None) -> None:
+    def __init__(self, request_id: str, request: pb.GenerateRequest, stops: list[str], top: int | None, n: int,
+                 prompt_tokens: int) -> None:
         self.request_id = request_id
+        self.n = n
+        self.prompt_tokens = prompt_tokens
         self.final_only = request.stream == pb.STREAM_MODE_FINAL
         self.interval = max(1, request.stream_interval)
         self.return_text = request.return_text
@@ -117,13 +129,15 @@ class _Stream:
             outputs.append(self._output(c))
             if c.finish_reason is not None:
                 self.done.add(c.index)
+        if out.finished:  # a request aborted before its first step has no outputs: each sample still ends
+            outputs += [pb.Output(index=i, finish_reason="abort") for i in range(self.n) if i not in self.done]
         if not outputs and not out.finished:
             return None
         msg = pb.GenerateResponse(request_id=self.request_id, outputs=outputs, finished=out.finished)
         if out.finished:
             done = sum(len(c.token_ids) for c in out.outputs)
-            msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=done,
-                                        total_tokens=len(out.prompt_token_ids) + done))
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
+                                        total_tokens=self.prompt_tokens + done))
         return msg
 
     def _output(self, c: CompletionOutput) -> pb.Output:
@@ -151,6 +165,10 @@ class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, server: Any) -> None:
         self.server = server  # app._Server: the HTTP routes' checks, converter and engine
         self.live: dict[str, RequestStream] = {}  # Generate calls in flight, by request_id
+        # Generate calls with a request_id, still being checked / admitted; Abort marks them in
+        # `aborted`, and they are aborted as soon as the engine has them
+        self.admitting: dict[str, int] = {}
+        self.aborted: set[str] = set()
 
     async def _fail(self, context: grpc.aio.ServicerContext, err: RequestError, prompt_field: str | None = None
                     ) -> None:
@@ -169,19 +187,29 @@ class GenerationService(pb_grpc.GenerationServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         s = self.server
         prompt_field = "prompt"  # the oneof, until we know which of its fields came
+        rid = request.request_id or uuid.uuid4().hex
+        self.admitting[rid] = self.admitting.get(rid, 0) + 1
+        abort_now = False
         try:
             req, prompt_field = completion_request(request)
             prompts, params = await s.completion_inputs(req)  # one prompt: text or token ids
-            rid = request.request_id or uuid.uuid4().hex
             stream, = await s.add_requests([rid], [prompts[0][0]], [prompts[0][1]], params, req.priority,
                                            req.cache_salt, prompt_field)
         except RequestError as e:
             await self._fail(context, e, prompt_field)
             return
-        sp = params[0]
-        self.live[rid] = stream
-        conv = _Stream(rid, request, list(sp.stop), sp.logprobs)
+        finally:
+            self.admitting[rid] -= 1
+            if not self.admitting[rid]:
+                del self.admitting[rid]
+                abort_now = rid in self.aborted  # Abort came while it was being admitted
+                self.aborted.discard(rid)
         try:
+            self.live[rid] = stream
+            if abort_now:
+                await s.engine.abort(rid)
+            sp = params[0]
+            conv = _Stream(rid, request, list(sp.stop), sp.logprobs, sp.n, len(prompts[0][0]))
             async for out in stream:
                 msg = conv.message(out)
                 if msg is not None:
@@ -196,10 +224,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             stream.close()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        found = request.request_id in self.live
-        if found:  # its Generate stream ends with finish_reason "abort"
-            await self.server.engine.abort(request.request_id)
-        return pb.AbortResponse(found=found)
+        rid = request.request_id
+        if rid in self.live:  # its Generate stream ends with finish_reason "abort"
+            await self.server.engine.abort(rid)
+            return pb.AbortResponse(found=True)
+        if rid in self.admitting:
+            self.aborted.add(rid)
+            return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=False)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -282,28 +314,36 @@ class GrpcFrontEnd:
 
     def __init__(self, app: Any, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> None:
         self.server = app.state.server
-        self.host, self.port = host, port
+        self.host, self.port = host or "0.0.0.0", port  # "" is every address to uvicorn too
         self.api_key = api_key
         self.grpc: grpc.aio.Server | None = None
         self.health: HealthService | None = None
 
     @property
     def target(self) -> str:
-        """host:port to connect to (the bound port, once started)."""
-        return f"{self.host}:{self.port}"
+        """host:port to bind and connect to (the bound port, once started); [host]:port for IPv6."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        limit = self.server.max_request_bytes
+        limit = min(self.server.max_request_bytes, 2**31 - 1)  # grpcio takes a 32-bit int
         self.grpc = grpc.aio.server(
             interceptors=[_ApiKey(self.api_key)] if self.api_key else None,
-            # the HTTP side's body limit; a larger request is RESOURCE_EXHAUSTED
+            # the HTTP side's body limit; a larger request is RESOURCE_EXHAUSTED. No port sharing:
+            # a port in use is an error, not a second server answering half the calls.
             options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(GenerationService(self.server), self.grpc)
         self.health = HealthService(self.server.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        bound = self.grpc.add_insecure_port(self.target)
+        try:
+            bound = self.grpc.add_insecure_port(self.target)
+        except RuntimeError as e:  # grpcio's "Failed to bind to address ..."
+            bound, cause = 0, e
+        else:
+            cause = None
         if bound == 0:
-            raise OSError(f"could not bind the gRPC server to {self.target} (--grpc-port): is the port in use?")
+            raise OSError(f"could not listen for gRPC on {self.target} (--host, --grpc-port): is the port in use "
+                          f"or the address not this machine's? ({cause})")
         self.port = bound
         await self.grpc.start()
         await self.health._refresh()

@@ -75,6 +75,8 @@ class GracefulServer(uvicorn.Server):
         stops = [asyncio.ensure_future(f.stop(grace)) for f in self.front_ends]
         try:
             await super().shutdown(sockets)
+            if self.force_exit:  # a second Ctrl-C: no grace for the other front ends either
+                await asyncio.gather(*(f.stop(0) for f in self.front_ends), return_exceptions=True)
             pending = [s for s in stops if not s.done()]
             if pending:  # (not awaited when done: the loop would run uvicorn's cancelled tasks again)
                 await asyncio.wait(pending)

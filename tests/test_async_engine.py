@@ -223,6 +223,25 @@ def test_queue_limit_and_stats(limited):
     assert success.labels == {"model_name": "tiny", "finished_reason": "length"} and success.value == 2
 
 
+def test_a_finished_request_nobody_reads_gives_back_its_queue_place(setup):
+    """The admission count follows the engine, not the reader: a client that stopped reading must
+    not hold a place in max_num_queued_requests once its request is done."""
+    engine, _ = setup
+
+    async def main():
+        stream = await engine.add_request(PROMPTS[0], GREEDY)  # never read
+        while await engine.call(lambda eng: eng.has_unfinished_requests()):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the final output reaches this loop
+        queued = engine.num_queued
+        outs = [o async for o in stream]  # still all there for a late reader
+        return queued, outs
+
+    queued, outs = asyncio.run(main())
+    assert queued == 0
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+
+
 def test_delta_tracker_holds_back_possible_stop_strings():
     t = DeltaTracker(stop=["END"])
     steps = [("he", None), ("hello E", None), ("hello EN", None), ("hello ", "stop")]  # "hello END" cut

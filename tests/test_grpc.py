@@ -141,6 +141,7 @@ def test_logprobs_and_stop(served):
 BAD = [  # (what, request fields, the field the error must name)
     ("no prompt", {"sampling_params": greedy()}, "prompt"),
     ("empty text", {"text": "", "sampling_params": greedy()}, "text"),
+    ("empty token_ids", {"token_ids": pb.TokenIds(ids=[])}, "token_ids"),
     ("token id past the vocabulary", {"token_ids": pb.TokenIds(ids=[5, 10**6])}, "token_ids"),
     ("prompt longer than max_model_len", {"token_ids": pb.TokenIds(ids=[5] * 200)}, "token_ids"),
     ("negative temperature", {"text": "hi", "sampling_params": pb.SamplingParams(temperature=-1)},
@@ -160,6 +161,8 @@ BAD = [  # (what, request fields, the field the error must name)
         structured_outputs=pb.StructuredOutputs(json="{not json"))}, "sampling_params.structured_outputs.json"),
     ("priority under fcfs", {"text": "hi", "priority": 3}, "priority"),
     ("truncate_prompt_tokens of 0", {"text": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("negative stream_interval", {"text": "hi", "stream_interval": -5}, "stream_interval"),
+    ("a stream mode that does not exist", {"text": "hi", "stream": 7}, "stream"),
 ]
 
 
@@ -315,6 +318,57 @@ def test_abort_ends_the_stream_with_finish_reason_abort(served):
     assert found and not missing
     assert msgs[-1].finished and [o.finish_reason for o in msgs[-1].outputs] == ["abort"]
     assert msgs[-1].usage.completion_tokens == len(tokens(msgs)) < 100
+    assert owned(served.engine) == {}
+
+
+def test_abort_while_admitting_or_waiting_still_ends_every_sample(served):
+    """Abort of a request still being admitted (the engine thread is held), and of one waiting for
+    a place in the batch (it has no output yet): each stream ends with finish_reason "abort" on
+    every one of its n samples, its prompt counted in usage."""
+    gate = threading.Event()
+
+    async def admitting(stub):
+        held = asyncio.ensure_future(served.engine.call(lambda eng: gate.wait(30)))
+        call = stub.Generate(pb.GenerateRequest(request_id="early", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                                sampling_params=pb.SamplingParams(n=3, max_tokens=50)), metadata=AUTH)
+        while served.engine.num_queued < 1:  # admitted on the asyncio side, not yet by the engine
+            await asyncio.sleep(0.01)
+        found = await stub.Abort(pb.AbortRequest(request_id="early"), metadata=AUTH)
+        gate.set()
+        await held
+        return [m async for m in call], found.found
+
+    async def waiting(stub):
+        # eight samples take every place in the batch (max_num_seqs 8); the next request waits
+        busy = stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling_params=greedy(60, n=8)), metadata=AUTH)
+        await busy.read()
+        call = stub.Generate(pb.GenerateRequest(request_id="waits", token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
+                                                sampling_params=pb.SamplingParams(n=3, max_tokens=50)), metadata=AUTH)
+        while served.engine.stats().num_requests_waiting < 1:
+            await asyncio.sleep(0.005)
+        found = await stub.Abort(pb.AbortRequest(request_id="waits"), metadata=AUTH)
+        msgs = [m async for m in call]
+        busy.cancel()
+        return msgs, found.found
+
+    async def main():
+        async with grpc.aio.insecure_channel(served.target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            return await admitting(stub), await waiting(stub)
+
+    restore = slowed(served.engine, 0.02)
+    try:
+        (early, found_early), (waits, found_waiting) = asyncio.run(main())
+    finally:
+        gate.set()
+        restore()
+    for msgs, found, prompt_len in ((early, found_early, 3), (waits, found_waiting, 4)):
+        assert found and msgs[-1].finished
+        ends = sorted((o.index, o.finish_reason) for m in msgs for o in m.outputs if o.finish_reason)
+        assert ends == [(0, "abort"), (1, "abort"), (2, "abort")]
+        assert msgs[-1].usage.prompt_tokens == prompt_len
+        assert msgs[-1].usage.completion_tokens == len(tokens(msgs)) < 150
+    assert len(waits) == 1 and tokens(waits) == []  # it never ran
     assert owned(served.engine) == {}
 
 

@@ -73,8 +73,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request of this front end by its request_id: its Generate stream ends with
-        finish_reason "abort".
+        """Aborts a request of this front end by its request_id (also one still being admitted): its
+        Generate stream ends with finish_reason "abort" on every sample.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
