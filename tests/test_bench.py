@@ -17,6 +17,7 @@ from jaxsched.bench import main as bench_main
 from jaxsched.bench import serve, workloads
 from serving.app import build_app
 from serving.async_engine import AsyncEngine
+from serving.grpc_server import GrpcFrontEnd
 
 pytest.importorskip("matplotlib")  # the `test` extra installs it: --plot is part of every smoke test
 
@@ -198,11 +199,19 @@ def test_priority_field_and_classes():
 
 # -- serve, against this server ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server_url(llama_dir):
+def served(llama_dir):
+    """(HTTP URL, gRPC target) of one server, as `jaxsched serve --grpc-port` runs them."""
     engine = AsyncEngine(LLM(llama_dir, scheduling_policy="priority", **ENGINE).llm_engine)
-    with uvicorn_thread(build_app(engine, served_model_name="tiny")) as url:
-        yield url
+    app = build_app(engine, served_model_name="tiny")
+    front = GrpcFrontEnd(app, 0)
+    with uvicorn_thread(app, engine, (front,)) as url:
+        yield url, front.target
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server_url(served):
+    return served[0]
 
 
 METRICS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
@@ -256,3 +265,32 @@ def test_serve_refuses_clearly(server_url, capsys):
     assert "warm-up request" in (err := capsys.readouterr().err) and "does not exist" in err
     assert bench_main(["serve", "--base-url", "http://127.0.0.1:1", "-n", "2"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_serve_over_grpc_measures_the_same_requests(served, capsys):
+    url, target = served
+    common = ["serve", "-n", "12", *SMALL, "--priority-share", "0.25", "--goodput", "ttft:60000"]
+    [http] = run_bench([*common, "--base-url", url], capsys)
+    [grpc] = run_bench([*common, "--grpc", target], capsys)
+    assert (grpc["backend"], grpc["endpoint"], grpc["model"]) == ("grpc", "Generate", "tiny")
+    assert grpc["completed"] == 12 and grpc["failed"] == 0 and grpc["errors"] == {}
+    for k in ("total_input_tokens", "total_output_tokens", "workload"):
+        assert grpc[k] == http[k], k  # the same requests, counted by the server the same way
+    assert grpc["total_output_tokens"] == grpc["workload"]["requested_output_tokens"]
+    assert grpc["classes"]["high"]["completed"] == 3 and grpc["goodput_requests"] == 12
+    for k in METRICS:
+        assert isinstance(grpc[k], float), k
+    # what gRPC cannot send is refused before any request, saying why
+    assert bench_main(["serve", "--grpc", target, "--endpoint", "/v1/chat/completions", "-n", "2"]) == 2
+    assert "--grpc sends completions" in capsys.readouterr().err
+    assert bench_main(["serve", "--grpc", target, "-n", "2", "--extra-body", '{"best_of": 2}']) == 2
+    assert "no gRPC sampling_params field for best_of" in capsys.readouterr().err
+    assert bench_main(["serve", "--grpc", target, "-n", "2", "--extra-body", '{"top_k": "x"}']) == 2
+    assert "does not fit jaxsched.proto" in capsys.readouterr().err
+    # HTTP's spellings of logit_bias and structured_outputs are carried over
+    req = serve.grpc_request({"prompt": [1, 2], "logit_bias": {"7": -5.0}, "stop": "x",
+                              "structured_outputs": {"choice": ["a", "b"]}, "priority": 2})
+    assert (dict(req.sampling_params.logit_bias), list(req.sampling_params.stop), req.priority) == ({7: -5.0}, ["x"], 2)
+    assert list(req.sampling_params.structured_outputs.choice.choices) == ["a", "b"]
+    assert bench_main(["serve", "--grpc", "127.0.0.1:1", "-n", "2"]) == 2
+    assert "cannot reach the gRPC server" in capsys.readouterr().err

@@ -6,13 +6,16 @@
   jaxsched bench serve -n 200 --request-rate 4 --priority-share 0.2 --label fcfs --no-priority-field \
       --compare p.json --plot out/                              # against a fcfs server: same arrivals
   jaxsched bench serve --sweep 1,2,4,8 --plot out/ --json
+  jaxsched bench serve --grpc 127.0.0.1:50051                  # the same requests over jaxsched's gRPC
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), or keep --max-concurrency
 in flight, and stream (stream_options.include_usage, so output tokens are the server's count).
 Per request: TTFT (to the first chunk that carries text), ITL (between such chunks), TPOT
 ((latency - TTFT) / (output tokens - 1)) and end-to-end latency; over the run their mean, median,
 p90 and p99, request and token throughput, goodput under --goodput SLOs, and errors with their
-messages. Field names are vLLM's (mean_ttft_ms, p99_itl_ms, output_throughput, ...).
+messages. Field names are vLLM's (mean_ttft_ms, p99_itl_ms, output_throughput, ...). With --grpc
+the requests are jaxsched's gRPC Generate calls (serving/proto/jaxsched.proto: token ids, no text),
+timed by their token messages, so one server's two front ends can be compared on one workload.
 
 Priority classes: --priority-share 0.2 marks that share of the requests (drawn with --seed; the
 same requests whatever the rate) as "high" and sends them with "priority": --high-priority, the
@@ -53,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     g.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
+    g.add_argument("--grpc", default=None, metavar="HOST:PORT",
+                   help="send each request as a gRPC Generate call to a jaxsched server's --grpc-port instead "
+                        "(completions only; --extra-body fields go to sampling_params)")
     g.add_argument("--model", default=None, help="the model name to send (default: the server's first in /v1/models)")
     g.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY, else $JAXSCHED_API_KEY)")
     g.add_argument("--tokenizer", default=None,
@@ -236,6 +242,76 @@ async def send(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
     return o
 
 
+_GRPC_TOP_LEVEL = ("priority", "truncate_prompt_tokens", "cache_salt", "add_special_tokens")
+
+
+def grpc_request(body: dict[str, Any]) -> Any:
+    """The gRPC GenerateRequest of an HTTP completions body (serving/proto/jaxsched.proto)."""
+    from serving.proto import jaxsched_pb2 as pb
+
+    if "messages" in body:
+        raise ValueError("--grpc sends completions (text or token ids): leave --endpoint at /v1/completions")
+    if "request_id" in body:
+        raise ValueError("--grpc: a request_id in --extra-body would be the same for every request; leave it out")
+    sampling = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "prompt",
+                                                           *_GRPC_TOP_LEVEL)}
+    unknown = sorted(set(sampling) - set(pb.SamplingParams.DESCRIPTOR.fields_by_name))
+    if unknown:
+        raise ValueError(f"--grpc: no gRPC sampling_params field for {', '.join(unknown)} (see jaxsched.proto)")
+    # the HTTP spellings of the fields whose proto types differ
+    if isinstance(sampling.get("logit_bias"), dict):
+        sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    so = dict(sampling.get("structured_outputs") or {})
+    if isinstance(so.get("choice"), list):
+        so["choice"] = {"choices": so["choice"]}
+    if isinstance(so.get("json"), dict):
+        so["json"] = json.dumps(so["json"])
+    if so:
+        sampling["structured_outputs"] = so
+    prompt = body["prompt"]
+    try:
+        req = pb.GenerateRequest(text=prompt) if isinstance(prompt, str) else pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt))
+        req.sampling_params.CopyFrom(pb.SamplingParams(**sampling))
+        for k in _GRPC_TOP_LEVEL:
+            if k in body:
+                setattr(req, k, body[k])
+    except (TypeError, ValueError) as e:  # a value the proto's types cannot hold
+        raise ValueError(f"--grpc: this request does not fit jaxsched.proto's GenerateRequest: {e}") from e
+    return req
+
+
+async def send_grpc(stub: Any, req: Any, metadata: tuple[tuple[str, str], ...], cls: str, origin: float,
+                    timeout: float) -> Outcome:
+    """One Generate call, timed: a message with new tokens counts as a chunk with text does over HTTP."""
+    import grpc
+
+    o = Outcome(cls)
+    st = time.perf_counter()
+    o.start = st - origin
+    last = st
+    try:
+        async for msg in stub.Generate(req, metadata=metadata, timeout=timeout):
+            now = time.perf_counter()
+            if any(out.token_ids for out in msg.outputs):
+                if o.ttft is None:
+                    o.ttft = now - st
+                else:
+                    o.itl.append(now - last)
+                last = now
+            if msg.finished:
+                o.prompt_tokens, o.output_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
+        o.latency = time.perf_counter() - st
+        if o.ttft is None:
+            o.ttft = o.latency
+        o.ok = True
+    except grpc.aio.AioRpcError as e:
+        o.error = f"gRPC {e.code().name}: {e.details()}"
+    return o
+
+
 def metrics(outs: list[Outcome], duration: float, slos: dict[str, float]) -> dict[str, Any]:
     """vLLM's serving figures of a set of requests over the benchmark's duration."""
     ok = [o for o in outs if o.ok]
@@ -256,9 +332,10 @@ def metrics(outs: list[Outcome], duration: float, slos: dict[str, float]) -> dic
     return d
 
 
-async def one_rate(client: Any, url: str, bodies: list[dict[str, Any]], classes: list[str], headers: dict[str, str],
-                   rate: float, ns: argparse.Namespace) -> tuple[list[Outcome], float, int]:
-    """(outcomes in request order, duration, most requests in flight) of one run at `rate`."""
+async def one_rate(send_one: Any, bodies: list[Any], classes: list[str], rate: float,
+                   ns: argparse.Namespace) -> tuple[list[Outcome], float, int]:
+    """(outcomes in request order, duration, most requests in flight) of one run at `rate`;
+    send_one(body, class, origin) sends one request."""
     arrivals = arrival_times(len(bodies), rate, ns.seed)
     sem = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
     in_flight = peak = 0
@@ -272,7 +349,7 @@ async def one_rate(client: Any, url: str, bodies: list[dict[str, Any]], classes:
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            return await send(client, url, bodies[i], headers, classes[i], origin)
+            return await send_one(bodies[i], classes[i], origin)
         finally:
             in_flight -= 1
             if sem is not None:
@@ -293,8 +370,9 @@ def result_of(ns: argparse.Namespace, model: str, rate: float, reqs: list[worklo
               classes: list[str], outs: list[Outcome], duration: float, peak: int) -> dict[str, Any]:
     slos = parse_goodput(ns.goodput)
     res: dict[str, Any] = {
-        "command": "serve", "label": ns.label, "backend": "openai-chat" if "chat" in ns.endpoint else "openai",
-        "base_url": ns.base_url, "endpoint": ns.endpoint, "model": model, "request_rate": rate,
+        "command": "serve", "label": ns.label,
+        "backend": "grpc" if ns.grpc else "openai-chat" if "chat" in ns.endpoint else "openai",
+        "base_url": ns.grpc or ns.base_url, "endpoint": "Generate" if ns.grpc else ns.endpoint, "model": model, "request_rate": rate,
         "max_concurrency": ns.max_concurrency, "num_prompts": len(outs), "duration": round(duration, 3),
         "max_concurrent_requests": peak, "workload": workloads.describe(ns, reqs),
     }
@@ -327,6 +405,8 @@ async def benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
     reqs = workloads.build(ns, vocab_size=None, tokenizer=tokenizer)
     classes = classes_of(len(reqs), ns.priority_share, ns.seed)
     key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("JAXSCHED_API_KEY")
+    if ns.grpc:
+        return await _benchmark_grpc(ns, rates, reqs, classes, key)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     base = ns.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -336,15 +416,47 @@ async def benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
         except httpx.HTTPError as e:
             raise ValueError(f"cannot reach the server at {base} ({type(e).__name__}: {e}); check --base-url") from e
         bodies = [request_body(ns, model, r, c) for r, c in zip(reqs, classes)]
-        for _ in range(ns.num_warmups):  # also the check that the server takes these requests at all
-            o = await send(client, base + ns.endpoint, bodies[0], headers, classes[0], time.perf_counter())
-            if not o.ok:
-                raise ValueError(f"the warm-up request to {base}{ns.endpoint} failed: {o.error}")
-        results = []
-        for rate in rates:
-            logger.info("%d requests at %s requests/s to %s%s", len(bodies), rate, base, ns.endpoint)
-            outs, duration, peak = await one_rate(client, base + ns.endpoint, bodies, classes, headers, rate, ns)
-            results.append(result_of(ns, model, rate, reqs, classes, outs, duration, peak))
+
+        def send_one(body: dict[str, Any], cls: str, origin: float) -> Any:
+            return send(client, base + ns.endpoint, body, headers, cls, origin)
+
+        return await _runs(ns, rates, send_one, bodies, classes, reqs, model, f"{base}{ns.endpoint}")
+
+
+async def _benchmark_grpc(ns: argparse.Namespace, rates: list[float], reqs: list[workloads.BenchRequest],
+                          classes: list[str], key: str | None) -> list[dict[str, Any]]:
+    import grpc
+
+    from serving.proto import jaxsched_pb2 as pb
+    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    async with grpc.aio.insecure_channel(ns.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            model = (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)).served_model_name
+        except grpc.aio.AioRpcError as e:
+            raise ValueError(f"cannot reach the gRPC server at {ns.grpc} ({e.code().name}: {e.details()}); check "
+                             "--grpc") from e
+        calls = [grpc_request(request_body(ns, model, r, c)) for r, c in zip(reqs, classes)]
+
+        def send_one(req: Any, cls: str, origin: float) -> Any:
+            return send_grpc(stub, req, metadata, cls, origin, ns.timeout)
+
+        return await _runs(ns, rates, send_one, calls, classes, reqs, model, f"gRPC {ns.grpc}")
+
+
+async def _runs(ns: argparse.Namespace, rates: list[float], send_one: Any, bodies: list[Any], classes: list[str],
+                reqs: list[workloads.BenchRequest], model: str, where: str) -> list[dict[str, Any]]:
+    for _ in range(ns.num_warmups):  # also the check that the server takes these requests at all
+        o = await send_one(bodies[0], classes[0], time.perf_counter())
+        if not o.ok:
+            raise ValueError(f"the warm-up request to {where} failed: {o.error}")
+    results = []
+    for rate in rates:
+        logger.info("%d requests at %s requests/s to %s", len(bodies), rate, where)
+        outs, duration, peak = await one_rate(send_one, bodies, classes, rate, ns)
+        results.append(result_of(ns, model, rate, reqs, classes, outs, duration, peak))
     return results
 
 
