@@ -35,8 +35,8 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 
 class Served:
-    def __init__(self, url: str, target: str, engine: AsyncEngine, refs: dict) -> None:
-        self.url, self.target, self.engine, self.refs = url, target, engine, refs
+    def __init__(self, url: str, target: str, engine: AsyncEngine, refs: dict, app) -> None:
+        self.url, self.target, self.engine, self.refs, self.app = url, target, engine, refs, app
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
@@ -57,7 +57,7 @@ def served(llama_dir):
     app = build_app(engine, served_model_name="tiny", api_key=KEY, max_request_bytes=MAX_REQUEST_BYTES)
     front = GrpcFrontEnd(app, 0, api_key=KEY)
     with uvicorn_thread(app, engine, (front,)) as url:
-        s = Served(url, front.target, engine, refs)
+        s = Served(url, front.target, engine, refs, app)
         yield s
         s.channel.close()
     engine.shutdown()
@@ -237,6 +237,13 @@ def test_the_api_key_is_required_except_for_health(served):
     for service in ("", SERVICE):
         r = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_port_in_use_is_an_error_naming_the_flag(served):
+    """No silent port sharing (SO_REUSEPORT off): a second server on the same port fails to start."""
+    taken = int(served.target.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=r"could not listen for gRPC on 127\.0\.0\.1:\d+ \(--host, --grpc-port\)"):
+        asyncio.run(GrpcFrontEnd(served.app, taken).start())
 
 
 def test_tokenize_detokenize_and_model_info(served):
