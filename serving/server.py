@@ -6,9 +6,10 @@ accepting connections (uvicorn), lets requests in flight finish for `shutdown_ti
 then fails the ones still running (a stream gets an error event, then [DONE]; a plain request a
 503) and gives their clients a moment to read that before uvicorn cancels what is left.
 
-Other front ends on the same engine (the gRPC server, serving/grpc_server.py) start on uvicorn's
-event loop once it listens, and stop with it under the same deadline: they refuse new calls at
-SIGTERM, and their calls in flight fail with the engine's requests when the deadline comes.
+Other front ends on the same engine (the gRPC server, serving/grpc_server.py) run on uvicorn's
+event loop: they start just before it listens, and stop with it under the same deadline: they
+refuse new calls at SIGTERM, and their calls in flight fail with the engine's requests when the
+deadline comes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class GracefulServer(uvicorn.Server):
                 await f.start()
                 started.append(f)
             await super().startup(sockets)  # sys.exit(3) when it cannot listen
-        except BaseException as e:
+        except (Exception, SystemExit) as e:
             if not isinstance(e, SystemExit):
                 logger.error("could not start: %s", e)
             for f in started:
