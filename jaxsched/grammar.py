@@ -31,6 +31,12 @@ from jaxsched.structured_output import PARAM, StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (each is a matcher and its lexer, a few MB at most)
+# llguidance reads a grammar with native recursion, one level per rule or $ref in a chain: a
+# chain of a few thousand (a ~100 KB schema, inside MAX_GRAMMAR_CHARS) overflows a thread's
+# usual 8 MiB stack, and a stack overflow in native code kills the whole process. Compiles run on
+# a thread with this much stack (reserved, touched only as deep as a compile goes), which holds
+# the longest chain MAX_GRAMMAR_CHARS can spell with room to spare (tests/test_hostile.py).
+COMPILE_STACK_BYTES = 512 << 20
 
 
 def mask_words(vocab_size: int) -> int:
@@ -42,6 +48,9 @@ class TokenConstraint:
     """One sequence's constraint on its next token."""
 
     depends_on_tokens = False  # whether the next mask depends on the token just sampled
+    # the request field to blame when accept() refuses a token the mask allowed (the request's own
+    # definition went past what the matcher can follow); None: an engine bug
+    param: str | None = None
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed tokens into row i32[VW]."""
@@ -86,6 +95,7 @@ class GrammarConstraint(TokenConstraint):
     grammar that can only end still ends."""
 
     depends_on_tokens = True
+    param = PARAM
 
     def __init__(self, matcher: Any, banned: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
@@ -108,7 +118,9 @@ class GrammarConstraint(TokenConstraint):
     def accept(self, token: int) -> str | None:
         if self.matcher.consume_token(token):
             return None
-        return f"the structured output's grammar cannot take token {token}: {self.matcher.get_error()}"
+        # llguidance's message goes on with pages of parser state: its first line says what broke
+        return (f"the structured output's grammar could not follow token {token} ({_first_line(self.matcher.get_error())}):"
+                " the schema or grammar goes past the parser's limits here; simplify it")
 
     @property
     def finished(self) -> bool:
@@ -192,7 +204,7 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        text = params.grammar_text()
+        text = _on_deep_stack(params.grammar_text)
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
@@ -200,10 +212,16 @@ class GrammarCompiler:
                 return hit
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.ll_tokenizer(), text, log_level=0)
-        if not matcher.is_error():
-            # the first mask builds the lexer: here, on the compiling thread, not in a step
-            matcher.unsafe_compute_mask_ptr(*_scratch_row(self.vocab_size))
+        tokenizer = self.ll_tokenizer()
+
+        def build() -> Any:
+            matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+            if not matcher.is_error():
+                # the first mask builds the lexer: here, on the compiling thread, not in a step
+                matcher.unsafe_compute_mask_ptr(*_scratch_row(self.vocab_size))
+            return matcher
+
+        matcher = _on_deep_stack(build)
         if matcher.is_error():
             raise InvalidRequestError(f"the structured output's {params.kind} is not valid: "
                                       f"{_first_line(matcher.get_error())}", f"{PARAM}.{params.kind}")
@@ -213,6 +231,33 @@ class GrammarCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+
+_stack_size_lock = threading.Lock()
+
+
+def _on_deep_stack(fn: Any) -> Any:
+    """fn() on a new thread with COMPILE_STACK_BYTES of stack; its result, or its exception."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            result.append((False, e))
+
+    with _stack_size_lock:  # the size applies to threads started while it is set
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 _scratch = threading.local()

@@ -229,8 +229,10 @@ class OutputProcessor:
                                  min((c.first_token_time for c in kids if c.first_token_time), default=0.0),
                                  max(c.finished_time for c in kids) if finished else 0.0,
                                  sum(c.num_preemptions for c in kids))
+        failed = next((c for c in kids if c.error), None)
         return RequestOutput(gid, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
-                             priority=parent.priority, error=next((c.error for c in kids if c.error), None))
+                             priority=parent.priority, error=failed.error if failed else None,
+                             error_param=failed.error_param if failed else None)
 
     def _logprobs_entry(self, sampled: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
         dec = self.tokenizer.convert_ids_to_tokens
@@ -252,4 +254,4 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.finished_time, req.num_preemptions)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
-                             priority=req.priority, error=req.error)
+                             priority=req.priority, error=req.error, error_param=req.error_param)

@@ -49,4 +49,6 @@ class RequestOutput:
     prompt_logprobs: None = None  # not computed by this engine
     priority: int = 0
     error: str | None = None  # why the request failed (its finish_reason is "error"); None otherwise
+    # the request field to blame when its own input made it fail (a client error); None otherwise
+    error_param: str | None = None
     extra: dict = field(default_factory=dict)

@@ -237,6 +237,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR
+    error_param: str | None = None  # set when its own input caused that: the field to change
     num_preemptions: int = 0
     deferred_step: int = -2  # the last step the step-cost model put this request's decode row off
     # which tokens it may sample next (grammar.py): follows its accepted tokens; None = any

@@ -574,7 +574,7 @@ class Scheduler:
             if req.constraint is not None:  # the mask allowed it, so the grammar takes it (else: a bug, this request fails)
                 why = req.constraint.accept(token)
                 if why is not None:
-                    req.error = why
+                    req.error, req.error_param = why, req.constraint.param
                     status = RequestStatus.FINISHED_ERROR
                 elif req.constraint.finished:  # the output is complete: the grammar allows nothing more
                     status = RequestStatus.FINISHED_STOPPED

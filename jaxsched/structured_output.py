@@ -47,14 +47,21 @@ class StructuredOutputsParams:
             what = "none" if not given else ", ".join(given)
             raise InvalidRequestError(f"structured outputs take exactly one of {', '.join(KINDS)}; got {what}",
                                       PARAM)
+        too_deep = InvalidRequestError("structured_outputs.json is nested too deeply to read: send a flatter "
+                                       "schema (use $defs and $ref for repeated parts)", f"{PARAM}.json")
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json))
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json))
+            except RecursionError:
+                raise too_deep from None
         if self.json is not None:
             if not isinstance(self.json, str):
                 raise InvalidRequestError(f"structured_outputs.json must be a JSON Schema (an object), got "
                                           f"{type(self.json).__name__}", f"{PARAM}.json")
             try:
                 schema = json.loads(self.json)
+            except RecursionError:
+                raise too_deep from None
             except ValueError as e:
                 raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}", f"{PARAM}.json") from e
             if not isinstance(schema, dict):  # a boolean schema is valid JSON Schema, but llguidance takes objects
@@ -105,6 +112,9 @@ class StructuredOutputsParams:
             if kind == "choice":  # Lark string literals take JSON's escapes: any text is one literal
                 return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, self.choice)))
             return llguidance.grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
+        except RecursionError:
+            raise InvalidRequestError(f"the structured output's {kind} is nested too deeply to read: send a "
+                                      "flatter definition", f"{PARAM}.{kind}") from None
         except ValueError as e:
             raise InvalidRequestError(f"the structured output's {kind} could not be read: {e}", f"{PARAM}.{kind}") from e
 

@@ -183,7 +183,8 @@ class _Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
-            raise RequestError(f"the model `{model}` does not exist; this server serves `{self.name}`",
+            shown = model if len(model) <= 200 else model[:200] + "..."  # not a megabyte echoed back
+            raise RequestError(f"the model `{shown}` does not exist; this server serves `{self.name}`",
                                status=404, param="model", code="model_not_found")
 
     async def submit(self, r: Responder, prompts: list[list[int]], params: list[Any]) -> list[RequestStream]:
@@ -229,8 +230,9 @@ class _Server:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not task.done():
+            if not task.done():  # the client left: stop the work, and let the cancellation land
                 task.cancel()
+                await asyncio.wait({task})
         if task.cancelled():
             return Response(status_code=499)  # nobody reads it
         return task.result()
@@ -327,8 +329,9 @@ class _Server:
                 yield sse(r.chunk([], r.usage(completion_tokens)))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
             logger.warning("stream %s ended: %s", r.rid, e)
-            code = "engine_dead" if isinstance(e, EngineDeadError) else "request_failed"
-            yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, code)))
+            err = engine_failure(e)
+            yield sse(ErrorResponse(ErrorInfo(err.message, err.type if err.status < 500 else "server_error",
+                                              err.param, err.code)))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             logger.exception("stream %s failed", r.rid)
             yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, type(e).__name__)))
@@ -375,6 +378,16 @@ def _log_unknown(unknown: list[str], route: str) -> None:
         logger.warning("%s: ignoring unknown fields %s", route, unknown)
 
 
+def engine_failure(e: EngineDeadError | EngineStepError) -> RequestError:
+    """What the client gets when the engine ended its request: 503 while shutting down; 400 naming
+    the field when the request's own input made it fail; else 500 (the others in its step went on)."""
+    if isinstance(e, EngineDeadError):
+        return RequestError(str(e), status=503, code="engine_dead")
+    if e.param is not None:
+        return RequestError(str(e), param=e.param)
+    return RequestError(str(e), status=500, code="request_failed")
+
+
 def _wrap(handler: Any) -> Any:
     async def endpoint(request: Request) -> Any:
         try:
@@ -383,11 +396,11 @@ def _wrap(handler: Any) -> Any:
             if e.status >= 500:
                 logger.warning("%s %s: %s", request.method, request.url.path, e.message)
             return error_response(e)
-        except EngineDeadError as e:  # shut down (or shutting down) while the request ran
-            return error_response(RequestError(str(e), status=503, code="engine_dead"))
-        except EngineStepError as e:  # this request failed in the engine; the others went on
+        except InvalidRequestError as e:  # the engine's own checks, wherever they run
+            return error_response(RequestError(str(e), param=e.param))
+        except (EngineDeadError, EngineStepError) as e:  # shut down, or this request failed alone
             logger.warning("%s %s: %s", request.method, request.url.path, e)
-            return error_response(RequestError(str(e), status=500, code="request_failed"))
+            return error_response(engine_failure(e))
         except ClientDisconnect:  # gone while sending its body: nobody reads the reply
             return Response(status_code=499)
 

@@ -50,7 +50,13 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """An engine step failed while this request was in it; the request was aborted."""
+    """The engine ended this request alone, with an error; the others went on. `param` names the
+    request field to change when the request's own input caused it (a client error: a grammar
+    past the parser's limits); None when a step failed on the device."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 _ACCEPTED = object()  # posted once the engine thread has validated and queued a request
@@ -373,7 +379,7 @@ class AsyncEngine:
             live.last = o
             if o.error is not None:  # this request failed on its own; the others in its step go on
                 del self._live[o.request_id]
-                self._post(live.stream, EngineStepError(f"the request failed: {o.error}"))
+                self._post(live.stream, EngineStepError(f"the request failed: {o.error}", o.error_param))
                 continue
             self._post(live.stream, o)
             if o.finished:

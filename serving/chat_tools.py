@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from jaxsched.errors import InvalidRequestError
 from jaxsched.structured_output import StructuredOutputsParams
 from serving.protocol import (
     ChatCompletionRequest,
@@ -107,11 +108,15 @@ class ChatTools:
         return cls(tools, "named", parser or DEFAULT_TOOL_PARSER, name=choice["function"]["name"], parallel=parallel)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """What forces the output in "required" and named modes (a JSON Schema); None for auto."""
-        if self.mode == "named":
-            return StructuredOutputsParams(json=named_tool_schema(find_tool(self.tools, self.name)))
-        if self.mode == "required":
-            return StructuredOutputsParams(json=required_tools_schema(self.tools, self.parallel))
+        """What forces the output in "required" and named modes (a JSON Schema); None for auto.
+        A schema the engine refuses (too large) is a 400 naming `tools`."""
+        try:
+            if self.mode == "named":
+                return StructuredOutputsParams(json=named_tool_schema(find_tool(self.tools, self.name)))
+            if self.mode == "required":
+                return StructuredOutputsParams(json=required_tools_schema(self.tools, self.parallel))
+        except InvalidRequestError as e:
+            raise RequestError(f"the tools' schema cannot be enforced: {e}", param="tools") from e
         return None
 
     # -- a finished choice ---------------------------------------------------------------------

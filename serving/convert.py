@@ -289,7 +289,9 @@ class Converter:
                 code="context_length_exceeded")
         bias = None
         if req.logit_bias:
-            try:
+            try:  # int() alone would also take "1_0", " 5 " and other digits than 0-9
+                if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
+                    raise ValueError
                 bias = {int(k): v for k, v in req.logit_bias.items()}
             except ValueError:
                 raise RequestError("logit_bias keys must be token ids written as strings of digits, e.g. "
@@ -376,6 +378,6 @@ def _arguments(text: str, i: int) -> Any:
     """A tool call's arguments (JSON text, as OpenAI sends them) as an object for the template."""
     try:
         return json.loads(text)
-    except ValueError:
-        raise RequestError(f"messages[{i}].tool_calls has arguments that are not valid JSON: send the JSON text the "
-                           "call was made with", param="messages") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
+        raise RequestError(f"messages[{i}].tool_calls has arguments that are not valid JSON (or nested too deeply): "
+                           "send the JSON text the call was made with", param="messages") from None

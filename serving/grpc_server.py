@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import jaxsched
 from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.app import engine_failure
 from serving.async_engine import EngineDeadError, EngineStepError, RequestStream
 from serving.proto import jaxsched_pb2 as pb
 from serving.proto import jaxsched_pb2_grpc as pb_grpc
@@ -39,6 +40,9 @@ from serving.streaming import DeltaTracker
 logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxsched.v1.Generation"
+# A status message is sent as a trailer, and a client refuses metadata over 16 KiB (grpcio's hard
+# limit): longer messages are cut to this many characters.
+MAX_MESSAGE_CHARS = 4000
 # GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
 _TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens", "request_id", "cache_salt",
               "add_special_tokens", "stream", "stream_interval")
@@ -180,6 +184,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         elif prompt_field is not None and param is not None and param.split(".", 1)[0] not in _TOP_LEVEL:
             param = f"sampling_params.{param}"
         message = err.message if param is None else f"{param}: {err.message}"
+        if len(message) > MAX_MESSAGE_CHARS:  # it travels in a trailer: a long one fails the call's metadata
+            message = message[:MAX_MESSAGE_CHARS - 3] + "..."
         context.set_trailing_metadata(tuple((k, v) for k, v in (("param", param), ("code", err.code)) if v))
         await context.abort(_status(err), message)
 
@@ -214,10 +220,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 msg = conv.message(out)
                 if msg is not None:
                     yield msg
-        except EngineDeadError as e:  # shut down (the deadline passed) while it ran
-            await self._fail(context, RequestError(str(e), status=503, code="engine_dead"))
-        except EngineStepError as e:  # this request failed in the engine; the others went on
-            await self._fail(context, RequestError(str(e), status=500, code="request_failed"))
+        except (EngineDeadError, EngineStepError) as e:  # shut down, or this request failed alone
+            await self._fail(context, engine_failure(e), prompt_field)
         finally:  # also when the client cancels: closing an unfinished stream aborts its request
             if self.live.get(rid) is stream:
                 del self.live[rid]
@@ -277,6 +281,56 @@ class HealthService(health.aio.HealthServicer):
         return await super().Check(request, context)
 
 
+class _Malformed:
+    """What a request that is not a valid message of its type decodes to (the servicer never sees it)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _WellFormed(grpc.aio.ServerInterceptor):
+    """A request the method's message type cannot decode (corrupt wire format, a string field that
+    is not UTF-8) ends with INVALID_ARGUMENT saying so. Without this, grpcio's own handling of a
+    failed decode answers UNKNOWN and logs an error."""
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/") or handler.request_streaming:
+            return handler  # (the health service is grpcio's, and takes no request fields)
+        decode = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or a UTF-8 error
+                return _Malformed(e)
+
+        def refuse(request: _Malformed) -> str:
+            return (f"the request is not a valid {details.method.rsplit('/', 1)[-1]} request message "
+                    f"({request.error}): send a message of the method's type")
+
+        kw = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+        if handler.unary_stream is not None:
+            inner = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse(request))
+                async for msg in inner(request, context):
+                    yield msg
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        inner_unary = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refuse(request))
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+
 class _ApiKey(grpc.aio.ServerInterceptor):
     """`authorization: Bearer KEY` on every call but the health service's (as /health over HTTP)."""
 
@@ -328,7 +382,7 @@ class GrpcFrontEnd:
     async def start(self) -> None:
         limit = min(self.server.max_request_bytes, 2**31 - 1)  # grpcio takes a 32-bit int
         self.grpc = grpc.aio.server(
-            interceptors=[_ApiKey(self.api_key)] if self.api_key else None,
+            interceptors=[_ApiKey(self.api_key), _WellFormed()] if self.api_key else [_WellFormed()],
             # the HTTP side's body limit; a larger request is RESOURCE_EXHAUSTED. No port sharing:
             # a port in use is an error, not a second server answering half the calls.
             options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])

@@ -417,6 +417,25 @@ class DetokenizeResponse(Struct):
 
 # -- decoding ----------------------------------------------------------------------------------
 T = TypeVar("T", bound=Struct)
+# Deeper bodies are a 400. The code after decoding walks request values recursively (json.dumps
+# of a schema or tool, the chat template's tojson, a schema's own conversion): far below Python's
+# recursion limit (~1,000, where msgspec's decoder stops), none of them can hit it.
+MAX_JSON_DEPTH = 128
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a decoded JSON value (a scalar is 0, [] is 1); walked
+    without recursion, and scalars in lists are not visited one by one."""
+    deepest = 0
+    todo = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while todo:
+        v, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        items = v.values() if isinstance(v, dict) else v
+        todo.extend((x, depth + 1) for x in items if isinstance(x, (list, dict)))
+    return deepest
 
 
 def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
@@ -432,6 +451,9 @@ def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
     if not isinstance(raw, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}",
                            code="invalid_json")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise RequestError(f"the request body is nested too deeply: JSON nesting is limited to {MAX_JSON_DEPTH} "
+                           "levels", code="invalid_json")
     known = set(typ.__struct_fields__)
     unknown = sorted(k for k in raw if k not in known)
     try:

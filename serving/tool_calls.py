@@ -200,7 +200,7 @@ def _call_from_scan(text: str, scan: _ObjectScan) -> ToolCall | None:
     """The call that a complete object is, None when it is no valid call."""
     try:
         obj = json.loads(text[scan.start:scan.end])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -215,7 +215,7 @@ def _call_from_scan(text: str, scan: _ObjectScan) -> ToolCall | None:
         try:
             if not isinstance(json.loads(value), dict):
                 return None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         arguments = value
     else:
@@ -571,7 +571,7 @@ def call_from_named(name: str, text: str) -> ToolCall:
     arguments = text.strip(_JSON_SPACE)
     try:
         value = json.loads(arguments)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"tool_choice names function {name!r}, but the model's output is not JSON ({e}): "
                          f"{arguments[:200]!r}; the output must be generated with named_tool_schema() as "
                          "its structured output") from None

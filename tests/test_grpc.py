@@ -163,6 +163,11 @@ BAD = [  # (what, request fields, the field the error must name)
     ("truncate_prompt_tokens of 0", {"text": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("negative stream_interval", {"text": "hi", "stream_interval": -5}, "stream_interval"),
     ("a stream mode that does not exist", {"text": "hi", "stream": 7}, "stream"),
+    # compiles, then the parser refuses the first token (its row limit): the request's own input, so
+    # INVALID_ARGUMENT with a message short enough for a trailer (llguidance's runs to 20 KB)
+    ("a grammar past the parser's limits", {"text": "hi", "sampling_params": pb.SamplingParams(
+        max_tokens=4, structured_outputs=pb.StructuredOutputs(choice=pb.ChoiceList(
+            choices=[f"c{i}" for i in range(2000)])))}, "sampling_params.structured_outputs"),
 ]
 
 
@@ -194,6 +199,21 @@ def test_bad_input_never_fails_other_requests(served):
     msgs, codes = asyncio.run(main())
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * len(BAD)
     assert tokens(msgs) == served.refs["ids"][3]
+
+
+@pytest.mark.parametrize("method,payload", [("Generate", b"\xff\xff\xff\xff\x0f"),
+                                            ("Tokenize", b"\x0a\x02\xff\xfe"),  # text: not UTF-8
+                                            ("Detokenize", b"\x0a\x05\x01")])  # token_ids: cut short
+def test_a_request_that_does_not_decode_is_invalid_argument(served, method, payload):
+    path = f"/{SERVICE}/{method}"
+    call = (served.channel.unary_stream if method == "Generate" else served.channel.unary_unary)(
+        path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        result = call(payload, metadata=AUTH, timeout=30)
+        list(result) if method == "Generate" else result
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+    assert f"not a valid {method} request message" in e.value.details()
+    assert served.generate(text=PROMPTS[0], sampling_params=greedy())  # the server goes on
 
 
 def test_a_request_too_large_is_resource_exhausted(served):

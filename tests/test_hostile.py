@@ -406,3 +406,126 @@ def test_health_answers_while_a_1mb_prompt_is_tokenized(server):
     # health checks ran all along while the tokenizer worked, none waiting for it to finish (the
     # latency itself, ~50 ms at most here, is a figure for docs, not a timed test)
     assert len(lat) >= 3 and max(lat) < took / 2, (max(lat), took, len(lat))
+
+
+# -- structured outputs, tools and the wire: classes an adversarial search found past the fuzzer ---
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _rule_chain(max_chars: int) -> str:
+    """A Lark grammar of one chain of rules, as long as `max_chars` allows."""
+    lines, size, i = ["start: r0"], 10, 0
+    while size + 2 * len(str(i)) + 10 < max_chars:
+        lines.append(f"r{i}: r{i + 1}")
+        size += len(lines[-1]) + 1
+        i += 1
+    return "\n".join([*lines, f'r{i}: "end"'])
+
+
+def test_chains_of_refs_and_rules_as_long_as_the_size_limit_allows_compile(server):
+    """llguidance reads a grammar with native recursion: a chain of ~2,500 $refs or rules used to
+    overflow the compiling thread's stack and kill the server (SIGSEGV). The longest chain the size
+    limit lets through must compile (or be refused), with the server alive."""
+    from jaxsched.structured_output import MAX_GRAMMAR_CHARS
+
+    for so in ({"json": _ref_chain(3000)}, {"json": _ref_chain(MAX_GRAMMAR_CHARS // 36)},
+               {"grammar": _rule_chain(MAX_GRAMMAR_CHARS - 16)}):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "structured_outputs": so}
+        size = len(so["grammar"]) if "grammar" in so else len(json.dumps(so["json"]))
+        assert size <= MAX_GRAMMAR_CHARS and (size > 0.97 * MAX_GRAMMAR_CHARS or "d3000" in so["json"]["$defs"])
+        r = server.http.post(CMPL, json=body)
+        assert r.status_code == 200 or (r.status_code == 400 and assert_openai_error(r)), r.text[:500]
+    assert server.http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "tiny", "prompt": "hi", "max_tokens": 2, "guided_json": "[" * 5000 + "]" * 5000},
+    {"model": "tiny", "prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": "[" * 5000 + "]" * 5000}},
+    {**CHAT_OK, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+    {"model": "tiny", "prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": _nested(130)}},
+], ids=["guided_json text", "structured_outputs.json text", "tool call arguments", "schema object"])
+def test_json_nested_too_deeply_anywhere_is_a_400(server, body):
+    """JSON inside a string field is parsed past the body's own nesting limit: Python's parser
+    raises RecursionError, which used to be a 500."""
+    for path in ([CHAT, "/tokenize"] if "messages" in body else [CMPL]):
+        r = server.http.post(path, json=body)
+        assert r.status_code == 400, r.text[:500]
+        assert "nested too deeply" in assert_openai_error(r)["message"]
+
+
+def test_the_body_nesting_limit_is_stated_and_exact(server):
+    from serving.protocol import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth(_nested(MAX_JSON_DEPTH - 1)) == MAX_JSON_DEPTH and json_depth({"a": [1, {}]}) == 3
+    ok = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": "u", "x": _nested(MAX_JSON_DEPTH - 2)}
+    assert server.http.post(CMPL, json=ok).status_code == 200  # the body object is a level of its own
+    r = server.http.post(CMPL, json={**ok, "x": _nested(MAX_JSON_DEPTH - 1)})
+    assert r.status_code == 400 and f"limited to {MAX_JSON_DEPTH} levels" in assert_openai_error(r)["message"]
+
+
+def test_tools_whose_schema_is_too_large_to_enforce_are_a_400(server):
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(12)}}}} for i in range(600)]
+    for choice in ("required", {"type": "function", "function": {"name": "f0"}}):
+        huge = tools if choice == "required" else [{"type": "function", "function": {"name": "f0", "parameters": {
+            "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(12_000)}}}}]
+        r = server.http.post(CHAT, json={**CHAT_OK, "tools": huge, "tool_choice": choice})
+        assert r.status_code == 400, r.text[:500]
+        assert assert_openai_error(r)["param"] == "tools"
+
+
+def test_a_grammar_past_the_parsers_limits_fails_its_request_alone_as_a_client_error(server):
+    """2,000 choices compile, then the parser refuses the first token (its row limit): the request
+    ends alone, as a 400 naming the field (an error event when streamed), with a short message."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4,
+            "structured_outputs": {"choice": [f"c{i}" for i in range(2000)]}}
+    results: list = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream_text(server.url, PROMPTS[i])))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    r = server.http.post(CMPL, json=body)
+    assert r.status_code == 400, r.text[:500]
+    err = assert_openai_error(r)
+    assert err["param"] == "structured_outputs" and "simplify" in err["message"] and len(err["message"]) < 1000
+    with httpx.stream("POST", server.url + CMPL, json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert events[-1]["error"]["param"] == "structured_outputs"
+    for t in threads:
+        t.join(60)
+    want = [server.http.post(CMPL, json={"model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0,
+                                         "ignore_eos": True}).json()["choices"][0]["text"] for p in PROMPTS]
+    assert results == want
+    assert server.idle() == ({}, False)
+
+
+def test_a_client_that_leaves_a_non_streamed_request_gets_nothing_and_logs_nothing(server):
+    """until_disconnect cancels the work when the client leaves; it used to read the task's result
+    before the cancellation had landed (InvalidStateError, logged as an unhandled error)."""
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    class Gone:
+        async def receive(self) -> dict:
+            return await receive()
+
+    async def main():
+        return await server.app.state.server.until_disconnect(Gone(), asyncio.sleep(30))
+
+    assert asyncio.run(main()).status_code == 499
+
+
+@pytest.mark.parametrize("key", ["1_0", " 5 ", "\u0663", "+5", "-1"])
+def test_logit_bias_keys_are_plain_digits(server, key):
+    r = server.http.post(CMPL, json={"model": "tiny", "prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1}})
+    assert r.status_code == 400 and assert_openai_error(r)["param"] == "logit_bias", r.text
+
+
+def test_an_unknown_model_name_is_not_echoed_in_full(server):
+    r = server.http.post(CMPL, json={"model": "m" * 100_000, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 404 and len(assert_openai_error(r)["message"]) < 1000

@@ -157,6 +157,20 @@ def test_parse_hermes_gives_back_what_is_no_call(text):
     assert HermesToolParser().parse(text) == (text, [])
 
 
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_output_nested_deeper_than_pythons_parser_is_no_call(parser):
+    """A model can write brackets thousands deep; json.loads then raises RecursionError, which must
+    read as "not a call" (the text comes back as content), not fail the response."""
+    deep = "[" * 5000 + "]" * 5000
+    texts = ['<tool_call>\n{"name": "f", "arguments": ' + deep + "}\n</tool_call>",
+             '{"name": "f", "parameters": ' + deep + "}", '[{"name": "f", "arguments": ' + deep + "}]"]
+    for text in texts:
+        content, calls = PARSERS[parser]().parse(text)
+        assert calls == [] and content == text
+    with pytest.raises(ValueError, match="not JSON"):
+        call_from_named("f", deep)
+
+
 def test_parse_llama3():
     content, calls = Llama3JsonToolParser().parse(LLAMA_TEXTS[0])
     assert content is None
