@@ -19,14 +19,16 @@ before the request reaches the engine (serving/app.py), and hands the compiled g
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from jaxsched.errors import InvalidRequestError
-from jaxsched.structured_output import PARAM, StructuredOutputsParams
+from jaxsched.structured_output import PARAM, StructuredOutputsParams, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ class GrammarConstraint(TokenConstraint):
         if self.matcher.consume_token(token):
             return None
         # llguidance's message goes on with pages of parser state: its first line says what broke
-        return (f"the structured output's grammar could not follow token {token} ({_first_line(self.matcher.get_error())}):"
+        return (f"the structured output's grammar could not follow token {token} ({first_line(self.matcher.get_error())}):"
                 " the schema or grammar goes past the parser's limits here; simplify it")
 
     @property
@@ -224,7 +226,7 @@ class GrammarCompiler:
         matcher = _on_deep_stack(build)
         if matcher.is_error():
             raise InvalidRequestError(f"the structured output's {params.kind} is not valid: "
-                                      f"{_first_line(matcher.get_error())}", f"{PARAM}.{params.kind}")
+                                      f"{first_line(matcher.get_error())}", f"{PARAM}.{params.kind}")
         compiled = CompiledGrammar(matcher, text)
         with self._lock:
             self._cache[text] = compiled
@@ -233,31 +235,51 @@ class GrammarCompiler:
         return compiled
 
 
-_stack_size_lock = threading.Lock()
+class _DeepStackThreads:
+    """A few long-lived threads with COMPILE_STACK_BYTES of stack, started together at first use
+    (threading.stack_size is process-wide: it is set once, for them, not around every compile)."""
+
+    def __init__(self, count: int = 2) -> None:
+        self.count = count
+        self._jobs: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def run(self, fn: Any) -> Any:
+        """fn() on one of the threads (the caller waits): its result, or its exception."""
+        self._start()
+        job: Future = Future()
+        self._jobs.put((fn, job))
+        return job.result()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            before = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                for i in range(self.count):
+                    threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
+            except RuntimeError as e:  # e.g. an address-space limit: no compile could then run safely
+                raise InvalidRequestError(f"structured outputs are not available: a compile thread with a "
+                                          f"{COMPILE_STACK_BYTES >> 20} MiB stack could not start ({e})", PARAM) from e
+            finally:
+                threading.stack_size(before)
+            self._started = True
+
+    def _work(self) -> None:
+        while True:
+            fn, job = self._jobs.get()
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                job.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                job.set_exception(e)
 
 
-def _on_deep_stack(fn: Any) -> Any:
-    """fn() on a new thread with COMPILE_STACK_BYTES of stack; its result, or its exception."""
-    result: list[Any] = []
-
-    def run() -> None:
-        try:
-            result.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-            result.append((False, e))
-
-    with _stack_size_lock:  # the size applies to threads started while it is set
-        before = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
-            thread.start()
-        finally:
-            threading.stack_size(before)
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+_deep_stack = _DeepStackThreads()
+_on_deep_stack = _deep_stack.run
 
 
 _scratch = threading.local()
@@ -268,8 +290,3 @@ def _scratch_row(vocab_size: int) -> tuple[int, int]:
     if row is None or row.size != mask_words(vocab_size):
         row = _scratch.row = np.zeros(mask_words(vocab_size), np.int32)
     return row.ctypes.data, row.nbytes
-
-
-def _first_line(s: str) -> str:
-    s = s.strip()
-    return s.splitlines()[0][:500] if s else "unknown error"

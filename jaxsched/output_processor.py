@@ -144,7 +144,7 @@ class OutputProcessor:
             ids = [r for r in ids if r in self._states]
             for r in ids:
                 req = self._states[r].request
-                req.error, req.finished_time = why, now
+                req.error, req.error_param, req.finished_time = why, None, now
             req = self._states[rid].request  # it was in a step (a sibling may not have been)
             req.first_scheduled_time = req.first_scheduled_time or now
             ended[gid or rid] = ids

@@ -116,7 +116,15 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"the structured output's {kind} is nested too deeply to read: send a "
                                       "flatter definition", f"{PARAM}.{kind}") from None
         except ValueError as e:
-            raise InvalidRequestError(f"the structured output's {kind} could not be read: {e}", f"{PARAM}.{kind}") from e
+            raise InvalidRequestError(f"the structured output's {kind} could not be read: {first_line(str(e))}",
+                                      f"{PARAM}.{kind}") from e
+
+
+def first_line(s: str) -> str:
+    """The first line of llguidance's message, at most 500 characters (what follows can be pages of
+    parser state)."""
+    s = s.strip()
+    return s.splitlines()[0][:500] if s else "unknown error"
 
 
 def _no_additional_properties(schema: Any) -> Any:

@@ -122,6 +122,10 @@ def vllm_env(args) -> dict:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else the CLI's preload may pick vllm._C (AVX-512) and SIGILL
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # the child imports bench_offline's parser, which imports jaxsched.bench (no jax at import):
+    # the repository on its path, as jaxsched is not installed in vLLM's environment
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
 

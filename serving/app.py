@@ -128,6 +128,7 @@ class _Server:
         compile or takes longer than the time limit."""
         if so is None:
             return
+        object.__setattr__(so, "_source", source)  # frozen: a note for respond(), not a field
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.run_in_executor(self.grammar_pool, self.grammars.compile, so),
@@ -290,6 +291,7 @@ class _Server:
         return await self.respond(request, r, [ids], [sp])
 
     async def respond(self, request: Request, r: Responder, prompts: list[list[int]], params: list[Any]) -> Response:
+        r.grammar_source = getattr(params[0].structured_outputs, "_source", None)
         streams = await self.submit(r, prompts, params)
         if r.req.stream:
             return EventStream(self.stream(r, streams))
@@ -300,6 +302,8 @@ class _Server:
         try:
             async for i, out in merge(streams):
                 finals[i] = out
+        except (EngineDeadError, EngineStepError) as e:
+            raise engine_failure(e, r.grammar_source) from e
         finally:
             for s in streams:
                 s.close()
@@ -328,8 +332,8 @@ class _Server:
             if r.include_usage:
                 yield sse(r.chunk([], r.usage(completion_tokens)))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
-            logger.warning("stream %s ended: %s", r.rid, e)
-            err = engine_failure(e)
+            err = engine_failure(e, r.grammar_source)
+            (logger.info if err.status < 500 else logger.warning)("stream %s ended: %s", r.rid, e)
             yield sse(ErrorResponse(ErrorInfo(err.message, err.type if err.status < 500 else "server_error",
                                               err.param, err.code)))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
@@ -378,14 +382,22 @@ def _log_unknown(unknown: list[str], route: str) -> None:
         logger.warning("%s: ignoring unknown fields %s", route, unknown)
 
 
-def engine_failure(e: EngineDeadError | EngineStepError) -> RequestError:
+def engine_failure(e: EngineDeadError | EngineStepError, grammar_source: str | None = None) -> RequestError:
     """What the client gets when the engine ended its request: 503 while shutting down; 400 naming
-    the field when the request's own input made it fail; else 500 (the others in its step went on)."""
+    the field when the request's own input made it fail (its grammar's: the field it came in,
+    `grammar_source`, when known); else 500 (the others in its step went on)."""
     if isinstance(e, EngineDeadError):
         return RequestError(str(e), status=503, code="engine_dead")
     if e.param is not None:
-        return RequestError(str(e), param=e.param)
+        param = grammar_source if e.param == "structured_outputs" and grammar_source else e.param
+        return RequestError(str(e), param=param)
     return RequestError(str(e), status=500, code="request_failed")
+
+
+def _endpoint_error(request: Request, e: RequestError) -> Response:
+    if e.status >= 500:  # a client's own mistakes are not the server's warnings
+        logger.warning("%s %s: %s", request.method, request.url.path, e.message)
+    return error_response(e)
 
 
 def _wrap(handler: Any) -> Any:
@@ -393,14 +405,11 @@ def _wrap(handler: Any) -> Any:
         try:
             return await handler(request)
         except RequestError as e:
-            if e.status >= 500:
-                logger.warning("%s %s: %s", request.method, request.url.path, e.message)
-            return error_response(e)
+            return _endpoint_error(request, e)
         except InvalidRequestError as e:  # the engine's own checks, wherever they run
             return error_response(RequestError(str(e), param=e.param))
         except (EngineDeadError, EngineStepError) as e:  # shut down, or this request failed alone
-            logger.warning("%s %s: %s", request.method, request.url.path, e)
-            return error_response(engine_failure(e))
+            return _endpoint_error(request, engine_failure(e))
         except ClientDisconnect:  # gone while sending its body: nobody reads the reply
             return Response(status_code=499)
 

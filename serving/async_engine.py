@@ -379,6 +379,8 @@ class AsyncEngine:
             live.last = o
             if o.error is not None:  # this request failed on its own; the others in its step go on
                 del self._live[o.request_id]
+                if not o.finished:  # one sample of several (n > 1) failed: the others would go on unseen
+                    self.engine.abort_request(o.request_id)
                 self._post(live.stream, EngineStepError(f"the request failed: {o.error}", o.error_param))
                 continue
             self._post(live.stream, o)

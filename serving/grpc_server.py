@@ -9,11 +9,13 @@ code (app._Server.completion_inputs): the same fields, defaults and checks, and 
 field as the client spelled it ("sampling_params.top_k"). Token ids go out as they come from the
 engine; text deltas only when asked (return_text).
 
-Status codes: INVALID_ARGUMENT for a bad field, RESOURCE_EXHAUSTED for a full queue (and, from
-grpcio itself, a message over --max-request-bytes), UNAVAILABLE once the engine is stopping,
-UNAUTHENTICATED without the --api-key (`authorization: Bearer KEY` metadata; the health service
-stays open, as /health does), INTERNAL when the engine failed the request. Every error carries
-trailing metadata `param` (the field) and `code` (the HTTP route's error code) where known.
+Status codes: INVALID_ARGUMENT for a bad field (or a grammar the parser could not follow once
+generation started) or a request that does not decode as its message type, RESOURCE_EXHAUSTED for
+a full queue (and, from grpcio itself, a message over --max-request-bytes), UNAVAILABLE once the
+engine is stopping, UNAUTHENTICATED without the --api-key (`authorization: Bearer KEY` metadata;
+the health service stays open, as /health does), INTERNAL when a step failed on the device with the
+request in it. Every error carries trailing metadata `param` (the field) and `code` (the HTTP
+route's error code) where known.
 """
 
 from __future__ import annotations
@@ -40,9 +42,17 @@ from serving.streaming import DeltaTracker
 logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxsched.v1.Generation"
-# A status message is sent as a trailer, and a client refuses metadata over 16 KiB (grpcio's hard
-# limit): longer messages are cut to this many characters.
-MAX_MESSAGE_CHARS = 4000
+# A status message is sent as a trailer, UTF-8 and then percent-encoded (a byte outside printable
+# ASCII becomes 3), and a client refuses metadata past 8-16 KiB (grpcio's soft and hard limits):
+# longer messages are cut to this many UTF-8 bytes.
+MAX_MESSAGE_BYTES = 1500
+
+
+def trailer_safe(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return message
+    return raw[:MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
 # GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
 _TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens", "request_id", "cache_salt",
               "add_special_tokens", "stream", "stream_interval")
@@ -184,8 +194,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         elif prompt_field is not None and param is not None and param.split(".", 1)[0] not in _TOP_LEVEL:
             param = f"sampling_params.{param}"
         message = err.message if param is None else f"{param}: {err.message}"
-        if len(message) > MAX_MESSAGE_CHARS:  # it travels in a trailer: a long one fails the call's metadata
-            message = message[:MAX_MESSAGE_CHARS - 3] + "..."
+        message = trailer_safe(message)
         context.set_trailing_metadata(tuple((k, v) for k, v in (("param", param), ("code", err.code)) if v))
         await context.abort(_status(err), message)
 

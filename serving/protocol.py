@@ -8,7 +8,6 @@ request. Types are strict: "5" is not an int and true is not a number.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -423,18 +422,23 @@ T = TypeVar("T", bound=Struct)
 MAX_JSON_DEPTH = 128
 
 
-def json_depth(value: Any) -> int:
-    """How deeply lists and objects nest in a decoded JSON value (a scalar is 0, [] is 1); walked
-    without recursion, and scalars in lists are not visited one by one."""
-    deepest = 0
-    todo = [(value, 1)] if isinstance(value, (list, dict)) else []
-    while todo:
-        v, depth = todo.pop()
-        deepest = max(deepest, depth)
-        if deepest > MAX_JSON_DEPTH:
-            break
-        items = v.values() if isinstance(v, dict) else v
-        todo.extend((x, depth + 1) for x in items if isinstance(x, (list, dict)))
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deeply lists and objects nest in a decoded JSON value (a scalar is 0, [] is 1), counted
+    up to limit + 1; walked without recursion, holding one iterator per level."""
+    if not isinstance(value, (list, dict)):
+        return 0
+    deepest = 1
+    path = [iter(value.values() if isinstance(value, dict) else value)]
+    while path:
+        for x in path[-1]:
+            if isinstance(x, (list, dict)):
+                path.append(iter(x.values() if isinstance(x, dict) else x))
+                deepest = max(deepest, len(path))
+                if deepest > limit:
+                    return deepest
+                break
+        else:
+            path.pop()
     return deepest
 
 
@@ -444,14 +448,15 @@ def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
     try:
         raw = msgspec.json.decode(body)
     except RecursionError as e:
-        raise RequestError("the request body is nested too deeply (JSON nesting is limited to about "
-                           f"{sys.getrecursionlimit()} levels)", code="invalid_json") from e
+        raise RequestError(f"the request body is nested too deeply: JSON nesting is limited to {MAX_JSON_DEPTH} "
+                           "levels", code="invalid_json") from e
     except Exception as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(raw, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}",
                            code="invalid_json")
-    if json_depth(raw) > MAX_JSON_DEPTH:
+    # (fewer brackets than the limit cannot nest past it: a prompt of token ids is not walked)
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and json_depth(raw) > MAX_JSON_DEPTH:
         raise RequestError(f"the request body is nested too deeply: JSON nesting is limited to {MAX_JSON_DEPTH} "
                            "levels", code="invalid_json")
     known = set(typ.__struct_fields__)

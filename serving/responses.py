@@ -35,6 +35,9 @@ class Responder(ABC):
     """What one request's response needs besides the outputs, and how it is shaped."""
 
     prompt_param = "prompt"  # the request field an engine error about the prompt points at
+    # the request field the output's grammar came from (response_format, guided_json, tool_choice,
+    # ...): what an error of the grammar's during generation names
+    grammar_source: str | None = None
 
     def __init__(self, conv: Converter, rid: str, model: str, req: Any, prompt_lens: list[int],
                  texts: list[str | None]) -> None:

@@ -165,7 +165,7 @@ class _ObjectScan:
         elif self._reading == "key":
             try:
                 self._key = json.loads(text[self._token_start:end])
-            except ValueError:
+            except (ValueError, RecursionError):
                 self._key = ""
             self._expect = ":"
         self._reading = ""
@@ -177,7 +177,7 @@ class _ObjectScan:
             return None
         try:
             name = json.loads(text[start:end])
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return name if isinstance(name, str) and name else None
 

@@ -216,6 +216,15 @@ def test_a_request_that_does_not_decode_is_invalid_argument(served, method, payl
     assert served.generate(text=PROMPTS[0], sampling_params=greedy())  # the server goes on
 
 
+def test_status_messages_are_cut_to_fit_a_trailer():
+    from serving.grpc_server import MAX_MESSAGE_BYTES, trailer_safe
+
+    assert trailer_safe("short") == "short"
+    for text in ("a" * 50_000, "é" * 20_000, "\n" * 9_000, "🙂" * 5_000):
+        cut = trailer_safe(text)
+        assert len(cut.encode()) <= MAX_MESSAGE_BYTES and cut.endswith("...") and text.startswith(cut[:-3])
+
+
 def test_a_request_too_large_is_resource_exhausted(served):
     with pytest.raises(grpc.RpcError) as e:
         served.generate(text="x " * MAX_REQUEST_BYTES, sampling_params=greedy())

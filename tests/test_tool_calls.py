@@ -163,10 +163,16 @@ def test_output_nested_deeper_than_pythons_parser_is_no_call(parser):
     read as "not a call" (the text comes back as content), not fail the response."""
     deep = "[" * 5000 + "]" * 5000
     texts = ['<tool_call>\n{"name": "f", "arguments": ' + deep + "}\n</tool_call>",
-             '{"name": "f", "parameters": ' + deep + "}", '[{"name": "f", "arguments": ' + deep + "}]"]
-    for text in texts:
+             '{"name": "f", "parameters": ' + deep + "}", '[{"name": "f", "arguments": ' + deep + "}]",
+             "<tool_call>\n{" + deep + "}\n</tool_call>", "{" + deep + "}",  # where a key goes
+             '<tool_call>\n{"name": ' + deep + "}\n</tool_call>", '{"name": ' + deep + "}"]  # as the name
+    for i, text in enumerate(texts):
         content, calls = PARSERS[parser]().parse(text)
         assert calls == [] and content == text
+        # streamed: no error either; a call whose name came before its arguments was sent as it
+        # streamed (as any call whose arguments turn out broken), one with no readable name never
+        content, calls = assemble(feed(PARSERS[parser](), text, list(range(100, len(text), 997)) + [len(text)]))
+        assert calls == [] or (i < 3 and [name for name, _ in calls] == ["f"])
     with pytest.raises(ValueError, match="not JSON"):
         call_from_named("f", deep)
 
