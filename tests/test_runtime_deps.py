@@ -108,7 +108,10 @@ def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
     from serving.proto import jaxsched_pb2_grpc as pb_grpc
 
     proc, url, log, target = served
-    channel = grpc.insecure_channel(target)
+    # no BDP probing: the flow-control window stays at 64 KiB, so the unread stream stalls the
+    # server's writes (with probing, a fast machine can take the whole stream into the client's
+    # buffer before SIGTERM, and nothing is left to end)
+    channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
     unread = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
         text="one two", return_text=True, sampling_params=pb.SamplingParams(
             max_tokens=100, n=128, ignore_eos=True, logprobs=5)), timeout=120)
