@@ -243,7 +243,7 @@ class _DeepStackThreads:
         self.count = count
         self._jobs: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._started = False
+        self._started = 0
 
     def run(self, fn: Any) -> Any:
         """fn() on one of the threads (the caller waits): its result, or its exception."""
@@ -254,18 +254,22 @@ class _DeepStackThreads:
 
     def _start(self) -> None:
         with self._lock:
-            if self._started:
+            if self._started == self.count:
                 return
             before = threading.stack_size(COMPILE_STACK_BYTES)
             try:
-                for i in range(self.count):
-                    threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
+                while self._started < self.count:
+                    threading.Thread(target=self._work, name=f"grammar-compile-{self._started}", daemon=True).start()
+                    self._started += 1
             except RuntimeError as e:  # e.g. an address-space limit: no compile could then run safely
-                raise InvalidRequestError(f"structured outputs are not available: a compile thread with a "
-                                          f"{COMPILE_STACK_BYTES >> 20} MiB stack could not start ({e})", PARAM) from e
+                if not self._started:
+                    raise InvalidRequestError(f"structured outputs are not available: a compile thread with a "
+                                              f"{COMPILE_STACK_BYTES >> 20} MiB stack could not start ({e})",
+                                              PARAM) from e
+                logger.warning("grammar compiles run on %d thread(s): another could not start (%s)", self._started, e)
+                self.count = self._started
             finally:
                 threading.stack_size(before)
-            self._started = True
 
     def _work(self) -> None:
         while True:

@@ -42,6 +42,9 @@ from serving.streaming import DeltaTracker
 logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxsched.v1.Generation"
+# GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
+_TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens", "request_id", "cache_salt",
+              "add_special_tokens", "stream", "stream_interval")
 # A status message is sent as a trailer, UTF-8 and then percent-encoded (a byte outside printable
 # ASCII becomes 3), and a client refuses metadata past 8-16 KiB (grpcio's soft and hard limits):
 # longer messages are cut to this many UTF-8 bytes.
@@ -53,9 +56,6 @@ def trailer_safe(message: str) -> str:
     if len(raw) <= MAX_MESSAGE_BYTES:
         return message
     return raw[:MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
-# GenerateRequest's own fields with an HTTP namesake; the other HTTP fields are sampling_params.*
-_TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens", "request_id", "cache_salt",
-              "add_special_tokens", "stream", "stream_interval")
 
 
 def _status(err: RequestError) -> grpc.StatusCode:
@@ -193,8 +193,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             param = prompt_field
         elif prompt_field is not None and param is not None and param.split(".", 1)[0] not in _TOP_LEVEL:
             param = f"sampling_params.{param}"
-        message = err.message if param is None else f"{param}: {err.message}"
-        message = trailer_safe(message)
+        message = trailer_safe(err.message if param is None else f"{param}: {err.message}")
         context.set_trailing_metadata(tuple((k, v) for k, v in (("param", param), ("code", err.code)) if v))
         await context.abort(_status(err), message)
 
