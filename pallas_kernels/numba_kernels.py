@@ -20,8 +20,10 @@ The FFI handlers at the bottom are what XLA calls (cpu_ffi.py).
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, cfunc, config, njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
@@ -75,6 +77,23 @@ def _val_impl(x):
     return lambda x: x
 
 
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Ask the CPU to bring the cache line holding arr's flat element idx into L1 (arr
+    C-contiguous). Never faults, whatever the address; a hint only."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        # (address, read, locality 3: all cache levels, data cache)
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p),
+                          ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, types.intp), codegen
+
+
 @njit(fastmath=True, inline="always", cache=True)
 def _softmax_row(s, i, lim, n, m, l_sum, acc):
     """One step of online softmax for row i over a page's scores s[i, :lim] (1 <= lim <= n):
@@ -98,8 +117,15 @@ def _softmax_row(s, i, lim, n, m, l_sum, acc):
 
 
 @njit(fastmath=True, inline="always", cache=True)
-def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
-    """One query token (its G heads per KV head) over kv_len cached tokens, page by page."""
+def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
+
+    Its pages are read as one stream, KV head by KV head, block by block, and the page after the
+    one in hand (the next block's, the next head's first, or block next_blk, the first of the
+    thread's next item) is prefetched as this one is read: the pages lie anywhere in the pool,
+    where the hardware's prefetcher, which follows addresses, cannot see them coming. Both dots
+    take 4 terms per pass, a quarter of the accumulator loads and stores; unrolled without the
+    prefetch, the same loops ran no faster (docs/PERFORMANCE.md, "Decisions in the code")."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     m = np.empty(G, np.float32)
@@ -107,6 +133,8 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
     acc = np.empty((G, H), np.float32)
     s = np.empty((G, P), np.float32)
     qs = np.empty((G, H), np.float32)
+    nb = (kv_len + P - 1) // P
+    h4 = H - H % 4
     for k in range(K):
         m[:] = _NEG_INF
         l_sum[:] = 0.0
@@ -114,22 +142,46 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
         for g in range(G):
             for h in range(H):
                 qs[g, h] = q[tok, k * G + g, h] * scale
-        for b in range((kv_len + P - 1) // P):
+        for b in range(nb):
             blk = blocks[b]
             if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
                 blk = 0
+            j = k * nb + b + 1  # the stream's next page: (head j // nb, block j % nb)
+            nxt, nk = (blocks[j % nb], j // nb) if j < K * nb else (next_blk, 0)
+            if nxt < 0 or nxt >= NB:
+                nxt = 0
+            ahead = ((layer * NB + nxt) * K + nk) * H * P  # flat offset of that page, K and V alike
             n = min(P, kv_len - b * P)
             kp = kc[layer, blk, k]  # [H, P]: scores are sums of rows of the page
             vp = vc[layer, blk, k]  # [P, H]
             s[:] = 0.0
-            for h in range(H):
+            for h in range(0, h4, 4):
+                for x in range(0, 4 * P, 16):  # 16 float32 to a 64-byte line
+                    _prefetch(kc, ahead + h * P + x)
+                for g in range(G):
+                    q0, q1, q2, q3 = qs[g, h], qs[g, h + 1], qs[g, h + 2], qs[g, h + 3]
+                    for p in range(P):
+                        s[g, p] += (q0 * _val(kp[h, p]) + q1 * _val(kp[h + 1, p])
+                                    + q2 * _val(kp[h + 2, p]) + q3 * _val(kp[h + 3, p]))
+            for h in range(h4, H):
                 for g in range(G):
                     qv = qs[g, h]
                     for p in range(P):
                         s[g, p] += qv * _val(kp[h, p])
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
-            for p in range(n):
+            n4 = n - n % 4
+            for p in range(0, n4, 4):
+                for x in range(0, 4 * H, 16):
+                    _prefetch(vc, ahead + p * H + x)
+                for g in range(G):
+                    e0, e1, e2, e3 = s[g, p], s[g, p + 1], s[g, p + 2], s[g, p + 3]
+                    for h in range(H):
+                        acc[g, h] += (e0 * _val(vp[p, h]) + e1 * _val(vp[p + 1, h])
+                                      + e2 * _val(vp[p + 2, h]) + e3 * _val(vp[p + 3, h]))
+            for x in range(n4 * H, P * H, 16):  # a partly filled page: the rest of the next
+                _prefetch(vc, ahead + x)
+            for p in range(n4, n):
                 for g in range(G):
                     e = s[g, p]
                     for h in range(H):
@@ -142,9 +194,7 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out):
 # Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H]. numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
-# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code"). (The same
-# unrolling slows decode rows, whose pages stream from memory once: 8 rows of a page read side by
-# side defeat the prefetcher.)
+# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code").
 @njit(fastmath=True, inline="always", cache=True)
 def _matmul_acc(a, b, c, R, kdim, cols):
     """c[:R, :cols] += a[:R, :kdim] . b[:kdim, :cols] (all row-major), 4 rows of a and 4 terms of
@@ -279,6 +329,15 @@ def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
                 least = t
         owner[item] = least
         load[least] += cost[item]
+    # The first block of the item each thread runs after this one (items run in index order),
+    # which a decode row prefetches while it reads its last page.
+    next_blk = np.empty(n_items, np.int32)
+    following = np.empty(n_threads, np.int32)
+    for t in range(n_threads):
+        following[t] = 0
+    for i in range(n_items - 1, -1, -1):
+        next_blk[i] = following[owner[i]]
+        following[owner[i]] = bt[item_row[i], 0]  # a prefill tile, too, starts at block 0
     for thread in prange(n_threads):
         for i in range(n_items):
             if owner[i] != thread:
@@ -286,7 +345,7 @@ def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
             row = item_row[i]
             q_len = qsl[row + 1] - qsl[row]
             if q_len == 1:
-                decode_row(q, kc, vc, layer, bt[row], qsl[row], seq_lens[row], scale, out)
+                decode_row(q, kc, vc, layer, bt[row], qsl[row], seq_lens[row], scale, out, next_blk[i])
             else:
                 first = item_first[i]
                 prefill_tile(q, kc, vc, layer, bt[row], qsl[row] + first, min(Q_TILE, q_len - first),
