@@ -85,6 +85,12 @@ class EngineArgs:
     # default offline run it measured slower than the max_paddings rule: docs/PERFORMANCE.md)
     step_cost_model: bool | None = None
     target_tpot_ms: float | None = None
+    # run every compiled program once at warm-up, on a batch of padding: a program's first run pays
+    # one-time costs (on a CPU ~0.15-0.4 s each, XLA's fused kernels setting up), which otherwise
+    # land on the first requests that use it (docs/PERFORMANCE.md, "Decisions in the code"). None:
+    # on for `jaxsched serve`, where a burst of first requests would meet them, off for the library
+    # (an offline run amortises them over its own steps and would wait longer to start)
+    warm_up_runs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -285,6 +291,7 @@ class EngineConfig:
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
+    warm_up_runs: bool = False  # every program run once at warm-up (runner.warm_up)
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -364,4 +371,4 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
-        target_tpot_ms=args.target_tpot_ms)
+        target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs))

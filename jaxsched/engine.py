@@ -137,7 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
-        self.runner.warm_up()
+        self.runner.warm_up(run=cfg.warm_up_runs)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
         self.cost_seeds: list[tuple[int, int, float]] = []
         if self.cost_model is not None:
@@ -158,7 +158,7 @@ class LLMEngine:
         # the model saw that step (bench_offline.py reports the error distribution)
         self.cost_errors: list[tuple[float, float]] | None = None
         self._last_done = 0.0  # when the last step's results were read (step-time estimates)
-        self._timed_pairs = {(T, S) for T, S, _ in self.cost_seeds}  # run once already (first runs are slow)
+        self._timed_pairs = set(self.runner.ran)  # run once already (first runs are slow)
         logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
                     "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
                     cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,

@@ -4,7 +4,8 @@ Offline (default): the workload of bench_offline.py (N requests of random prompt
 uniform in [16, 512] tokens, outputs uniform in [16, 256], greedy, ignore_eos) is drawn once here,
 written to a temporary JSON file, and run by each engine in a subprocess of its own, one after the
 other (never both at once): jaxsched under this interpreter, vLLM under --vllm-python. Each child
-builds its engine, runs one small warm-up generate, then times one generate() of all requests.
+builds its engine (jaxsched with warm_up_runs on, as `jaxsched serve` has it, unless --engine-arg
+says otherwise), runs one small warm-up generate, then times one generate() of all requests.
 Prints output tok/s, total tok/s and elapsed seconds for both and the ratio jaxsched / vLLM.
 
 --serve: each engine's OpenAI server in turn on 127.0.0.1, measured by vLLM's own client
@@ -67,6 +68,10 @@ def child_jaxsched(args, reqs: dict) -> dict:
 
     from jaxsched import SamplingParams
 
+    if not any(kv.split("=", 1)[0] == "warm_up_runs" for kv in args.engine_arg):
+        # as `jaxsched serve` does, and as vLLM's engine runs dummy batches while it starts: the
+        # programs' first runs belong to the engine's start, not to the timed generate()
+        args.engine_arg = [*args.engine_arg, "warm_up_runs=true"]
     t0 = time.perf_counter()
     llm = make_llm(args)
     init_s = time.perf_counter() - t0

@@ -89,6 +89,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     args = engine_args_from(ns)
+    if args.warm_up_runs is None:  # a server's first burst of requests must not pay first-run costs
+        args = dataclasses.replace(args, warm_up_runs=True)
     eng = create_engine(args)
     if _is_follower(eng):  # a multi-host engine's other hosts run process 0's steps
         log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.process_id)

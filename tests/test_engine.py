@@ -439,3 +439,37 @@ def test_stats_split_each_step_into_host_and_device_time(llm):
     device = after.device_seconds - before.device_seconds
     assert steps >= 6 and 0 < device < wall  # every step waited on its jitted call, and did host work besides
     assert 0 < after.host_share < 1
+
+
+def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir):
+    """warm_up_runs: each compiled program runs once on padding at warm-up (its one-time costs paid
+    there, not by the first requests), which leaves no trace in the pool: the same greedy tokens."""
+    warm = LLM(llama_dir, **ENGINE, warm_up_runs=True)
+    runner = warm.llm_engine.runner
+    assert runner.ran == set(runner.bucket_pairs())
+    assert llm.llm_engine.runner.ran == set()  # off by default in the library
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = prompts_of(llm, 10)
+    with no_compilation():
+        got = warm.generate(prompts, params, use_tqdm=False)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    eng = warm.llm_engine
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+@pytest.mark.parametrize("flags,expected", [((), True), (("--no-warm-up-runs",), False)])
+def test_serve_runs_every_program_at_warm_up_unless_told_not_to(monkeypatch, flags, expected):
+    import jaxsched.engine
+    from serving import cli
+
+    class Built(Exception):
+        pass
+
+    def create_engine(args):
+        raise Built(args)
+
+    monkeypatch.setattr(jaxsched.engine, "create_engine", create_engine)
+    with pytest.raises(Built) as e:
+        cli.main(["serve", "some-model", *flags])
+    assert e.value.args[0].warm_up_runs is expected
