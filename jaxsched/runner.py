@@ -234,7 +234,8 @@ class ModelRunner:
         tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
         lowered = fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
                            self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32), tables, T=T, S=S)
-        options = tuning.compiler_options(self._platform) if self._use_compiler_options else {}
+        options = tuning.compiler_options(self._platform, self.config.attention_backend) \
+            if self._use_compiler_options else {}
         if not options:
             return lowered.compile()
         try:

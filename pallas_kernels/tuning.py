@@ -26,19 +26,23 @@ def xla_cpu_config(block_size: int) -> XlaCpuConfig:
                         prefill_tiles_per_group=4, prefill_kv_blocks=max(1, 128 // block_size))
 
 
-# YNNPACK fusion kinds for the model step on a CPU. jaxlib hands YNNPACK only dots and reductions by
-# default; adding elementwise chains moves the attention loops' exp / select / rescale work into
-# YNNPACK's vectorised kernels (faster decode attention; docs/PERFORMANCE.md, "Decisions in the code"). It is an XLA option per compiled program (passed to compile()), so nothing else in the process
-# is affected.
-_CPU_COMPILER_OPTIONS = {
+# YNNPACK fusion kinds for the model step on a CPU with the "xla" attention backend. jaxlib hands
+# YNNPACK only dots and reductions by default; adding elementwise chains moves that backend's
+# attention loops' exp / select / rescale work into YNNPACK's vectorised kernels (faster decode
+# attention). With the "numba" backend attention is not in XLA's hands, and the same option only
+# slows the rest of the step (the gate / up split copied out for YNNPACK, among others): jaxlib's
+# default there (docs/PERFORMANCE.md, "Decisions in the code"). It is an XLA option per compiled
+# program (passed to compile()), so nothing else in the process is affected.
+_XLA_ATTENTION_CPU_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type":
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE",
 }
 
 
-def compiler_options(platform: str) -> dict[str, str]:
-    """XLA options for compiling the model step on `platform` ("cpu", "gpu", ...)."""
-    return dict(_CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+def compiler_options(platform: str, attention_backend: str) -> dict[str, str]:
+    """XLA options for compiling the model step on `platform` ("cpu", "gpu", ...) with the named
+    attention backend (pallas_kernels.backends)."""
+    return dict(_XLA_ATTENTION_CPU_OPTIONS) if platform == "cpu" and attention_backend == "xla" else {}
 
 
 # How the model holds its layer weights (jaxsched/models/layers.py). Both run one lax.scan over the

@@ -68,7 +68,7 @@ def main() -> None:
         return jax.lax.scan(one, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0]
 
     # compiled with the XLA options the engine's step uses (tuning.compiler_options)
-    fn = jax.jit(layers, compiler_options=tuning.compiler_options(jax.devices()[0].platform))
+    fn = jax.jit(layers, compiler_options=tuning.compiler_options(jax.devices()[0].platform, args.backend))
     cases = {
         f"decode S={args.seqs} ctx={args.ctx}": ([1] * args.seqs, [args.ctx - 1] * args.seqs, args.seqs),
         f"prefill T={args.prefill} (4 prompts)": ([args.prefill // 4] * 4 + [0] * 4, [0] * 8, 4),

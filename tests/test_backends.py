@@ -140,3 +140,13 @@ def test_importing_the_registry_does_not_import_numba():
     code = "import sys, pallas_kernels.backends; assert 'numba' not in sys.modules, 'numba imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1],
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_xla_options_only_where_they_pay():
+    """YNNPACK's elementwise fusion speeds the "xla" backend's attention on a CPU and slows the rest
+    of the step otherwise: only that pair gets it (tuning.compiler_options)."""
+    from pallas_kernels import tuning
+
+    assert "xla_cpu_experimental_ynn_fusion_type" in tuning.compiler_options("cpu", "xla")
+    assert tuning.compiler_options("cpu", "numba") == {}
+    assert tuning.compiler_options("gpu", "xla") == tuning.compiler_options("gpu", "pallas") == {}

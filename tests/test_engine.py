@@ -419,7 +419,7 @@ def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch
     from pallas_kernels import tuning
 
     runner = llm.llm_engine.runner
-    monkeypatch.setattr(tuning, "compiler_options", lambda platform: {"xla_cpu_no_such_option_here": "1"})
+    monkeypatch.setattr(tuning, "compiler_options", lambda platform, backend: {"xla_cpu_no_such_option_here": "1"})
     monkeypatch.setattr(runner, "_use_compiler_options", True)
     T, S = runner.bucket_pairs()[0]
     with caplog.at_level("WARNING", logger="jaxsched.runner"):
