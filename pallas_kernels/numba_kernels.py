@@ -117,6 +117,24 @@ def _softmax_row(s, i, lim, n, m, l_sum, acc):
 
 
 @njit(fastmath=True, inline="always", cache=True)
+def _rows_acc(a, b, c, j, terms, rows, cols):
+    """c[:rows, :cols] += a[:rows, j:j + terms] . b[j:j + terms, :cols], a row of a at a time: 4
+    terms per pass (terms == 4), or one at a time (a remainder, terms < 4). b may hold pool
+    storage (read through _val)."""
+    for g in range(rows):
+        if terms == 4:
+            a0, a1, a2, a3 = a[g, j], a[g, j + 1], a[g, j + 2], a[g, j + 3]
+            for x in range(cols):
+                c[g, x] += (a0 * _val(b[j, x]) + a1 * _val(b[j + 1, x])
+                            + a2 * _val(b[j + 2, x]) + a3 * _val(b[j + 3, x]))
+        else:
+            for t in range(j, j + terms):
+                e = a[g, t]
+                for x in range(cols):
+                    c[g, x] += e * _val(b[t, x])
+
+
+@njit(fastmath=True, inline="always", cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
 
@@ -155,37 +173,21 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             kp = kc[layer, blk, k]  # [H, P]: scores are sums of rows of the page
             vp = vc[layer, blk, k]  # [P, H]
             s[:] = 0.0
-            for h in range(0, h4, 4):
+            for h in range(0, h4, 4):  # scores s [G, P] += qs [G, H] . page [H, P]
                 for x in range(0, 4 * P, 16):  # 16 float32 to a 64-byte line
                     _prefetch(kc, ahead + h * P + x)
-                for g in range(G):
-                    q0, q1, q2, q3 = qs[g, h], qs[g, h + 1], qs[g, h + 2], qs[g, h + 3]
-                    for p in range(P):
-                        s[g, p] += (q0 * _val(kp[h, p]) + q1 * _val(kp[h + 1, p])
-                                    + q2 * _val(kp[h + 2, p]) + q3 * _val(kp[h + 3, p]))
-            for h in range(h4, H):
-                for g in range(G):
-                    qv = qs[g, h]
-                    for p in range(P):
-                        s[g, p] += qv * _val(kp[h, p])
+                _rows_acc(qs, kp, s, h, 4, G, P)
+            _rows_acc(qs, kp, s, h4, H - h4, G, P)
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
             n4 = n - n % 4
-            for p in range(0, n4, 4):
+            for p in range(0, n4, 4):  # values acc [G, H] += s [G, :n] . page [:n, H]
                 for x in range(0, 4 * H, 16):
                     _prefetch(vc, ahead + p * H + x)
-                for g in range(G):
-                    e0, e1, e2, e3 = s[g, p], s[g, p + 1], s[g, p + 2], s[g, p + 3]
-                    for h in range(H):
-                        acc[g, h] += (e0 * _val(vp[p, h]) + e1 * _val(vp[p + 1, h])
-                                      + e2 * _val(vp[p + 2, h]) + e3 * _val(vp[p + 3, h]))
+                _rows_acc(s, vp, acc, p, 4, G, H)
             for x in range(n4 * H, P * H, 16):  # a partly filled page: the rest of the next
                 _prefetch(vc, ahead + x)
-            for p in range(n4, n):
-                for g in range(G):
-                    e = s[g, p]
-                    for h in range(H):
-                        acc[g, h] += e * _val(vp[p, h])
+            _rows_acc(s, vp, acc, n4, n - n4, G, H)
         for g in range(G):
             inv = np.float32(1.0) / l_sum[g] if kv_len > 0 else _ZERO
             for h in range(H):
