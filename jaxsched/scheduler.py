@@ -15,8 +15,9 @@ One step, in order:
      fit preempts the lowest-ranked running request when that one ranks below it;
   3. the step's size is chosen: with a step-cost model (step_cost.py), the candidate sizes (the
      bucket boundaries below the step's tokens, reached by trimming prefill chunks and, for
-     throughput while requests wait, deferring decode rows one step) are compared by predicted time: the most tokens
-     per predicted second, or with a TPOT target the largest step predicted within it; without
+     throughput, deferring decode rows one step: any while requests wait, else only rows with
+     slack before the longest ends) are compared by predicted time: the most tokens per
+     predicted second, or with a TPOT target the largest step predicted within it; without
      one, prefill chunks are trimmed so the step fits its bucket with at most max_paddings padded
      tokens. Then the blocks that are full after the step are registered in the prefix cache.
 
@@ -323,6 +324,15 @@ class Scheduler:
         return ((max_tokens is not None and req.num_output_tokens + pending >= max_tokens)
                 or req.num_tokens + pending >= self.config.max_model_len)
 
+    def _steps_left(self, req: Request) -> int:
+        """Decode steps a running request has at most to go: tokens left to sample before
+        max_tokens or max_model_len (EOS or a stop string may end it sooner)."""
+        left = self.config.max_model_len - req.num_tokens - req.num_pending
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - req.num_output_tokens - req.num_pending)
+        return left
+
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling of an n > 1 request waits until the first sibling has computed its prompt, then
         takes the prompt's full blocks from the prefix cache and a copy of the partial last one."""
@@ -476,21 +486,26 @@ class Scheduler:
 
     def _choose_by_cost(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
         """Size the step by predicted cost. Candidates: the step as scheduled, and each token
-        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then,
-        while requests wait, deferring decode rows (of requests running before this step,
-        lowest-ranked first, none deferred in the last step, so none waits twice in a row) can
-        reach. Picks the most tokens per predicted second; with target_step_seconds, the largest
+        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then
+        deferring decode rows (of requests running before this step, lowest-ranked first, none
+        deferred in the last step, so none waits twice in a row; once nothing waits, only rows
+        that still end no later than the step's longest) can reach. Picks the most tokens per predicted second; with target_step_seconds, the largest
         candidate predicted within it, or the quickest when none is (prefill trimmed only: a
         deferred decode row is the latency the target protects). Returns the step's tokens;
         out.scheduled is trimmed to match."""
         rows = list(out.scheduled.values())
         model, target = self.cost_model, self.target_step_seconds
         chunk_cut = sum(row.num_new_tokens - 1 for row in rows)
-        # decode rows are deferred only while requests wait: once the batch drains, a deferred row
-        # lengthens the tail that ends the run (measured: docs/PERFORMANCE.md)
-        deferrable = [] if target is not None or not self.waiting else [
+        # While requests wait, any decode row may be deferred. Once the batch drains, only a row
+        # with slack: one that, put off a step, still samples its last token no later than the
+        # longest row in the step, which is never deferred. Deferring any row then lengthened the
+        # tail that ends the run (measured: docs/PERFORMANCE.md); with slack the run keeps its
+        # number of steps and each costs less.
+        longest = max(self._steps_left(row.request) for row in rows)
+        deferrable = [] if target is not None else [
             row for row in reversed(rows) if row.num_new_tokens == 1 and row.request.request_id in was_running
-            and row.request.deferred_step != self.step_count - 1]
+            and row.request.deferred_step != self.step_count - 1
+            and (self.waiting or self._steps_left(row.request) < longest)]
         context = sum(row.request.num_computed_tokens + row.num_new_tokens for row in rows)
         floor = total - chunk_cut - len(deferrable)
         best, best_score = total, None

@@ -74,13 +74,16 @@ def test_decode_rows_past_a_bucket_are_deferred_when_the_bigger_bucket_costs_mor
             last_seen[rid] = i
 
 
-def test_nothing_is_deferred_when_a_bigger_bucket_costs_nothing_more_or_nobody_waits():
+def test_nothing_is_deferred_when_a_bigger_bucket_costs_nothing_more_or_no_row_has_slack():
     s = scheduler(cost_model(per_token=0.0), blocks=34)
     add(s, 40, prompt=4, max_tokens=8)
     assert all(e[3] == 0 for e in run(s))
-    s = scheduler(cost_model(per_token=1e-4))  # the pool holds all 33: the batch only drains
-    add(s, 33, prompt=4, max_tokens=8)
-    assert all(e[3] == 0 for e in run(s))
+    # the pool holds all 33, nothing waits, and the rows end together: a deferred row would end
+    # the run a step later
+    s = scheduler(cost_model(per_token=1e-4))
+    add(s, 33, prompt=1, max_tokens=8)
+    log = run(s)
+    assert all(e[3] == 0 for e in log) and any(e[1] == 48 for e in log[1:]), log
 
 
 def test_a_tpot_target_trims_prefill_chunks_and_never_defers_decodes():
@@ -129,3 +132,23 @@ def test_a_target_no_step_can_meet_takes_the_quickest_step():
     out = s.schedule()
     assert out.num_deferred == 0 and len(out.scheduled) == 5
     assert out.token_bucket == 16 and out.scheduled["long"].num_new_tokens == 12  # 4 decodes + 12 prompt tokens
+
+
+def test_a_draining_batch_defers_only_rows_that_still_end_before_the_longest():
+    # nothing waits; 40 rows of different lengths drain through the 48 and 32 buckets. Rows with
+    # steps to spare are put off to land on the 32 bucket, the longest (r0, 15 tokens) never is,
+    # so the run takes the steps it takes without the model and every request gets all its tokens
+    def drain(model):
+        s = scheduler(model)
+        reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=15 if i == 0 else 4 + i % 11,
+                                                          ignore_eos=True)) for i in range(40)]
+        for r in reqs:
+            s.add_request(r)
+        return run(s), reqs
+
+    log, reqs = drain(cost_model(per_token=1e-4))
+    plain, _ = drain(None)
+    assert sum(e[3] for e in log) > 0, log
+    assert len(log) == len(plain)
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs)
+    assert all("r0" in dict(rows) for rows, *_rest in log)  # the longest has a row in every step
