@@ -1,6 +1,6 @@
 """Execution prediction: what a step of a given shape costs, so the scheduler can choose between
 candidate batches by predicted time (scheduler._choose_by_cost: how far to trim a step's prefill
-chunks, and whether to defer decode rows one step while requests wait).
+chunks, and whether to defer decode rows one step).
 
 A step's shape is its (T, S) bucket pair, which fixes the compiled program and so the matmul work,
 plus the KV context its attention reads (the sum of every row's sequence length after the step). Per
