@@ -137,6 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
+        del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
         self.runner.warm_up(run=cfg.warm_up_runs)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
         self.cost_seeds: list[tuple[int, int, float]] = []

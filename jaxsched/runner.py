@@ -32,6 +32,7 @@ from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.grammar import mask_words
+from jaxsched.models.layers import pack_linear_weights
 from jaxsched.parallel import place
 from jaxsched.paths import cache_dir
 from jaxsched.request import MAX_LOGIT_BIAS
@@ -150,6 +151,10 @@ class ModelRunner:
         self.scheduler_config = sched = config.scheduler
         self.max_logprobs = config.max_logprobs
         self.graphdef, self.state = nnx.split(model)
+        n_devices = 1 if mesh is None else mesh.devices.size
+        self.packed_matmuls = tuning.packed_matmuls(self._platform, config.attention_backend, n_devices)
+        if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
+            self.state = pack_linear_weights(self.state)
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
                                   config.penalty_capacity, cfg.vocab_size)

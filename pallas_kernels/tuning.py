@@ -45,6 +45,15 @@ def compiler_options(platform: str, attention_backend: str) -> dict[str, str]:
     return dict(_XLA_ATTENTION_CPU_OPTIONS) if platform == "cpu" and attention_backend == "xla" else {}
 
 
+# The layers' weight matmuls in numba_matmul's kernel over weights packed at start, instead of
+# XLA's dots (which pack the weight on every call): with the "numba" backend on one CPU device.
+# Measured on the demo model's shapes: 1.5-2.5x XLA:CPU at T = 8-128, level or ahead at T = 2048
+# (docs/PERFORMANCE.md, "Decisions in the code"). Not with a mesh: a packed weight is not split
+# along the axes parallel.py shards.
+def packed_matmuls(platform: str, attention_backend: str, num_devices: int) -> bool:
+    return platform == "cpu" and attention_backend == "numba" and num_devices == 1
+
+
 # How the model holds its layer weights (jaxsched/models/layers.py). Both run one lax.scan over the
 # layers. "stacked": every weight stacked along a leading L axis and sliced per layer as the scan's
 # xs; XLA:CPU copies that dynamic slice before each dot. "per_layer": separate arrays per layer,

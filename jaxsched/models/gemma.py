@@ -90,8 +90,8 @@ class GemmaForCausalLM(nnx.Module):
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")
-            g, u = split_gate_up(gemma_rms_norm(h, p["post_norm"], eps) @ p["gate_up"], shards)
-            return h + (jax.nn.gelu(g, approximate=True) * u) @ p["down"]
+            g, u = split_gate_up(linear(p, gemma_rms_norm(h, p["post_norm"], eps), "gate_up"), shards)
+            return h + linear(p, jax.nn.gelu(g, approximate=True) * u, "down")
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
         h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]

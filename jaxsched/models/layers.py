@@ -184,10 +184,38 @@ def shards_of(mesh) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 
-def linear(p: dict, x, name: str, bias: str):
-    """x @ p[name], plus p[bias] when the layer has that bias."""
-    y = x @ p[name]
+def linear(p: dict, x, name: str, bias: str = ""):
+    """x @ p[name], plus p[bias] when the layer has that bias. A weight packed by
+    pack_linear_weights ([N / NR, K, NR]) goes through numba_matmul's kernel."""
+    w = p[name]
+    if w.ndim == 3:
+        from pallas_kernels import numba_matmul  # numba is imported only where it is used
+
+        y = numba_matmul.matmul(x, w)
+    else:
+        y = x @ w
     return y + p[bias] if bias in p else y
+
+
+LINEAR_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")  # the layer spec's weights that linear() reads
+
+
+def pack_linear_weights(state):
+    """A model's state (nnx.split) with every layer's linear weights that numba_matmul can take
+    (float32, columns a multiple of its panel) packed for it, the rest untouched. For engines where
+    tuning.packed_matmuls says so (runner.py); one weight is packed at a time, and the unpacked
+    array is dropped as its packed one replaces it."""
+    from pallas_kernels import numba_matmul
+
+    def pack(path, x):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        names = [k for k in keys if isinstance(k, str)]
+        if names[:1] == ["layers"] and any(n in LINEAR_WEIGHTS for n in names[-2:]) \
+                and numba_matmul.packable(x):
+            return jnp.asarray(numba_matmul.pack(np.asarray(x)))
+        return x
+
+    return jax.tree_util.tree_map_with_path(pack, state)
 
 
 def split_qkv(qkv, N: int, K: int, H: int, shards: int = 1):

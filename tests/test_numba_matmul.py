@@ -1,0 +1,66 @@
+"""numba_matmul: the layers' weight matmuls over packed weights (the "numba" backend's engines on a
+CPU), against numpy in float64, through the same FFI call the compiled step makes; and the engine
+running its layers on packed weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import numba_matmul as nm
+from pallas_kernels import tuning
+
+
+@pytest.mark.parametrize("K,N", [(64, 32), (96, 160), (576, 1728)])
+@pytest.mark.parametrize("T", [1, 3, 8, 13, 200, 400])
+def test_packed_matmul_matches_numpy(K, N, T):
+    # T covers every row tile (8, 4, 2, 1) and more than one outer block of MB rows
+    rng = np.random.default_rng(T * 1000 + N)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    wp = nm.pack(w)
+    assert wp.shape == (N // nm.NR, K, nm.NR) and np.array_equal(nm.unpack(wp), w)
+    y = np.asarray(jax.jit(nm.matmul)(jnp.asarray(x), jnp.asarray(wp)))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_leading_axes_and_no_rows():
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1e3
+    x = np.ones((2, 3, 64), np.float32)
+    y = np.asarray(nm.matmul(jnp.asarray(x), jnp.asarray(nm.pack(w))))
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5)
+    assert nm.matmul(jnp.zeros((0, 64)), jnp.asarray(nm.pack(w))).shape == (0, 32)
+
+
+def test_what_can_be_packed():
+    assert nm.packable(np.zeros((8, 64), np.float32))
+    assert not nm.packable(np.zeros((8, 48), np.float32))  # not a whole number of panels
+    assert not nm.packable(np.zeros((8, 64), np.float16))
+    assert not nm.packable(np.zeros((64,), np.float32))
+    assert tuning.packed_matmuls("cpu", "numba", 1)
+    assert not tuning.packed_matmuls("cpu", "xla", 1) and not tuning.packed_matmuls("cpu", "numba", 2)
+    assert not tuning.packed_matmuls("gpu", "pallas", 1)
+
+
+def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_model(model_dirs):
+    # the same tiny Llama with the "numba" backend (packed weights) and the "xla" one (XLA's dots):
+    # the same greedy tokens, and the packed engine's layer weights are all packed
+    from jaxsched import LLM, SamplingParams
+
+    path = model_dirs["llama"]
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("numba", "xla"):
+        llm = LLM(path, attention_backend=backend, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+        runner = llm.llm_engine.runner
+        assert runner.packed_matmuls == (backend == "numba")
+        layer0 = runner.state["layers"]["per_layer"][0]
+        dims = {name: layer0[name][...].ndim for name in ("qkv", "o_proj", "gate_up", "down")}
+        assert set(dims.values()) == ({3} if backend == "numba" else {2}), dims
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                       params, use_tqdm=False)]
+    assert outs["numba"] == outs["xla"]
