@@ -37,29 +37,35 @@ MB = 192  # rows per outer block: 192 x K float32 of x stays in a 1 MB L2 for K 
 
 
 def _make_tile(MR: int):
-    """An intrinsic tile(a, a_off, lda, b, b_off, c, c_off, ldc, kdim):
+    """An intrinsic tile(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
     c[r, 0:NR] = sum over k < kdim of a[a_off + r * lda + k] * b[b_off + k * NR + 0:NR], r < MR
-    (flat float32 arrays; c's rows ldc apart). Written, not accumulated: c needs no zeroing."""
+    (flat float32 arrays; c's rows ldc apart), prefetching b[b_ahead + k * NR + 0:NR] for the k
+    with k % every == phase.
+    Written, not accumulated: c needs no zeroing."""
     nv = NR // 16
 
     @intrinsic
-    def tile(typingctx, a, a_off, lda, b, b_off, c, c_off, ldc, kdim):
-        sig = types.void(a, types.intp, types.intp, b, types.intp, c, types.intp, types.intp, types.intp)
+    def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
+        sig = types.void(a, types.intp, types.intp, b, types.intp, types.intp, types.intp, types.intp, c,
+                         types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            a_arr, a_off, lda, b_arr, b_off, c_arr, c_off, ldc, kdim = args
+            a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim = args
             f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
             v16 = ir.VectorType(f32, 16)
             ap = context.make_array(signature.args[0])(context, builder, a_arr).data
             bp = context.make_array(signature.args[3])(context, builder, b_arr).data
-            cp = context.make_array(signature.args[5])(context, builder, c_arr).data
+            cp = context.make_array(signature.args[8])(context, builder, c_arr).data
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
+            i8p = ir.IntType(8).as_pointer()
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
 
             def const(n):
                 return ir.Constant(i64, n)
 
             entry = builder.block
-            loop, body, done = (builder.append_basic_block(n) for n in ("k_loop", "k_body", "k_done"))
+            loop, fetch, body, done = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_done"))
             builder.branch(loop)
             builder.position_at_end(loop)
             k = builder.phi(i64)
@@ -69,7 +75,21 @@ def _make_tile(MR: int):
             for row in acc:
                 for v in row:
                     v.add_incoming(zero, entry)
-            builder.cbranch(builder.icmp_signed("<", k, kdim), body, done)
+            go = builder.icmp_signed("<", k, kdim)
+            mine = builder.icmp_signed("==", builder.srem(k, every), phase)
+            builder.cbranch(go, fetch, done)
+
+            # the row k of panel b_ahead (the thread's next one), when k % every == phase: while
+            # this panel is in cache, the next one is on its way from memory. The row tiles of a
+            # panel take turns (every = their number), so the requests are spread over the panel's
+            # time rather than all sent by its first tile, faster than one core's misses can go.
+            builder.position_at_end(fetch)
+            with builder.if_then(mine):
+                ahead_row = builder.add(b_ahead, builder.mul(k, const(NR)))
+                for j in range(0, NR, 16):  # one 64-byte line per 16 float32
+                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
+                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            builder.branch(body)
 
             builder.position_at_end(body)
             b_row = builder.add(b_off, builder.mul(k, const(NR)))
@@ -116,20 +136,27 @@ def packed_matmul(x, w, out):
         p0, p1 = P * t // n_threads, P * (t + 1) // n_threads
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
+            r = (m1 - m0) % 8  # row tiles of a panel: 8 rows each, then one of 4, 2 and 1 as needed
+            n_tiles = (m1 - m0) // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
             for p in range(p0, p1):
                 b = p * K * NR
+                ahead = (p + 1 if p + 1 < p1 else p0) * K * NR  # the weights come from memory every step
                 m = m0
+                i = 0
                 while m + 8 <= m1:
-                    _tile8(xf, m * K, K, wf, b, of, m * N + p * NR, N, K)
+                    _tile8(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
                     m += 8
+                    i += 1
                 if m + 4 <= m1:
-                    _tile4(xf, m * K, K, wf, b, of, m * N + p * NR, N, K)
+                    _tile4(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
                     m += 4
+                    i += 1
                 if m + 2 <= m1:
-                    _tile2(xf, m * K, K, wf, b, of, m * N + p * NR, N, K)
+                    _tile2(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
                     m += 2
+                    i += 1
                 if m < m1:
-                    _tile1(xf, m * K, K, wf, b, of, m * N + p * NR, N, K)
+                    _tile1(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
 
 
 # FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR].
