@@ -489,10 +489,10 @@ class Scheduler:
         bucket below it that trimming prefill chunks (latest first, each keeps a token) and then
         deferring decode rows (of requests running before this step, lowest-ranked first, none
         deferred in the last step, so none waits twice in a row; once nothing waits, only rows
-        that still end no later than the step's longest) can reach. Picks the most tokens per predicted second; with target_step_seconds, the largest
-        candidate predicted within it, or the quickest when none is (prefill trimmed only: a
-        deferred decode row is the latency the target protects). Returns the step's tokens;
-        out.scheduled is trimmed to match."""
+        that still end no later than the step's longest) can reach. Picks the most tokens per
+        predicted second; with target_step_seconds, the largest candidate predicted within it, or
+        the quickest when none is (prefill trimmed only: a deferred decode row is the latency the
+        target protects). Returns the step's tokens; out.scheduled is trimmed to match."""
         rows = list(out.scheduled.values())
         model, target = self.cost_model, self.target_step_seconds
         chunk_cut = sum(row.num_new_tokens - 1 for row in rows)

@@ -212,7 +212,9 @@ def pack_linear_weights(state):
         names = [k for k in keys if isinstance(k, str)]
         if names[:1] == ["layers"] and any(n in LINEAR_WEIGHTS for n in names[-2:]) \
                 and numba_matmul.packable(x):
-            return jnp.asarray(numba_matmul.pack(np.asarray(x)))
+            packed = numba_matmul.pack(np.asarray(x))
+            # where the weight was (a data-parallel replica's weights live on its own device)
+            return jax.device_put(packed, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(packed)
         return x
 
     return jax.tree_util.tree_map_with_path(pack, state)
