@@ -9,8 +9,10 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
   decode row    one query token: its G heads per KV head against every cached page. Bound by
                 reading the pages (each byte is read once, while the dots run on it in cache).
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
-                themselves: a [Q_TILE * G, H] x [H, P] block per page, 4 rows and 4 terms per pass
-                (about 3x one row-term at a time; docs/PERFORMANCE.md, "Decisions in the code").
+                themselves: a [Q_TILE * G, H] x [H, P] block per page. On a float32 pool with pages
+                and heads a multiple of 32, both dots are numba_tile.py's register tiles (~1.4x
+                the loops); otherwise loops of 4 rows and 4 terms per pass (about 3x one row-term
+                at a time; docs/PERFORMANCE.md, "Decisions in the code").
 
 Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use on a
 machine compiles them (tens of seconds, both pool storages), later processes load the cache.
@@ -27,6 +29,7 @@ from numba.extending import intrinsic, overload
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
+from pallas_kernels.numba_tile import NR, make_tile
 
 try:
     # Code loaded from numba's disk cache calls the thread pool's entry points (allocate_sched...)
@@ -193,7 +196,8 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             for h in range(H):
                 out[tok, k * G + g, h] = acc[g, h] * inv
 
-# Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H]. numba
+# Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H], where the
+# register tiles cannot run (a uint16 pool, pages or heads not a multiple of 32). numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
 # accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code").
@@ -225,13 +229,67 @@ def _matmul_acc(a, b, c, R, kdim, cols):
                 c[i0 + 3, x] += e3 * v
 
 
+_tile8_set = make_tile(8, "strided")
+_tile8_add = make_tile(8, "strided", accumulate=True)
+
+
+def _page_scores(qs, kc, layer, blk, k, s, rows, n):
+    """s[:rows, :n] = qs[:rows] . page [H, :n], the page kc[layer, blk, k]; rows a multiple of 8.
+    Columns n.. of s hold scores of stale slots or zeros (callers read s[:, :n] only)."""
+
+
+@overload(_page_scores, inline="always")
+def _page_scores_impl(qs, kc, layer, blk, k, s, rows, n):
+    if isinstance(kc.dtype, types.Float):  # a float32 pool: numba_tile's register tiles on the page
+        def fast(qs, kc, layer, blk, k, s, rows, n):
+            _, NB, K, H, P = kc.shape
+            if P % NR != 0:  # (pages of 16: the tile would write past s's rows)
+                s[:rows, :n] = 0.0
+                _matmul_acc(qs, kc[layer, blk, k], s, rows, H, n)
+                return
+            page = ((layer * NB + blk) * K + k) * H * P
+            for c0 in range(0, n, NR):
+                for r0 in range(0, rows, 8):
+                    _tile8_set(qs, r0 * H, H, kc, page + c0, P, s, r0 * P + c0, P, H)
+        return fast
+
+    def loops(qs, kc, layer, blk, k, s, rows, n):
+        s[:rows, :n] = 0.0
+        _matmul_acc(qs, kc[layer, blk, k], s, rows, kc.shape[3], n)
+    return loops
+
+
+def _page_values(s, vc, layer, blk, k, acc, rows, n):
+    """acc[:rows] += s[:rows, :n] . page [:n, H], the page vc[layer, blk, k]; rows a multiple of 8."""
+
+
+@overload(_page_values, inline="always")
+def _page_values_impl(s, vc, layer, blk, k, acc, rows, n):
+    if isinstance(vc.dtype, types.Float):
+        def fast(s, vc, layer, blk, k, acc, rows, n):
+            _, NB, K, P, H = vc.shape
+            if H % NR != 0:
+                _matmul_acc(s, vc[layer, blk, k], acc, rows, n, H)
+                return
+            page = ((layer * NB + blk) * K + k) * P * H
+            for c0 in range(0, H, NR):
+                for r0 in range(0, rows, 8):
+                    _tile8_add(s, r0 * P, P, vc, page + c0, H, acc, r0 * H + c0, H, n)
+        return fast
+
+    def loops(s, vc, layer, blk, k, acc, rows, n):
+        _matmul_acc(s, vc[layer, blk, k], acc, rows, n, vc.shape[4])
+    return loops
+
+
 @njit(fastmath=True, inline="always", cache=True)
 def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
     """Up to Q_TILE consecutive query tokens of one sequence (tokens tok0.., positions pos0..),
-    causal over the cached prefix and themselves (both dots are _matmul_acc)."""
+    causal over the cached prefix and themselves (both dots: _page_scores and _page_values)."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     R = Q_TILE * G  # query rows per KV head: (token, head of the group), token-major
+    rows = min(R, (nq * G + 7) // 8 * 8)  # the rows with queries, in whole tiles of 8
     limit = pos0 + nq  # KV tokens the tile's last query sees
     m = np.empty(R, np.float32)
     l_sum = np.empty(R, np.float32)
@@ -252,18 +310,15 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
                 blk = 0
             start = b * P
             n = min(P, limit - start)
-            kp = kc[layer, blk, k]
-            vp = vc[layer, blk, k]
-            s[:, :n] = 0.0
-            _matmul_acc(qs, kp, s, R, H, n)  # scores: qs [R, H] x page [H, :n]
-            for i in range(R):  # causal online softmax: row i sees positions <= its own
+            _page_scores(qs, kc, layer, blk, k, s, rows, n)  # qs [rows, H] x page [H, :n]
+            for i in range(rows):  # causal online softmax: row i sees positions <= its own
                 lim = min(n, pos0 + i // G - start + 1) if i // G < nq else 0
                 if lim <= 0:
                     for p in range(n):
                         s[i, p] = _ZERO
                     continue
                 _softmax_row(s, i, lim, n, m, l_sum, acc)
-            _matmul_acc(s, vp, acc, R, n, H)  # values: weights [R, :n] x page [:n, H]
+            _page_values(s, vc, layer, blk, k, acc, rows, n)  # weights [rows, :n] x page [:n, H]
         for i in range(nq * G):
             inv = np.float32(1.0) / l_sum[i]
             for h in range(H):

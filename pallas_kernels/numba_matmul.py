@@ -7,12 +7,10 @@ there against ~450 at T = 2048 on the demo model's shapes, and vLLM's CPU path h
 prepacked for oneDNN for the same reason. With the panels packed at start, this kernel runs every
 T near the machine's float32 peak (docs/PERFORMANCE.md, "Decisions in the code").
 
-The micro-kernel is LLVM IR written here (`_tile`): an MR x NR block of the result held in vector
-registers (MR rows x NR / 16 zmm-sized vectors) through the whole sum over K, one broadcast of x and
-one fused multiply-add per vector and term. numba keeps loop accumulators of plain Python in memory
-(numba_kernels.py works around it); IR phi nodes stay in registers. The driver deals panels out to
-numba's threads and walks the rows in blocks of MB, so a block of x stays in L2 while every panel of
-the thread passes over it.
+The micro-kernel is numba_tile.py's "packed" form: an MR x NR block of the result held in vector
+registers through the whole sum over K, prefetching the thread's next panel. The driver deals
+panels out to numba's threads and walks the rows in blocks of MB, so a block of x stays in L2 while
+every panel of the thread passes over it.
 
 Used by the "numba" attention backend's engines (runner.py packs the weights; models/layers.linear
 calls `matmul` on a packed weight). Shapes are read at run time; the functions are cached on disk.
@@ -23,105 +21,16 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, cfunc, njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import carray, cfunc, njit, prange
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS
+from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
 
-NR = 32  # columns per panel: two 16-lane vectors per row of a tile
 MB = 192  # rows per outer block: 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
 
-
-def _make_tile(MR: int):
-    """An intrinsic tile(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
-    c[r, 0:NR] = sum over k < kdim of a[a_off + r * lda + k] * b[b_off + k * NR + 0:NR], r < MR
-    (flat float32 arrays; c's rows ldc apart), prefetching b[b_ahead + k * NR + 0:NR] for the k
-    with k % every == phase.
-    Written, not accumulated: c needs no zeroing."""
-    nv = NR // 16
-
-    @intrinsic
-    def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
-        sig = types.void(a, types.intp, types.intp, b, types.intp, types.intp, types.intp, types.intp, c,
-                         types.intp, types.intp, types.intp)
-
-        def codegen(context, builder, signature, args):
-            a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim = args
-            f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-            v16 = ir.VectorType(f32, 16)
-            ap = context.make_array(signature.args[0])(context, builder, a_arr).data
-            bp = context.make_array(signature.args[3])(context, builder, b_arr).data
-            cp = context.make_array(signature.args[8])(context, builder, c_arr).data
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
-            i8p = ir.IntType(8).as_pointer()
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-
-            def const(n):
-                return ir.Constant(i64, n)
-
-            entry = builder.block
-            loop, fetch, body, done = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_done"))
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            k.add_incoming(const(0), entry)
-            acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
-            zero = ir.Constant(v16, [0.0] * 16)
-            for row in acc:
-                for v in row:
-                    v.add_incoming(zero, entry)
-            go = builder.icmp_signed("<", k, kdim)
-            mine = builder.icmp_signed("==", builder.srem(k, every), phase)
-            builder.cbranch(go, fetch, done)
-
-            # the row k of panel b_ahead (the thread's next one), when k % every == phase: while
-            # this panel is in cache, the next one is on its way from memory. The row tiles of a
-            # panel take turns (every = their number), so the requests are spread over the panel's
-            # time rather than all sent by its first tile, faster than one core's misses can go.
-            builder.position_at_end(fetch)
-            with builder.if_then(mine):
-                ahead_row = builder.add(b_ahead, builder.mul(k, const(NR)))
-                for j in range(0, NR, 16):  # one 64-byte line per 16 float32
-                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
-                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            builder.branch(body)
-
-            builder.position_at_end(body)
-            b_row = builder.add(b_off, builder.mul(k, const(NR)))
-            bv = [builder.load(builder.bitcast(builder.gep(bp, [builder.add(b_row, const(16 * j))]), v16.as_pointer()),
-                               align=4) for j in range(nv)]
-            lanes = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-            new = []
-            for r in range(MR):
-                x = builder.load(builder.gep(ap, [builder.add(a_off, builder.add(builder.mul(const(r), lda), k))]))
-                splat = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
-                splat = builder.shuffle_vector(splat, ir.Constant(v16, ir.Undefined), lanes)
-                new.append([builder.call(fma, [splat, bv[j], acc[r][j]]) for j in range(nv)])
-            end = builder.block
-            k.add_incoming(builder.add(k, const(1)), end)
-            for r in range(MR):
-                for j in range(nv):
-                    acc[r][j].add_incoming(new[r][j], end)
-            builder.branch(loop)
-
-            builder.position_at_end(done)
-            for r in range(MR):
-                for j in range(nv):
-                    at = builder.add(c_off, builder.add(builder.mul(const(r), ldc), const(16 * j)))
-                    builder.store(acc[r][j], builder.bitcast(builder.gep(cp, [at]), v16.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return tile
-
-
-_tile8, _tile4, _tile2, _tile1 = (_make_tile(r) for r in (8, 4, 2, 1))
+_tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (8, 4, 2, 1))
 
 
 @njit(fastmath=True, parallel=True, cache=True)

@@ -108,6 +108,22 @@ def test_numba_head_dim_not_a_multiple_of_4():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("P,H,N,K", [(32, 32, 9, 3), (64, 64, 4, 1), (128, 64, 9, 3)])
+def test_numba_prefill_register_tiles_match_reference(P, H, N, K):
+    """Pages and heads a multiple of 32 take the prefill tiles' register-tile dots (numba_tile.py):
+    tiles of 16 tokens whose rows (16 x G) fill whole tiles of 8 or end in a part-filled one, chunks
+    starting and ending inside pages and on page boundaries, a cached prefix of several pages, and
+    decode rows beside them."""
+    rng = np.random.default_rng(P + H + N)
+    q_lens = [1, 45, 16, 1, 3 * P + 5, 7]
+    ctx = [2 * P + 3, P - 3, P, 0, 0, 2 * P + 17]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, N=N, K=K, H=H, P=P, S=8, T=4 * P + 80, NB=40, M=6)
+    want = _ref(q, k, v, jnp.int32(1), bt, sl, qsl, ns)
+    got = _cpu["numba"](q, k, v, jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
+
+
 def test_numba_skips_a_row_whose_context_does_not_fit_its_block_table():
     """A row claiming more KV than its block table holds (never from the engine) must not make the
     kernel read past the table: its tokens get zeros and every other row is untouched."""

@@ -1,0 +1,127 @@
+"""Register-tile micro-kernels for numba code on a CPU, written as LLVM IR: c[MR, NR] = a[MR, kdim] .
+b[kdim, NR] with the MR x NR block of the result held in vector registers (MR rows x NR / 16
+16-lane float32 vectors) through the whole sum over kdim, one broadcast of a and one fused
+multiply-add per vector and term.
+
+Why IR: numba vectorises a loop over 16 lanes but keeps the accumulators of plain Python loops in
+memory, so every pass loads and stores them (numba_kernels.py's 4-rows-by-4-terms loops only
+amortise that); phi nodes stay in registers. Used by numba_matmul.py (the layers' weight matmuls,
+b a packed weight panel) and numba_kernels.py (the prefill tiles' score and value dots, b a page of
+the KV pool).
+
+Two forms, each an intrinsic made for one MR (every array flat float32 C-contiguous, offsets in
+elements, a's rows lda apart and c's ldc apart):
+  packed(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim)
+      b's rows NR apart (a packed panel); writes c; prefetches row k of the panel at b_ahead for
+      the k with k % every == phase (the weights come from memory: see numba_matmul.py).
+  strided(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, kdim)
+      b's rows ldb apart (a page in cache); accumulates into c when made with accumulate=True,
+      else writes it.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+NR = 32  # columns of a tile: two 16-lane vectors per row
+
+
+def make_tile(MR: int, form: str, accumulate: bool = False):
+    """The intrinsic of `form` ("packed" or "strided", above) for MR rows."""
+    if form not in ("packed", "strided"):
+        raise ValueError(f"form must be 'packed' or 'strided', got {form!r}")
+    nv = NR // 16
+    packed = form == "packed"
+
+    def codegen(context, builder, signature, args):
+        if packed:
+            a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim = args
+            a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[8]
+        else:
+            a_arr, a_off, lda, b_arr, b_off, ldb, c_arr, c_off, ldc, kdim = args
+            a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[6]
+        f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+        v16 = ir.VectorType(f32, 16)
+        ap = context.make_array(a_ty)(context, builder, a_arr).data
+        bp = context.make_array(b_ty)(context, builder, b_arr).data
+        cp = context.make_array(c_ty)(context, builder, c_arr).data
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
+        i8p = ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+
+        def const(n):
+            return ir.Constant(i64, n)
+
+        def c_ptr(r, j):
+            at = builder.add(c_off, builder.add(builder.mul(const(r), ldc), const(16 * j)))
+            return builder.bitcast(builder.gep(cp, [at]), v16.as_pointer())
+
+        b_step = const(NR) if packed else ldb
+        if accumulate:
+            start = [[builder.load(c_ptr(r, j), align=4) for j in range(nv)] for r in range(MR)]
+        else:
+            start = [[ir.Constant(v16, [0.0] * 16)] * nv for _ in range(MR)]
+        entry = builder.block
+        loop, fetch, body, done = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_done"))
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(const(0), entry)
+        acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
+        for r in range(MR):
+            for j in range(nv):
+                acc[r][j].add_incoming(start[r][j], entry)
+        builder.cbranch(builder.icmp_signed("<", k, kdim), fetch, done)
+
+        builder.position_at_end(fetch)
+        if packed:
+            # the row k of panel b_ahead (the thread's next one), when k % every == phase: while
+            # this panel is in cache, the next one is on its way from memory. The row tiles of a
+            # panel take turns (every = their number), so the requests are spread over the panel's
+            # time rather than all sent by its first tile, faster than one core's misses can go.
+            with builder.if_then(builder.icmp_signed("==", builder.srem(k, every), phase)):
+                ahead_row = builder.add(b_ahead, builder.mul(k, const(NR)))
+                for j in range(0, NR, 16):  # one 64-byte line per 16 float32
+                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
+                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        builder.branch(body)
+
+        builder.position_at_end(body)
+        b_row = builder.add(b_off, builder.mul(k, b_step))
+        bv = [builder.load(builder.bitcast(builder.gep(bp, [builder.add(b_row, const(16 * j))]), v16.as_pointer()),
+                           align=4) for j in range(nv)]
+        lanes = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+        new = []
+        for r in range(MR):
+            x = builder.load(builder.gep(ap, [builder.add(a_off, builder.add(builder.mul(const(r), lda), k))]))
+            splat = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
+            splat = builder.shuffle_vector(splat, ir.Constant(v16, ir.Undefined), lanes)
+            new.append([builder.call(fma, [splat, bv[j], acc[r][j]]) for j in range(nv)])
+        end = builder.block
+        k.add_incoming(builder.add(k, const(1)), end)
+        for r in range(MR):
+            for j in range(nv):
+                acc[r][j].add_incoming(new[r][j], end)
+        builder.branch(loop)
+
+        builder.position_at_end(done)
+        for r in range(MR):
+            for j in range(nv):
+                builder.store(acc[r][j], c_ptr(r, j), align=4)
+        return context.get_dummy_value()
+
+    if packed:
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
+            i = types.intp
+            return types.void(a, i, i, b, i, i, i, i, c, i, i, i), codegen
+    else:
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, ldb, c, c_off, ldc, kdim):
+            i = types.intp
+            return types.void(a, i, i, b, i, i, c, i, i, i), codegen
+    return tile
