@@ -32,7 +32,7 @@ from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.grammar import mask_words
-from jaxsched.models.layers import pack_linear_weights
+from jaxsched.models.layers import pack_linear_weights, untie_lm_head
 from jaxsched.parallel import place
 from jaxsched.paths import cache_dir
 from jaxsched.request import MAX_LOGIT_BIAS
@@ -150,9 +150,11 @@ class ModelRunner:
         self.cache_config = cache = config.cache
         self.scheduler_config = sched = config.scheduler
         self.max_logprobs = config.max_logprobs
-        self.graphdef, self.state = nnx.split(model)
         n_devices = 1 if mesh is None else mesh.devices.size
         self.packed_matmuls = tuning.packed_matmuls(self._platform, config.attention_backend, n_devices)
+        if self.packed_matmuls:  # a tied lm_head gets its own copy, packed below (layers.vocab_logits)
+            untie_lm_head(model)
+        self.graphdef, self.state = nnx.split(model)
         if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
             self.state = pack_linear_weights(self.state)
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq

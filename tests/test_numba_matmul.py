@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 
 from pallas_kernels import numba_matmul as nm
 from pallas_kernels import tuning
@@ -45,15 +46,21 @@ def test_what_can_be_packed():
     assert not tuning.packed_matmuls("gpu", "pallas", 1)
 
 
-def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_model(model_dirs):
+@pytest.mark.parametrize("kind", ["llama", "llama3 tied, vocab 320"])
+def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_model(kind, model_dirs, tokenizer_dir,
+                                                                                      tmp_path):
     # the same tiny Llama with the "numba" backend (packed weights) and the "xla" one (XLA's dots):
-    # the same greedy tokens, and the packed engine's layer weights are all packed
+    # the same greedy tokens and logprobs, and the packed engine's layer weights are all packed; a
+    # tied lm_head whose vocabulary fills whole panels gets a packed copy of its own
     from jaxsched import LLM, SamplingParams
 
-    path = model_dirs["llama"]
+    if kind == "llama":
+        path = model_dirs["llama"]
+    else:
+        path = tiny.build_model(str(tmp_path / "tied"), "llama3", tokenizer_dir, seed=3, vocab_size=320)
     prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs, logprobs = {}, {}
     for backend in ("numba", "xla"):
         llm = LLM(path, attention_backend=backend, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
         runner = llm.llm_engine.runner
@@ -61,6 +68,17 @@ def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_m
         layer0 = runner.state["layers"]["per_layer"][0]
         dims = {name: layer0[name][...].ndim for name in ("qkv", "o_proj", "gate_up", "down")}
         assert set(dims.values()) == ({3} if backend == "numba" else {2}), dims
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                       params, use_tqdm=False)]
+        head = runner.state["lm_head"][...] if "lm_head" in runner.state else None
+        if kind == "llama":  # untied, vocabulary ~300: not a whole number of panels
+            assert head.ndim == 2 and head.shape[1] % nm.NR
+        else:  # tied: a packed copy with the numba backend, the embedding itself with XLA
+            assert (head.shape == (320 // nm.NR, 64, nm.NR)) if backend == "numba" else head is None
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[backend] = [o.outputs[0].token_ids for o in got]
+        logprobs[backend] = [o.outputs[0].logprobs for o in got]
     assert outs["numba"] == outs["xla"]
+    for a, b in zip(logprobs["numba"], logprobs["xla"]):
+        for step_a, step_b in zip(a, b):
+            assert step_a.keys() == step_b.keys()
+            for tok in step_a:
+                assert step_a[tok].logprob == pytest.approx(step_b[tok].logprob, abs=1e-4)

@@ -151,13 +151,14 @@ def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, *,
                 **overrides) -> str:
     """Save a random checkpoint of `kind` as a Hugging Face folder (config.json, generation_config.json,
     model.safetensors) plus the tiny tokenizer into `folder`, without torch. `overrides` are config
-    attributes (num_hidden_layers=1, attention_bias=True, ...); `bias_std` > 0 gives the biases values."""
+    attributes (num_hidden_layers=1, attention_bias=True, vocab_size=320 for a table larger than the
+    tokenizer, ...); `bias_std` > 0 gives the biases values."""
     import transformers as tf
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
-    cfg = hf_config(kind, vocab_size=len(tok), **overrides)
+    cfg = hf_config(kind, vocab_size=overrides.pop("vocab_size", len(tok)), **overrides)
     cfg.architectures = [ARCHITECTURES[cfg.model_type]]
     cfg.dtype = "float32"
     os.makedirs(folder, exist_ok=True)

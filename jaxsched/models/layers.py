@@ -169,7 +169,12 @@ def vocab_logits(hs, w, mesh=None):
     """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
     cross between devices, never the weight (left to itself, XLA gathered the weight instead to
-    produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices")."""
+    produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices").
+    A w packed by pack_linear_weights (one device) goes through numba_matmul's kernel."""
+    if w.ndim == 3:
+        from pallas_kernels import numba_matmul
+
+        return numba_matmul.matmul(hs.astype(jnp.float32), w)
     if shards_of(mesh) == 1 or w.shape[1] % shards_of(mesh):
         return jnp.dot(hs, w, preferred_element_type=jnp.float32)
 
@@ -200,18 +205,34 @@ def linear(p: dict, x, name: str, bias: str = ""):
 LINEAR_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")  # the layer spec's weights that linear() reads
 
 
+def untie_lm_head(model) -> bool:
+    """Give a model whose lm_head is its embedding (tied: `lm_head` None, logits against embed.T)
+    its own [D, V] copy of it, where numba_matmul can pack that copy; True if it did. For engines
+    with packed matmuls (runner.py): the logits then run in the packed kernel instead of XLA's dot
+    over the transposed table, for one more copy of the table in memory (docs/PERFORMANCE.md)."""
+    from pallas_kernels import numba_matmul
+
+    if getattr(model, "lm_head", False) is not None or not hasattr(model, "embed"):
+        return False
+    head = model.embed[...].T
+    if not numba_matmul.packable(head):
+        return False
+    model.lm_head = nnx.data(nnx.Param(head))  # None made it a static attribute
+    return True
+
+
 def pack_linear_weights(state):
-    """A model's state (nnx.split) with every layer's linear weights that numba_matmul can take
-    (float32, columns a multiple of its panel) packed for it, the rest untouched. For engines where
-    tuning.packed_matmuls says so (runner.py); one weight is packed at a time, and the unpacked
-    array is dropped as its packed one replaces it."""
+    """A model's state (nnx.split) with every layer's linear weights and the lm_head that
+    numba_matmul can take (float32, columns a multiple of its panel) packed for it, the rest
+    untouched. For engines where tuning.packed_matmuls says so (runner.py); one weight is packed at
+    a time, and the unpacked array is dropped as its packed one replaces it."""
     from pallas_kernels import numba_matmul
 
     def pack(path, x):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
         names = [k for k in keys if isinstance(k, str)]
-        if names[:1] == ["layers"] and any(n in LINEAR_WEIGHTS for n in names[-2:]) \
-                and numba_matmul.packable(x):
+        linear = names[:1] == ["layers"] and any(n in LINEAR_WEIGHTS for n in names[-2:])
+        if (linear or names[:1] == ["lm_head"]) and numba_matmul.packable(x):
             packed = numba_matmul.pack(np.asarray(x))
             # where the weight was (a data-parallel replica's weights live on its own device)
             return jax.device_put(packed, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(packed)
