@@ -46,6 +46,10 @@ class AttentionBackend:
     why_unsupported: Callable[[int, int, str, str, str], str | None] = field(repr=False)
     # why this backend cannot run per shard under shard_map (tensor parallelism), or None
     why_not_sharded: str | None = None
+    # (q, k, v, cos, sin, k_cache, v_cache, layer, slot_mapping) -> (q with rope, k_cache, v_cache)
+    # in one kernel, or None where it cannot run those arrays; no function, or None: the layer runs
+    # layers.apply_rope and kv_cache.write_kv in XLA (the same values)
+    rope_write: Callable | None = field(default=None, repr=False)
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -95,7 +99,8 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
     # scores too.
     AttentionBackend("numba", numba_attention.numba_attention, k_transposed=True, bf16_as_bits=True,
-                     default_block_size=128, auto_on=("cpu",), why_unsupported=_numba_unsupported),
+                     default_block_size=128, auto_on=("cpu",), why_unsupported=_numba_unsupported,
+                     rope_write=numba_attention.rope_write_kv),
     # The jnp implementation tuned for XLA:CPU (xla_attention.py); runs anywhere, so the fallback.
     # K pages [H, P]: its score dot contracts over H, and XLA:CPU feeds that dot a [.., H, C]
     # operand, so with [P, H] pages every gathered K chunk went through a transpose copy on top of

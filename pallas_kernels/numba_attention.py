@@ -61,3 +61,29 @@ def numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
     out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.reshape(layer, (1,)).astype(jnp.int32),
                block_tables, seq_lens, query_start_loc, num_seqs, jnp.full((1,), sm_scale, jnp.float32))
     return out.astype(q.dtype)
+
+
+@functools.cache
+def _rope_write_target() -> str:
+    from pallas_kernels import cpu_ffi, numba_kv_write
+
+    name = "jaxsched_numba_rope_write_f32"
+    cpu_ffi.register(name, numba_kv_write.handler)
+    return name
+
+
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, layer, slot_mapping):
+    """numba_kv_write.py's one pass: rope on q and k, k and v written into the pools at
+    slot_mapping -> (q with rope, k_cache, v_cache), the pools updated in place (aliased). None
+    where it cannot run (anything but float32 q, k, v and pools, or an odd head_dim): the caller
+    then runs layers.apply_rope and kv_cache.write_kv, which give the same values."""
+    if any(x.dtype != jnp.float32 for x in (q, k, v, k_cache, v_cache)) or q.shape[-1] % 2:
+        return None
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(_rope_write_target(), (jax.ShapeDtypeStruct(q.shape, f32),
+                                                   jax.ShapeDtypeStruct(k_cache.shape, f32),
+                                                   jax.ShapeDtypeStruct(v_cache.shape, f32)),
+                            input_output_aliases={7: 1, 8: 2})
+    q, k_cache, v_cache = call(q, k, v, cos.astype(f32), sin.astype(f32), slot_mapping.astype(jnp.int32),
+                               jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
+    return q, k_cache, v_cache

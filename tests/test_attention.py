@@ -196,6 +196,48 @@ def test_uint16_pool_holds_bfloat16_bits(backend):
                                   np.asarray(bk2, np.float32))
 
 
+@pytest.mark.parametrize("T,N,K,H,P", [(5, 4, 2, 16, 8), (300, 9, 3, 64, 128)])
+def test_numba_rope_write_equals_rope_then_write_kv(T, N, K, H, P):
+    """The "numba" backend's rope + KV write in one kernel (numba_kv_write.py) gives the values of
+    layers.apply_rope followed by write_kv: q with rope, k (with rope) and v in their slots, padding
+    tokens (slot 0) in the null page, every other slot and layer untouched; and where the program
+    still reads the pool it wrote (XLA must then hand the kernel a copy), that pool is unchanged."""
+    from jaxsched.models.layers import apply_rope
+    from pallas_kernels import numba_attention
+
+    rng = np.random.default_rng(T + H)
+    L, NB = 2, 3 + -(-T // P)
+    q, k, v = (jnp.asarray(rng.standard_normal((T, n, H)), jnp.float32) for n in (N, K, K))
+    ang = rng.uniform(0, 50, (T, H // 2)).astype(np.float32)
+    cos, sin = jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))
+    slots = np.asarray(rng.permutation(np.arange(P, NB * P))[:T], np.int32)
+    slots[-2:] = 0  # padding tokens
+    slots = jnp.asarray(slots)
+    kc = jnp.asarray(rng.standard_normal((L, NB, K, H, P)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((L, NB, K, P, H)), jnp.float32)
+    layer = jnp.int32(1)
+
+    def xla(q, k, v, kc, vc):
+        q2, k2 = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return (q2, *write_kv(kc, vc, layer, k2, v, slots, k_transposed=True))
+
+    def fused(q, k, v, kc, vc):
+        return (*numba_attention.rope_write_kv(q, k, v, cos, sin, kc, vc, layer, slots), kc.sum(), vc.sum())
+
+    want = jax.jit(xla)(q, k, v, kc, vc)
+    got = jax.jit(fused)(q, k, v, kc, vc)
+    real = np.asarray(slots) != 0
+    for a, b in zip(got[:3], want[:3]):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim == 5:  # the null page holds whichever padding token came last: compare the rest
+            a, b = a[:, 1:], b[:, 1:]
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+    assert real.sum() == T - 2
+    np.testing.assert_allclose(float(got[3]), float(jnp.sum(kc)), rtol=1e-6)  # the inputs as they were
+    np.testing.assert_allclose(float(got[4]), float(jnp.sum(vc)), rtol=1e-6)
+    assert numba_attention.rope_write_kv(q.astype(jnp.bfloat16), k, v, cos, sin, kc, vc, layer, slots) is None
+
+
 def test_write_kv_by_slot_mapping():
     L, NB, K, P, H = 2, 6, 2, 8, 4
     kc = jnp.zeros((L, NB, K, P, H))

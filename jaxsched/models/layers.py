@@ -122,12 +122,17 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> A
     each device's own heads of q/k/v and of the pool (split on K), the batch metadata replicated,
     so neither the write nor the kernel needs a collective (parallel.py)."""
     k_transposed = backends.get(backend).k_transposed
+    rope_write = backends.get(backend).rope_write
 
     def local(q, k, v, k_cache, v_cache, li, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
               num_seqs):
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, slot_mapping, k_transposed=k_transposed)
+        fused = rope_write(q, k, v, cos, sin, k_cache, v_cache, li, slot_mapping) if rope_write else None
+        if fused is None:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, slot_mapping, k_transposed=k_transposed)
+        else:  # the backend's own kernel for both (AttentionBackend.rope_write)
+            q, k_cache, v_cache = fused
         o = paged_attention(q, k_cache, v_cache, li, block_tables, seq_lens, query_start_loc, num_seqs,
                             sm_scale=sm_scale, backend=backend)
         return o, k_cache, v_cache

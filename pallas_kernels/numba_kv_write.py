@@ -1,0 +1,82 @@
+"""Rotary embeddings and the KV write of one layer in one pass, for the "numba" backend on a float32
+pool: q, k, v [T, heads, H] from the layer's projection -> q with rope applied, and k (with rope)
+and v written into their pages at the step's slot mapping, the pools updated in place.
+
+Why: in XLA the same work is three passes and a scatter: q's and k's rope (each a fusion that
+slices the projection and writes a new array), then the scatter of k and v into the donated pools
+(on the demo model's 2048-token prefill steps ~60 ms of ~1.2 s; docs/PERFORMANCE.md). Here each
+token's heads are read once, and written once, where they go.
+
+Same results as layers.apply_rope followed by kv_cache.write_kv (HF's rotate-half convention; a
+padding token's slot 0 writes the null page; a slot outside the pool writes nothing). Used by
+numba_attention.rope_write_kv, which falls back to those two where this cannot run (another pool
+storage or dtype).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, cfunc, njit, prange
+
+from pallas_kernels import cpu_ffi
+from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
+from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS
+
+
+@njit(fastmath=True, parallel=True, cache=True)
+def rope_write(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
+    """q f32[T, N, H], k, v f32[T, K, H], cos, sin f32[T, H / 2], slots i32[T];
+    kc f32[L, NB, K, H, P], vc f32[L, NB, K, P, H] (updated); q_out f32[T, N, H] (written)."""
+    T, N, H = q.shape
+    K = k.shape[1]
+    half = H // 2
+    L, NB, _, _, P = kc.shape
+    n_threads = min(_THREADS, max(T, 1))
+    for th in prange(n_threads):
+        for t in range(T * th // n_threads, T * (th + 1) // n_threads):
+            for n in range(N):
+                for i in range(half):
+                    x1, x2, c, s = q[t, n, i], q[t, n, half + i], cos[t, i], sin[t, i]
+                    q_out[t, n, i] = x1 * c - x2 * s
+                    q_out[t, n, half + i] = x2 * c + x1 * s
+            slot = slots[t]
+            blk, off = slot // P, slot % P
+            if slot < 0 or blk >= NB or layer < 0 or layer >= L:  # never from the engine's batches
+                continue
+            for kh in range(K):
+                for i in range(half):  # K pages are [H, P]: a token is a column of its page
+                    x1, x2, c, s = k[t, kh, i], k[t, kh, half + i], cos[t, i], sin[t, i]
+                    kc[layer, blk, kh, i, off] = x1 * c - x2 * s
+                    kc[layer, blk, kh, half + i, off] = x2 * c + x1 * s
+                for h in range(H):
+                    vc[layer, blk, kh, off, h] = v[t, kh, h]
+
+
+# FFI handler. Arguments: q f32[T, N, H], k, v f32[T, K, H], cos, sin f32[T, H / 2], slots i32[T],
+# layer i32[1], k_cache f32[L, NB, K, H, P], v_cache f32[L, NB, K, P, H]; results: q with rope
+# f32[T, N, H], and the two pools, which alias arguments 7 and 8 (input_output_aliases).
+@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
+def handler(frame_ptr):
+    frame = cpu_ffi.frame_words(frame_ptr)
+    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        q_p, q_d = buffer(frame, ARGS, 0)
+        k_p, k_d = buffer(frame, ARGS, 1)
+        _, kc_d = buffer(frame, ARGS, 7)
+        T, N, H, K = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2), dim(k_d, 1)
+        L, NB, P = dim(kc_d, 0), dim(kc_d, 1), dim(kc_d, 4)
+        kc = carray(pointer(buffer(frame, RETS, 1)[0]), (L, NB, K, H, P), dtype=np.float32)
+        vc = carray(pointer(buffer(frame, RETS, 2)[0]), (L, NB, K, P, H), dtype=np.float32)
+        # aliased by the call; should XLA ever not, start from a copy
+        if buffer(frame, ARGS, 7)[0] != buffer(frame, RETS, 1)[0]:
+            kc[:] = carray(pointer(buffer(frame, ARGS, 7)[0]), (L, NB, K, H, P), dtype=np.float32)
+        if buffer(frame, ARGS, 8)[0] != buffer(frame, RETS, 2)[0]:
+            vc[:] = carray(pointer(buffer(frame, ARGS, 8)[0]), (L, NB, K, P, H), dtype=np.float32)
+        rope_write(carray(pointer(q_p), (T, N, H), dtype=np.float32),
+                   carray(pointer(k_p), (T, K, H), dtype=np.float32),
+                   carray(pointer(buffer(frame, ARGS, 2)[0]), (T, K, H), dtype=np.float32),
+                   carray(pointer(buffer(frame, ARGS, 3)[0]), (T, H // 2), dtype=np.float32),
+                   carray(pointer(buffer(frame, ARGS, 4)[0]), (T, H // 2), dtype=np.float32),
+                   carray(pointer(buffer(frame, ARGS, 6)[0]), (1,), dtype=np.int32)[0],
+                   carray(pointer(buffer(frame, ARGS, 5)[0]), (T,), dtype=np.int32),
+                   kc, vc, carray(pointer(buffer(frame, RETS, 0)[0]), (T, N, H), dtype=np.float32))
+    return cpu_ffi.success()
