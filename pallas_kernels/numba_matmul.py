@@ -91,27 +91,15 @@ def packed_matmul(x, w, out, add):
 
 
 @njit(fastmath=True, inline="always", cache=True)
-def _glu_rows(of, o0, ldo, up, n_rows, act, ex):
-    """of[o0 + r * ldo + c] = act(of[...]) * up[r * NR + c] for r < n_rows, c < NR: silu (act 0) or
-    gelu's tanh form (act 1). Each row's exponentials go through ex (NR float32) in a loop of their
-    own: numba vectorises _exp in a loop that does nothing else (in one loop with the rest it ran
-    scalar, ~4x slower). exp's argument is clamped at 80, where the activation is at its limit."""
-    one, two = np.float32(1.0), np.float32(2.0)
-    for r in range(n_rows):
-        o = o0 + r * ldo
-        u = r * NR
-        if act == 0:  # g / (1 + e^-g)
-            for c in range(NR):
-                ex[c] = _exp(min(-of[o + c], np.float32(80.0)))
-            for c in range(NR):
-                of[o + c] = of[o + c] / (one + ex[c]) * up[u + c]
-        else:  # g (1 + tanh(y)) / 2, tanh(y) = 1 - 2 / (e^2y + 1), y = sqrt(2 / pi) (g + 0.044715 g^3)
-            for c in range(NR):
-                g = of[o + c]
-                ex[c] = _exp(min(two * np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g),
-                                 np.float32(80.0)))
-            for c in range(NR):
-                of[o + c] = np.float32(0.5) * of[o + c] * (two - two / (ex[c] + one)) * up[u + c]
+def _act(g, act):
+    """silu(g) (act 0) or gelu with the tanh approximation (act 1), through _exp of a value <= 0."""
+    if act == 0:
+        e = _exp(-abs(g))  # sigmoid(|g|) = 1 / (1 + e)
+        return g / (np.float32(1.0) + e) if g >= 0 else g * e / (np.float32(1.0) + e)
+    y = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+    e = _exp(np.float32(-2.0) * abs(y))  # tanh(|y|) = (1 - e) / (1 + e)
+    th = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    return np.float32(0.5) * g * (np.float32(1.0) + (th if y >= 0 else -th))
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -128,7 +116,6 @@ def packed_glu(x, w, out, act):
     for t in prange(n_threads):
         j0, j1 = half * t // n_threads, half * (t + 1) // n_threads
         up = np.empty(MB * NR, np.float32)
-        ex = np.empty(NR, np.float32)
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
             for j in range(j0, j1):
@@ -136,7 +123,11 @@ def packed_glu(x, w, out, act):
                 ahead = (j + 1 if j + 1 < j1 else j0) * K * NR
                 _panel_rows(xf, K, wf, gate, upp, of, m0 * F + j * NR, F, m0, m1, False)
                 _panel_rows(xf, K, wf, upp, ahead, up, 0, NR, m0, m1, False)
-                _glu_rows(of, m0 * F + j * NR, F, up, m1 - m0, act, ex)
+                for m in range(m0, m1):
+                    o = m * F + j * NR
+                    u = (m - m0) * NR
+                    for c in range(NR):
+                        of[o + c] = _act(of[o + c], act) * up[u + c]
 
 
 # FFI handlers. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR]. handler_add takes a

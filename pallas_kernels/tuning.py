@@ -54,13 +54,6 @@ def packed_matmuls(platform: str, attention_backend: str, num_devices: int) -> b
     return platform == "cpu" and attention_backend == "numba" and num_devices == 1
 
 
-# With packed matmuls, the MLP's gate/up projection and its activation as one kernel call
-# (numba_matmul.glu) for steps of up to this many tokens, the matmul and XLA's elementwise pass
-# above it. Demo model's [576, 3072], cold weights: T = 32 0.28 against 0.53 ms, T = 128 level,
-# T = 2048 15.7 against 15.0 ms (its epilogue costs more there than XLA's pass).
-FUSED_GLU_MAX_ROWS = 256
-
-
 # How the model holds its layer weights (jaxsched/models/layers.py). Both run one lax.scan over the
 # layers. "stacked": every weight stacked along a leading L axis and sliced per layer as the scan's
 # xs; XLA:CPU copies that dynamic slice before each dot. "per_layer": separate arrays per layer,

@@ -215,11 +215,9 @@ GLU_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.ge
 def glu(p: dict, x, name: str, act: str, bias: str = "", shards: int = 1):
     """act(gate) * up [T, F] from the fused gate/up projection p[name] (its columns [gate up] in
     `shards` groups, split_gate_up); act a GLU_ACTIVATIONS name. A packed weight without a bias
-    runs all of it in numba_matmul.glu for steps of up to tuning.FUSED_GLU_MAX_ROWS tokens, so the
-    [T, 2F] projection is never written out."""
+    runs all of it in numba_matmul.glu, so the [T, 2F] projection is never written out."""
     w = p[name]
-    if w.ndim == 3 and bias not in p and w.shape[0] % 2 == 0 \
-            and math.prod(x.shape[:-1]) <= tuning.FUSED_GLU_MAX_ROWS:
+    if w.ndim == 3 and bias not in p and w.shape[0] % 2 == 0:
         from pallas_kernels import numba_matmul
 
         return numba_matmul.glu(x, w, act)
