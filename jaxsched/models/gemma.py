@@ -26,13 +26,13 @@ from jaxsched.models.layers import (
     Put,
     decoder_layer_spec,
     embed_tokens,
-    glu,
     hf_decoder_weights,
     linear,
     paged_attend,
     param,
     rope_cos_sin,
     shards_of,
+    split_gate_up,
     split_qkv,
     vocab_logits,
 )
@@ -89,9 +89,9 @@ class GemmaForCausalLM(nnx.Module):
             return split_qkv(linear(p, gemma_rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H, shards)
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
-            h = linear(p, o, "o_proj", "o_bias", residual=h)
-            x = glu(p, gemma_rms_norm(h, p["post_norm"], eps), "gate_up", "gelu_tanh", shards=shards)
-            return linear(p, x, "down", residual=h)
+            h = h + linear(p, o, "o_proj", "o_bias")
+            g, u = split_gate_up(linear(p, gemma_rms_norm(h, p["post_norm"], eps), "gate_up"), shards)
+            return h + linear(p, jax.nn.gelu(g, approximate=True) * u, "down")
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
         h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]

@@ -194,35 +194,17 @@ def shards_of(mesh) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 
-def linear(p: dict, x, name: str, bias: str = "", residual=None):
-    """x @ p[name], plus p[bias] when the layer has that bias, plus `residual` (the layer's hidden
-    state) when given. A weight packed by pack_linear_weights ([N / NR, K, NR]) goes through
-    numba_matmul's kernel, which sums the residual into its accumulators (no pass of its own)."""
+def linear(p: dict, x, name: str, bias: str = ""):
+    """x @ p[name], plus p[bias] when the layer has that bias. A weight packed by
+    pack_linear_weights ([N / NR, K, NR]) goes through numba_matmul's kernel."""
     w = p[name]
     if w.ndim == 3:
         from pallas_kernels import numba_matmul  # numba is imported only where it is used
 
-        y = numba_matmul.matmul(x, w, add=residual)
-        return y + p[bias] if bias in p else y
-    y = x @ w
-    y = y + p[bias] if bias in p else y
-    return y if residual is None else residual + y
-
-
-GLU_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-def glu(p: dict, x, name: str, act: str, bias: str = "", shards: int = 1):
-    """act(gate) * up [T, F] from the fused gate/up projection p[name] (its columns [gate up] in
-    `shards` groups, split_gate_up); act a GLU_ACTIVATIONS name. A packed weight without a bias
-    runs all of it in numba_matmul.glu, so the [T, 2F] projection is never written out."""
-    w = p[name]
-    if w.ndim == 3 and bias not in p and w.shape[0] % 2 == 0:
-        from pallas_kernels import numba_matmul
-
-        return numba_matmul.glu(x, w, act)
-    g, u = split_gate_up(linear(p, x, name, bias), shards)
-    return GLU_ACTIVATIONS[act](g) * u
+        y = numba_matmul.matmul(x, w)
+    else:
+        y = x @ w
+    return y + p[bias] if bias in p else y
 
 
 LINEAR_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")  # the layer spec's weights that linear() reads

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -23,7 +24,6 @@ from jaxsched.models.layers import (
     Put,
     decoder_layer_spec,
     embed_tokens,
-    glu,
     hf_decoder_weights,
     linear,
     paged_attend,
@@ -31,6 +31,7 @@ from jaxsched.models.layers import (
     rms_norm,
     rope_cos_sin,
     shards_of,
+    split_gate_up,
     split_qkv,
     vocab_logits,
 )
@@ -115,9 +116,9 @@ class LlamaForCausalLM(nnx.Module):
             return q, k, v
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
-            h = linear(p, o, "o_proj", "o_bias", residual=h)
-            x = glu(p, rms_norm(h, p["post_norm"], eps), "gate_up", "silu", "gate_up_bias", shards)
-            return linear(p, x, "down", "down_bias", residual=h)
+            h = h + linear(p, o, "o_proj", "o_bias")
+            g, u = split_gate_up(linear(p, rms_norm(h, p["post_norm"], eps), "gate_up", "gate_up_bias"), shards)
+            return h + linear(p, jax.nn.silu(g) * u, "down", "down_bias")
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
