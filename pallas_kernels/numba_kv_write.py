@@ -2,10 +2,10 @@
 pool: q, k, v [T, heads, H] from the layer's projection -> q with rope applied, and k (with rope)
 and v written into their pages at the step's slot mapping, the pools updated in place.
 
-Why: in XLA the same work is three passes and a scatter: q's and k's rope (each a fusion that
-slices the projection and writes a new array), then the scatter of k and v into the donated pools
-(on the demo model's 2048-token prefill steps ~60 ms of ~1.2 s; docs/PERFORMANCE.md). Here each
-token's heads are read once, and written once, where they go.
+Why: in XLA the same work is rope's fusions on q and k (each writes a new array) and then a scatter
+of k and v into the donated pools; here each token's heads are read once and written once, where
+they go (on the demo model's 2048-token prefill step, the scatter and rope's concatenations took
+~40 ms, this kernel ~22; docs/PERFORMANCE.md, "Decisions in the code").
 
 Same results as layers.apply_rope followed by kv_cache.write_kv (HF's rotate-half convention; a
 padding token's slot 0 writes the null page; a slot outside the pool writes nothing). Used by
