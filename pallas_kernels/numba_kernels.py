@@ -233,59 +233,45 @@ _tile8_set = make_tile(8, "strided")
 _tile8_add = make_tile(8, "strided", accumulate=True)
 
 
-def _page_scores(qs, kc, layer, blk, k, s, rows, n):
-    """s[:rows, :n] = qs[:rows] . page [H, :n], the page kc[layer, blk, k]; rows a multiple of 8.
-    Columns n.. of s hold scores of stale slots or zeros (callers read s[:, :n] only)."""
+def _page_dot(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+    """c[:rows, :cols] = (or += with add) a[:rows, :kdim] . page[:kdim, :cols], the page
+    pool[layer, blk, k] (a K page [H, P] for the scores, a V page [P, H] for the values); rows a
+    multiple of 8. The register tiles write whole tiles of NR columns: columns cols.. of c up to the
+    next multiple of NR get scores of stale slots, which callers do not read."""
 
 
-@overload(_page_scores, inline="always")
-def _page_scores_impl(qs, kc, layer, blk, k, s, rows, n):
-    if isinstance(kc.dtype, types.Float):  # a float32 pool: numba_tile's register tiles on the page
-        def fast(qs, kc, layer, blk, k, s, rows, n):
-            _, NB, K, H, P = kc.shape
-            if P % NR != 0:  # (pages of 16: the tile would write past s's rows)
-                s[:rows, :n] = 0.0
-                _matmul_acc(qs, kc[layer, blk, k], s, rows, H, n)
-                return
-            page = ((layer * NB + blk) * K + k) * H * P
-            for c0 in range(0, n, NR):
-                for r0 in range(0, rows, 8):
-                    _tile8_set(qs, r0 * H, H, kc, page + c0, P, s, r0 * P + c0, P, H)
-        return fast
+@overload(_page_dot, inline="always")
+def _page_dot_impl(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+    def loops(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+        if not add:
+            c[:rows, :cols] = 0.0
+        _matmul_acc(a, pool[layer, blk, k], c, rows, kdim, cols)
 
-    def loops(qs, kc, layer, blk, k, s, rows, n):
-        s[:rows, :n] = 0.0
-        _matmul_acc(qs, kc[layer, blk, k], s, rows, kc.shape[3], n)
-    return loops
+    if not isinstance(pool.dtype, types.Float):  # a uint16 pool: read through _val in the loops
+        return loops
 
-
-def _page_values(s, vc, layer, blk, k, acc, rows, n):
-    """acc[:rows] += s[:rows, :n] . page [:n, H], the page vc[layer, blk, k]; rows a multiple of 8."""
-
-
-@overload(_page_values, inline="always")
-def _page_values_impl(s, vc, layer, blk, k, acc, rows, n):
-    if isinstance(vc.dtype, types.Float):
-        def fast(s, vc, layer, blk, k, acc, rows, n):
-            _, NB, K, P, H = vc.shape
-            if H % NR != 0:
-                _matmul_acc(s, vc[layer, blk, k], acc, rows, n, H)
-                return
-            page = ((layer * NB + blk) * K + k) * P * H
-            for c0 in range(0, H, NR):
-                for r0 in range(0, rows, 8):
-                    _tile8_add(s, r0 * P, P, vc, page + c0, H, acc, r0 * H + c0, H, n)
-        return fast
-
-    def loops(s, vc, layer, blk, k, acc, rows, n):
-        _matmul_acc(s, vc[layer, blk, k], acc, rows, n, vc.shape[4])
-    return loops
+    def tiles(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+        _, NB, K, page_rows, W = pool.shape  # a page: page_rows rows of W
+        if W % NR != 0:  # (pages or heads of 16: a tile would write past c's rows)
+            if not add:
+                c[:rows, :cols] = 0.0
+            _matmul_acc(a, pool[layer, blk, k], c, rows, kdim, cols)
+            return
+        page = ((layer * NB + blk) * K + k) * page_rows * W
+        lda, ldc = a.shape[1], c.shape[1]
+        for c0 in range(0, cols, NR):
+            for r0 in range(0, rows, 8):
+                if add:
+                    _tile8_add(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
+                else:
+                    _tile8_set(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
+    return tiles
 
 
 @njit(fastmath=True, inline="always", cache=True)
 def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
     """Up to Q_TILE consecutive query tokens of one sequence (tokens tok0.., positions pos0..),
-    causal over the cached prefix and themselves (both dots: _page_scores and _page_values)."""
+    causal over the cached prefix and themselves (both dots: _page_dot)."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     R = Q_TILE * G  # query rows per KV head: (token, head of the group), token-major
@@ -310,7 +296,7 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
                 blk = 0
             start = b * P
             n = min(P, limit - start)
-            _page_scores(qs, kc, layer, blk, k, s, rows, n)  # qs [rows, H] x page [H, :n]
+            _page_dot(qs, kc, layer, blk, k, s, rows, H, n, False)  # scores: qs [rows, H] x page [H, :n]
             for i in range(rows):  # causal online softmax: row i sees positions <= its own
                 lim = min(n, pos0 + i // G - start + 1) if i // G < nq else 0
                 if lim <= 0:
@@ -318,7 +304,7 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
                         s[i, p] = _ZERO
                     continue
                 _softmax_row(s, i, lim, n, m, l_sum, acc)
-            _page_values(s, vc, layer, blk, k, acc, rows, n)  # weights [rows, :n] x page [:n, H]
+            _page_dot(s, vc, layer, blk, k, acc, rows, n, H, True)  # values: weights [rows, :n] x page [:n, H]
         for i in range(nq * G):
             inv = np.float32(1.0) / l_sum[i]
             for h in range(H):
