@@ -240,22 +240,25 @@ def _page_dot(a, pool, layer, blk, k, c, rows, kdim, cols, add):
     next multiple of NR get scores of stale slots, which callers do not read."""
 
 
+@njit(fastmath=True, inline="always", cache=True)
+def _page_dot_loops(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+    """_page_dot through _matmul_acc (any pool storage, any page shape)."""
+    if not add:
+        c[:rows, :cols] = 0.0
+    _matmul_acc(a, pool[layer, blk, k], c, rows, kdim, cols)
+
+
 @overload(_page_dot, inline="always")
 def _page_dot_impl(a, pool, layer, blk, k, c, rows, kdim, cols, add):
-    def loops(a, pool, layer, blk, k, c, rows, kdim, cols, add):
-        if not add:
-            c[:rows, :cols] = 0.0
-        _matmul_acc(a, pool[layer, blk, k], c, rows, kdim, cols)
-
     if not isinstance(pool.dtype, types.Float):  # a uint16 pool: read through _val in the loops
+        def loops(a, pool, layer, blk, k, c, rows, kdim, cols, add):
+            _page_dot_loops(a, pool, layer, blk, k, c, rows, kdim, cols, add)
         return loops
 
     def tiles(a, pool, layer, blk, k, c, rows, kdim, cols, add):
         _, NB, K, page_rows, W = pool.shape  # a page: page_rows rows of W
         if W % NR != 0:  # (pages or heads of 16: a tile would write past c's rows)
-            if not add:
-                c[:rows, :cols] = 0.0
-            _matmul_acc(a, pool[layer, blk, k], c, rows, kdim, cols)
+            _page_dot_loops(a, pool, layer, blk, k, c, rows, kdim, cols, add)
             return
         page = ((layer * NB + blk) * K + k) * page_rows * W
         lda, ldc = a.shape[1], c.shape[1]
