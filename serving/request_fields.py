@@ -12,6 +12,7 @@ A row names a top-level field, or a field of a nested object by its dotted path
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -236,11 +237,18 @@ def _lookup(req: Any, path: str) -> tuple[Any, Any]:
         obj = getattr(obj, name)
         if obj is None:
             return None, None
-    for f in msgspec.structs.fields(type(obj)):
-        if f.name == leaf:
-            default = f.default if f.default is not msgspec.NODEFAULT else None
-            return getattr(obj, leaf), default
-    raise AttributeError(f"{type(obj).__name__} has no field {leaf!r}")
+    defaults = _defaults(type(obj))
+    if leaf not in defaults:
+        raise AttributeError(f"{type(obj).__name__} has no field {leaf!r}")
+    return getattr(obj, leaf), defaults[leaf]
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    """Each field of a msgspec Struct type with its default (None where it has none). Cached:
+    msgspec.structs.fields resolves the type's annotations on every call, which cost 9 ms per
+    completions request (28 per chat request) on the event loop when done per field."""
+    return {f.name: (f.default if f.default is not msgspec.NODEFAULT else None) for f in msgspec.structs.fields(cls)}
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -208,6 +208,20 @@ def test_unknown_route() -> None:
         refuse_unsupported(msgspec.convert(BASE[CHAT], ChatCompletionRequest), "embeddings")
 
 
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checking_a_request_does_not_resolve_its_types_again(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs on the event loop for every request: resolving a Struct's annotations per
+    checked field (msgspec.structs.fields) cost 9 ms per completions request and 28 per chat
+    request there. Each Struct type is resolved once, however many requests come."""
+    calls: list[type] = []
+    real = msgspec.structs.fields
+    monkeypatch.setattr(msgspec.structs, "fields", lambda cls: calls.append(cls) or real(cls))
+    req = msgspec.convert(BASE[route], STRUCTS[route])
+    for _ in range(20):
+        refuse_unsupported(req, route)
+    assert len(calls) == len(set(calls)) <= 3, f"{len(calls)} resolutions for 20 requests"
+
 # -- (c) OpenAI's parameters are all decided ---------------------------------------------------------
 def _openai_params(module: Any) -> set[str]:
     names: set[str] = set()
