@@ -167,28 +167,41 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             blk = blocks[b]
             if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
                 blk = 0
-            j = k * nb + b + 1  # the stream's next page: (head j // nb, block j % nb)
-            nxt, nk = (blocks[j % nb], j // nb) if j < K * nb else (next_blk, 0)
+            j = k * nb + b + 1  # the stream's next page: (head j // nb, block j % nb), n_next filled
+            if j < K * nb:
+                nxt, nk, n_next = blocks[j % nb], j // nb, min(P, kv_len - (j % nb) * P)
+            else:  # the thread's next item: its fill is not known here
+                nxt, nk, n_next = next_blk, 0, P
             if nxt < 0 or nxt >= NB:
                 nxt = 0
             ahead = ((layer * NB + nxt) * K + nk) * H * P  # flat offset of that page, K and V alike
             n = min(P, kv_len - b * P)
+            # A page's last filled position bounds what is read: a row of the K page holds all P
+            # positions, so the score dot runs over the filled ones only (in whole 16-lane vectors),
+            # and the prefetch asks for the next page's filled lines only. With short contexts
+            # most pages are partly filled (a context of 150 fills 22 of a second 128-token page).
+            cols = min(P, (n + 15) // 16 * 16)
+            cols_next = min(P, (n_next + 15) // 16 * 16)
             kp = kc[layer, blk, k]  # [H, P]: scores are sums of rows of the page
             vp = vc[layer, blk, k]  # [P, H]
-            s[:] = 0.0
-            for h in range(0, h4, 4):  # scores s [G, P] += qs [G, H] . page [H, P]
-                for x in range(0, 4 * P, 16):  # 16 float32 to a 64-byte line
-                    _prefetch(kc, ahead + h * P + x)
-                _rows_acc(qs, kp, s, h, 4, G, P)
-            _rows_acc(qs, kp, s, h4, H - h4, G, P)
+            for g in range(G):
+                for x in range(cols):
+                    s[g, x] = _ZERO
+            for h in range(0, h4, 4):  # scores s [G, :cols] += qs [G, H] . page [H, :cols]
+                for r in range(4):
+                    for x in range(0, cols_next, 16):  # 16 float32 to a 64-byte line
+                        _prefetch(kc, ahead + (h + r) * P + x)
+                _rows_acc(qs, kp, s, h, 4, G, cols)
+            _rows_acc(qs, kp, s, h4, H - h4, G, cols)
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
             n4 = n - n % 4
             for p in range(0, n4, 4):  # values acc [G, H] += s [G, :n] . page [:n, H]
-                for x in range(0, 4 * H, 16):
-                    _prefetch(vc, ahead + p * H + x)
+                if p < n_next:
+                    for x in range(0, 4 * H, 16):
+                        _prefetch(vc, ahead + p * H + x)
                 _rows_acc(s, vp, acc, p, 4, G, H)
-            for x in range(n4 * H, P * H, 16):  # a partly filled page: the rest of the next
+            for x in range(n4 * H, n_next * H, 16):  # the next page's rows past this page's n4
                 _prefetch(vc, ahead + x)
             _rows_acc(s, vp, acc, n4, n - n4, G, H)
         for g in range(G):
