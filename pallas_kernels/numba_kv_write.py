@@ -22,34 +22,50 @@ from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS
 
+SERIAL_TOKENS = 128  # steps of at most this many tokens run on the calling thread alone (rope_write_serial)
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _rows(q, k, v, cos, sin, layer, slots, kc, vc, q_out, t0, t1):
+    """Tokens t0 ... t1 - 1 of rope_write."""
+    N, H = q.shape[1], q.shape[2]
+    K = k.shape[1]
+    half = H // 2
+    L, NB, _, _, P = kc.shape
+    for t in range(t0, t1):
+        for n in range(N):
+            for i in range(half):
+                x1, x2, c, s = q[t, n, i], q[t, n, half + i], cos[t, i], sin[t, i]
+                q_out[t, n, i] = x1 * c - x2 * s
+                q_out[t, n, half + i] = x2 * c + x1 * s
+        slot = slots[t]
+        blk, off = slot // P, slot % P
+        if slot < 0 or blk >= NB or layer < 0 or layer >= L:  # never from the engine's batches
+            continue
+        for kh in range(K):
+            for i in range(half):  # K pages are [H, P]: a token is a column of its page
+                x1, x2, c, s = k[t, kh, i], k[t, kh, half + i], cos[t, i], sin[t, i]
+                kc[layer, blk, kh, i, off] = x1 * c - x2 * s
+                kc[layer, blk, kh, half + i, off] = x2 * c + x1 * s
+            for h in range(H):
+                vc[layer, blk, kh, off, h] = v[t, kh, h]
+
 
 @njit(fastmath=True, parallel=True, cache=True)
 def rope_write(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
     """q f32[T, N, H], k, v f32[T, K, H], cos, sin f32[T, H / 2], slots i32[T];
     kc f32[L, NB, K, H, P], vc f32[L, NB, K, P, H] (updated); q_out f32[T, N, H] (written)."""
-    T, N, H = q.shape
-    K = k.shape[1]
-    half = H // 2
-    L, NB, _, _, P = kc.shape
+    T = q.shape[0]
     n_threads = min(_THREADS, max(T, 1))
     for th in prange(n_threads):
-        for t in range(T * th // n_threads, T * (th + 1) // n_threads):
-            for n in range(N):
-                for i in range(half):
-                    x1, x2, c, s = q[t, n, i], q[t, n, half + i], cos[t, i], sin[t, i]
-                    q_out[t, n, i] = x1 * c - x2 * s
-                    q_out[t, n, half + i] = x2 * c + x1 * s
-            slot = slots[t]
-            blk, off = slot // P, slot % P
-            if slot < 0 or blk >= NB or layer < 0 or layer >= L:  # never from the engine's batches
-                continue
-            for kh in range(K):
-                for i in range(half):  # K pages are [H, P]: a token is a column of its page
-                    x1, x2, c, s = k[t, kh, i], k[t, kh, half + i], cos[t, i], sin[t, i]
-                    kc[layer, blk, kh, i, off] = x1 * c - x2 * s
-                    kc[layer, blk, kh, half + i, off] = x2 * c + x1 * s
-                for h in range(H):
-                    vc[layer, blk, kh, off, h] = v[t, kh, h]
+        _rows(q, k, v, cos, sin, layer, slots, kc, vc, q_out, T * th // n_threads, T * (th + 1) // n_threads)
+
+
+@njit(fastmath=True, cache=True)
+def rope_write_serial(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
+    """rope_write on the calling thread alone. A decode step's few tokens are microseconds of
+    work, less than waking numba's other threads costs (docs/PERFORMANCE.md, "Decisions")."""
+    _rows(q, k, v, cos, sin, layer, slots, kc, vc, q_out, 0, q.shape[0])
 
 
 # FFI handler. Arguments: q f32[T, N, H], k, v f32[T, K, H], cos, sin f32[T, H / 2], slots i32[T],
@@ -71,12 +87,16 @@ def handler(frame_ptr):
             kc[:] = carray(pointer(buffer(frame, ARGS, 7)[0]), (L, NB, K, H, P), dtype=np.float32)
         if buffer(frame, ARGS, 8)[0] != buffer(frame, RETS, 2)[0]:
             vc[:] = carray(pointer(buffer(frame, ARGS, 8)[0]), (L, NB, K, P, H), dtype=np.float32)
-        rope_write(carray(pointer(q_p), (T, N, H), dtype=np.float32),
-                   carray(pointer(k_p), (T, K, H), dtype=np.float32),
-                   carray(pointer(buffer(frame, ARGS, 2)[0]), (T, K, H), dtype=np.float32),
-                   carray(pointer(buffer(frame, ARGS, 3)[0]), (T, H // 2), dtype=np.float32),
-                   carray(pointer(buffer(frame, ARGS, 4)[0]), (T, H // 2), dtype=np.float32),
-                   carray(pointer(buffer(frame, ARGS, 6)[0]), (1,), dtype=np.int32)[0],
-                   carray(pointer(buffer(frame, ARGS, 5)[0]), (T,), dtype=np.int32),
-                   kc, vc, carray(pointer(buffer(frame, RETS, 0)[0]), (T, N, H), dtype=np.float32))
+        q = carray(pointer(q_p), (T, N, H), dtype=np.float32)
+        k = carray(pointer(k_p), (T, K, H), dtype=np.float32)
+        v = carray(pointer(buffer(frame, ARGS, 2)[0]), (T, K, H), dtype=np.float32)
+        cos = carray(pointer(buffer(frame, ARGS, 3)[0]), (T, H // 2), dtype=np.float32)
+        sin = carray(pointer(buffer(frame, ARGS, 4)[0]), (T, H // 2), dtype=np.float32)
+        layer = carray(pointer(buffer(frame, ARGS, 6)[0]), (1,), dtype=np.int32)[0]
+        slots = carray(pointer(buffer(frame, ARGS, 5)[0]), (T,), dtype=np.int32)
+        q_out = carray(pointer(buffer(frame, RETS, 0)[0]), (T, N, H), dtype=np.float32)
+        if T <= SERIAL_TOKENS:
+            rope_write_serial(q, k, v, cos, sin, layer, slots, kc, vc, q_out)
+        else:
+            rope_write(q, k, v, cos, sin, layer, slots, kc, vc, q_out)
     return cpu_ffi.success()
