@@ -208,7 +208,6 @@ def test_unknown_route() -> None:
         refuse_unsupported(msgspec.convert(BASE[CHAT], ChatCompletionRequest), "embeddings")
 
 
-
 @pytest.mark.parametrize("route", ROUTES)
 def test_checking_a_request_does_not_resolve_its_types_again(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check runs on the event loop for every request: resolving a Struct's annotations per
@@ -221,6 +220,7 @@ def test_checking_a_request_does_not_resolve_its_types_again(route: str, monkeyp
     for _ in range(20):
         refuse_unsupported(req, route)
     assert len(calls) == len(set(calls)) <= 3, f"{len(calls)} resolutions for 20 requests"
+
 
 # -- (c) OpenAI's parameters are all decided ---------------------------------------------------------
 def _openai_params(module: Any) -> set[str]:
