@@ -25,12 +25,34 @@ from numba import carray, cfunc, njit, prange
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS
+from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp
 from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
 
 MB = 192  # rows per outer block: 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
 
 _tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (8, 4, 2, 1))
+
+
+@njit(inline="always", cache=True)
+def _tile_rows(left):
+    """The rows of the next row tile with `left` rows of a block to go: 8 while there are, then one
+    tile each of 4, 2 and 1 as needed."""
+    return 8 if left >= 8 else (4 if left >= 4 else (2 if left >= 2 else 1))
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
+    """One row tile (rows of 8, 4, 2 or 1) of panel b: of[o_off.., NR columns, rows ldo apart] =
+    x's rows from x_off . the panel; the i-th of n_tiles tiles of the panel, which prefetches its
+    share of panel `ahead`."""
+    if rows == 8:
+        _tile8(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
+    elif rows == 4:
+        _tile4(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
+    elif rows == 2:
+        _tile2(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
+    else:
+        _tile1(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -68,6 +90,42 @@ def packed_matmul(x, w, out):
                     _tile1(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
 
 
+@njit(fastmath=True, parallel=True, cache=True)
+def packed_matmul_silu_mul(x, w, out):
+    """out f32[M, F] = silu(x @ Wg) * (x @ Wu), w the packed [Wg Wu] f32[P, K, NR] (a fused gate/up
+    weight, F = P / 2 * NR: the gate's panels first). Each row tile of a gate panel and of the up
+    panel beside it go to a scratch tile in cache, and only their product is written, so the
+    [M, 2 F] projection never reaches memory nor a separate elementwise pass."""
+    M, K = x.shape
+    F2 = w.shape[0] // 2  # panels of the gate (and of the up)
+    F = F2 * NR
+    xf, wf, of = x.ravel(), w.ravel(), out.ravel()
+    n_threads = min(_THREADS, max(F2, 1))
+    for t in prange(n_threads):
+        q0, q1 = F2 * t // n_threads, F2 * (t + 1) // n_threads
+        gu = np.empty(16 * NR, np.float32)  # a row tile of the gate [8, NR], then of the up [8, NR]
+        for m0 in range(0, M, MB):
+            m1 = min(M, m0 + MB)
+            r = (m1 - m0) % 8
+            n_tiles = (m1 - m0) // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
+            for q in range(q0, q1):
+                nq = q + 1 if q + 1 < q1 else q0
+                m = m0
+                i = 0
+                while m < m1:
+                    rows = _tile_rows(m1 - m)
+                    _tile(rows, xf, m * K, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
+                    _tile(rows, xf, m * K, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, 8 * NR, NR)
+                    for j in range(rows):
+                        for c in range(NR):
+                            g = gu[j * NR + c]
+                            e = _exp(-abs(g))  # exp of a non-positive number: no overflow
+                            sig = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
+                            of[(m + j) * F + q * NR + c] = g * sig * gu[(8 + j) * NR + c]
+                    m += rows
+                    i += 1
+
+
 # FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR].
 @cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
 def handler(frame_ptr):
@@ -79,6 +137,21 @@ def handler(frame_ptr):
         packed_matmul(carray(pointer(x_p), (M, K), dtype=np.float32),
                       carray(pointer(w_p), (P, K, NR), dtype=np.float32),
                       carray(pointer(buffer(frame, RETS, 0)[0]), (M, P * NR), dtype=np.float32))
+    return cpu_ffi.success()
+
+
+# FFI handler of the fused gate/up kernel. Arguments: x f32[M, K], w f32[P, K, NR], P even; result
+# f32[M, P / 2 * NR].
+@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
+def handler_silu_mul(frame_ptr):
+    frame = cpu_ffi.frame_words(frame_ptr)
+    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        x_p, x_d = buffer(frame, ARGS, 0)
+        w_p, w_d = buffer(frame, ARGS, 1)
+        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
+        packed_matmul_silu_mul(carray(pointer(x_p), (M, K), dtype=np.float32),
+                               carray(pointer(w_p), (P, K, NR), dtype=np.float32),
+                               carray(pointer(buffer(frame, RETS, 0)[0]), (M, P // 2 * NR), dtype=np.float32))
     return cpu_ffi.success()
 
 
@@ -100,19 +173,32 @@ def unpack(wp: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _target() -> str:
-    name = "jaxsched_numba_matmul_f32"
-    cpu_ffi.register(name, handler)
+def _target(fused: bool = False) -> str:
+    name = "jaxsched_numba_matmul_silu_mul_f32" if fused else "jaxsched_numba_matmul_f32"
+    cpu_ffi.register(name, handler_silu_mul if fused else handler)
     return name
 
 
 def matmul(x, wp):
     """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program."""
+    return _call(x, wp, fused=False)
+
+
+def matmul_silu_mul(x, wp):
+    """silu(x @ Wg) * (x @ Wu) [..., F] with wp = pack([Wg Wu]) of an even number of panels (F a
+    multiple of NR), in float32, inside a jitted program."""
+    if wp.shape[0] % 2:
+        raise ValueError(f"a fused gate/up weight needs an even number of {NR}-column panels, got {wp.shape[0]}")
+    return _call(x, wp, fused=True)
+
+
+def _call(x, wp, fused: bool):
     import jax
     import jax.numpy as jnp
 
     P, K, _ = wp.shape
+    N = P // 2 * NR if fused else P * NR
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
-    out = jax.ffi.ffi_call(_target(), jax.ShapeDtypeStruct((x2.shape[0], P * NR), jnp.float32))(x2, wp)
-    return out.reshape(*lead, P * NR).astype(x.dtype)
+    out = jax.ffi.ffi_call(_target(fused), jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))(x2, wp)
+    return out.reshape(*lead, N).astype(x.dtype)

@@ -28,6 +28,31 @@ def test_packed_matmul_matches_numpy(K, N, T):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
+
+@pytest.mark.parametrize("K,F", [(64, 32), (96, 96), (576, 1536)])
+@pytest.mark.parametrize("T", [1, 3, 8, 13, 200, 400])
+def test_fused_gate_up_matches_numpy(K, F, T):
+    # silu(x @ Wg) * (x @ Wu) from the packed [Wg Wu]: every row tile, more than one block of MB
+    # rows, and gate values far on both sides of zero (large |g|: the sigmoid's two branches)
+    rng = np.random.default_rng(T * 1000 + F)
+    w = rng.standard_normal((K, 2 * F)).astype(np.float32)
+    w[:, : F // 4] *= 20
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    y = np.asarray(jax.jit(nm.matmul_silu_mul)(jnp.asarray(x), jnp.asarray(nm.pack(w))))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    g, u = ref[:, :F], ref[:, F:]
+    e = np.exp(-np.abs(g))  # the sigmoid without overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below
+    want = g * np.where(g >= 0, 1 / (1 + e), e / (1 + e)) * u
+    assert y.shape == (T, F) and np.abs(g).max() > 50
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_fused_gate_up_needs_whole_panels_for_each_half():
+    w = jnp.zeros((3, 64, nm.NR), jnp.float32)  # 96 columns: the gate would end inside a panel
+    with pytest.raises(ValueError, match="even number"):
+        nm.matmul_silu_mul(jnp.zeros((2, 64)), w)
+
+
 def test_leading_axes_and_no_rows():
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1e3
     x = np.ones((2, 3, 64), np.float32)

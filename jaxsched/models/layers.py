@@ -264,6 +264,19 @@ def split_gate_up(x, shards: int = 1):
     return g.reshape(T, -1), u.reshape(T, -1)
 
 
+def silu_gate_up(p: dict, x, shards: int = 1):
+    """silu(gate) * up [T, F] of the fused gate/up projection of x. A weight packed by
+    pack_linear_weights, without a bias, goes through numba_matmul's fused kernel, where the
+    [T, 2 F] projection is never written out."""
+    w = p["gate_up"]
+    if w.ndim == 3 and "gate_up_bias" not in p and w.shape[0] % 2 == 0:
+        from pallas_kernels import numba_matmul
+
+        return numba_matmul.matmul_silu_mul(x, w)
+    g, u = split_gate_up(linear(p, x, "gate_up", "gate_up_bias"), shards)
+    return jax.nn.silu(g) * u
+
+
 def rms_norm(x, weight, eps: float):
     """HF's LlamaRMSNorm: normalise in float32, scale in the weight's dtype."""
     x32 = x.astype(jnp.float32)

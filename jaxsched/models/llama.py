@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -31,7 +30,7 @@ from jaxsched.models.layers import (
     rms_norm,
     rope_cos_sin,
     shards_of,
-    split_gate_up,
+    silu_gate_up,
     split_qkv,
     vocab_logits,
 )
@@ -117,8 +116,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")
-            g, u = split_gate_up(linear(p, rms_norm(h, p["post_norm"], eps), "gate_up", "gate_up_bias"), shards)
-            return h + linear(p, jax.nn.silu(g) * u, "down", "down_bias")
+            return h + linear(p, silu_gate_up(p, rms_norm(h, p["post_norm"], eps), shards), "down", "down_bias")
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
