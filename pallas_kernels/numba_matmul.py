@@ -12,8 +12,13 @@ registers through the whole sum over K, prefetching the thread's next panel. The
 panels out to numba's threads and walks the rows in blocks of MB, so a block of x stays in L2 while
 every panel of the thread passes over it.
 
+A second kernel, `matmul_silu_mul`, takes a fused gate/up weight and returns silu(gate) * up: the
+[T, 2 F] projection stays in a scratch tile in cache instead of going to memory for XLA to read
+back (docs/PERFORMANCE.md, "Sixth pass").
+
 Used by the "numba" attention backend's engines (runner.py packs the weights; models/layers.linear
-calls `matmul` on a packed weight). Shapes are read at run time; the functions are cached on disk.
+calls `matmul` on a packed weight, layers.silu_gate_up `matmul_silu_mul`). Shapes are read at run
+time; the functions are cached on disk.
 """
 
 from __future__ import annotations
