@@ -131,32 +131,24 @@ def packed_matmul_silu_mul(x, w, out):
                     i += 1
 
 
-# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR].
+# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR], x @ W, or f32[M, P / 2 *
+# NR], silu(gate) * up of a fused gate/up weight (the wrapper that makes the call chooses by the
+# result's shape: matmul, matmul_silu_mul).
 @cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
 def handler(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
         x_p, x_d = buffer(frame, ARGS, 0)
         w_p, w_d = buffer(frame, ARGS, 1)
-        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
-        packed_matmul(carray(pointer(x_p), (M, K), dtype=np.float32),
-                      carray(pointer(w_p), (P, K, NR), dtype=np.float32),
-                      carray(pointer(buffer(frame, RETS, 0)[0]), (M, P * NR), dtype=np.float32))
-    return cpu_ffi.success()
-
-
-# FFI handler of the fused gate/up kernel. Arguments: x f32[M, K], w f32[P, K, NR], P even; result
-# f32[M, P / 2 * NR].
-@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
-def handler_silu_mul(frame_ptr):
-    frame = cpu_ffi.frame_words(frame_ptr)
-    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
-        x_p, x_d = buffer(frame, ARGS, 0)
-        w_p, w_d = buffer(frame, ARGS, 1)
-        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
-        packed_matmul_silu_mul(carray(pointer(x_p), (M, K), dtype=np.float32),
-                               carray(pointer(w_p), (P, K, NR), dtype=np.float32),
-                               carray(pointer(buffer(frame, RETS, 0)[0]), (M, P // 2 * NR), dtype=np.float32))
+        o_p, o_d = buffer(frame, RETS, 0)
+        M, K, P, N = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0), dim(o_d, 1)
+        x = carray(pointer(x_p), (M, K), dtype=np.float32)
+        w = carray(pointer(w_p), (P, K, NR), dtype=np.float32)
+        out = carray(pointer(o_p), (M, N), dtype=np.float32)
+        if N == P * NR:
+            packed_matmul(x, w, out)
+        else:
+            packed_matmul_silu_mul(x, w, out)
     return cpu_ffi.success()
 
 
@@ -178,9 +170,9 @@ def unpack(wp: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _target(fused: bool = False) -> str:
-    name = "jaxsched_numba_matmul_silu_mul_f32" if fused else "jaxsched_numba_matmul_f32"
-    cpu_ffi.register(name, handler_silu_mul if fused else handler)
+def _target() -> str:
+    name = "jaxsched_numba_matmul_f32"
+    cpu_ffi.register(name, handler)
     return name
 
 
@@ -205,5 +197,5 @@ def _call(x, wp, fused: bool):
     N = P // 2 * NR if fused else P * NR
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
-    out = jax.ffi.ffi_call(_target(fused), jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))(x2, wp)
+    out = jax.ffi.ffi_call(_target(), jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))(x2, wp)
     return out.reshape(*lead, N).astype(x.dtype)
