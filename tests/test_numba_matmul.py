@@ -28,7 +28,6 @@ def test_packed_matmul_matches_numpy(K, N, T):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
-
 @pytest.mark.parametrize("K,F", [(64, 32), (96, 96), (576, 1536)])
 @pytest.mark.parametrize("T", [1, 3, 8, 13, 200, 400])
 def test_fused_gate_up_matches_numpy(K, F, T):
