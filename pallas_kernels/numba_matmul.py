@@ -45,6 +45,14 @@ def _tile_rows(left):
     return 8 if left >= 8 else (4 if left >= 4 else (2 if left >= 2 else 1))
 
 
+@njit(inline="always", cache=True)
+def _n_tiles(rows):
+    """The row tiles of a block of `rows` rows: 8 rows each, then one of 4, 2 and 1 as needed (the
+    sequence _tile_rows gives)."""
+    r = rows % 8
+    return rows // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
+
+
 @njit(fastmath=True, inline="always", cache=True)
 def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
     """One row tile (rows of 8, 4, 2 or 1) of panel b: of[o_off.., NR columns, rows ldo apart] =
@@ -72,8 +80,7 @@ def packed_matmul(x, w, out):
         p0, p1 = P * t // n_threads, P * (t + 1) // n_threads
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
-            r = (m1 - m0) % 8  # row tiles of a panel: 8 rows each, then one of 4, 2 and 1 as needed
-            n_tiles = (m1 - m0) // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
+            n_tiles = _n_tiles(m1 - m0)
             for p in range(p0, p1):
                 b = p * K * NR
                 ahead = (p + 1 if p + 1 < p1 else p0) * K * NR  # the weights come from memory every step
@@ -111,8 +118,7 @@ def packed_matmul_silu_mul(x, w, out):
         gu = np.empty(16 * NR, np.float32)  # a row tile of the gate [8, NR], then of the up [8, NR]
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
-            r = (m1 - m0) % 8
-            n_tiles = (m1 - m0) // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
+            n_tiles = _n_tiles(m1 - m0)
             for q in range(q0, q1):
                 nq = q + 1 if q + 1 < q1 else q0
                 m = m0
