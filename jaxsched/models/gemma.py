@@ -97,10 +97,10 @@ class GemmaForCausalLM(nnx.Module):
         h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
-        h, kv = self.layers(h, kv, before, after, attend)
+        h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.
-        hs = gemma_rms_norm(h[batch.logits_indices], self.norm[...], eps)
+        hs = gemma_rms_norm(h, self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
         return vocab_logits(hs, w, self.mesh), kv
 

@@ -5,6 +5,7 @@ stacking of checkpoint tensors into those layouts.
 An architecture file (llama.py, gemma.py) describes one layer as two halves around attention:
     before(p, h) -> q [T, N, H], k, v [T, K, H]     e.g. norm and the fused q/k/v projection
     after(p, h, o) -> h [T, D]                      o [T, N * H]: o projection, residual, MLP
+                                                    (the last layer's: on the sampled rows, [S, D])
 where p is that layer's weights (a dict of arrays named as in the architecture's layer spec).
 Attention itself (rope, the KV write, paged attention over the pool) holds no weights and runs
 between them; `paged_attend` builds it.
@@ -72,8 +73,15 @@ class DecoderLayers(nnx.Module):
         self.per_layer = nnx.List([_layer_params(spec, dtype, rngs, ()) for _ in range(L)]) \
             if layout == "per_layer" else None
 
-    def __call__(self, h, kv, before: Callable, after: Callable, attend: Attend):
-        """h [T, D] through every layer; kv: (k_cache, v_cache) with a leading L axis. -> (h, kv)"""
+    def __call__(self, h, kv, before: Callable, after: Callable, attend: Attend, rows):
+        """h [T, D] through every layer; kv: (k_cache, v_cache) with a leading L axis; rows i32[S]: the
+        tokens whose final hidden state is wanted (where a token is sampled). -> (h [S, D] at rows, kv)
+
+        Only `rows` of the last layer's output are read, so with per-layer weights its second half
+        (o projection, MLP) runs on those S rows instead of all T (every layer's K and V, and so its
+        first half and attention, are still needed for all T). Stacked weights run it on all T: doing
+        otherwise there would take a cond in every layer of the scan or a second copy of the layer
+        outside it, neither measured on a GPU yet."""
         k_cache, v_cache = kv
         if self.stacked is not None:
             def layer(carry, p):  # p: this layer's slice of the stacked weights
@@ -83,7 +91,7 @@ class DecoderLayers(nnx.Module):
 
             (h, k_cache, v_cache, _), _ = jax.lax.scan(
                 layer, (h, k_cache, v_cache, jnp.int32(0)), _arrays(self.stacked))
-            return h, (k_cache, v_cache)
+            return h[rows], (k_cache, v_cache)
         # One switch per layer, between two attentions: branch i runs the end of layer i and the start
         # of layer i + 1 with their own arrays (the other layers' pass through untouched); layer 0's
         # start runs before the scan. The halves are jitted so that they trace and lower once for all
@@ -95,9 +103,12 @@ class DecoderLayers(nnx.Module):
         qkv0 = before_once(ws[0], h)
 
         def between(i, ws, h, o):
-            h = after_once(ws[i], h, o)
             if i + 1 < L:
+                h = after_once(ws[i], h, o)
                 return (h, *before_once(ws[i + 1], h))
+            # the last layer: its second half on the wanted rows only; the other rows of the carry
+            # keep this layer's input, never read
+            h = h.at[rows].set(after_once(ws[i], h[rows], o[rows]))
             return (h, *(jnp.zeros(x.shape, x.dtype) for x in qkv0))  # after the last layer: unused
 
         branches = [functools.partial(between, i) for i in range(L)]
@@ -110,7 +121,7 @@ class DecoderLayers(nnx.Module):
 
         (h, *_, k_cache, v_cache, _), _ = jax.lax.scan(
             layer, (h, *qkv0, k_cache, v_cache, jnp.int32(0)), None, length=L)
-        return h, (k_cache, v_cache)
+        return h[rows], (k_cache, v_cache)
 
 
 def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> Attend:

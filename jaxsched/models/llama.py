@@ -120,9 +120,10 @@ class LlamaForCausalLM(nnx.Module):
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
-        h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend)  # h [T, D]
+        h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend,
+                            batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
-        hs = rms_norm(h[batch.logits_indices], self.norm[...], eps)
+        hs = rms_norm(h, self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
         return vocab_logits(hs, w, self.mesh), kv
 
