@@ -91,6 +91,13 @@ def buffer(frame, which, i):
 
 
 @njit(inline="always")
+def count(frame, which):
+    """How many arguments (which=ARGS) or results (which=RETS) the call has: the size word, two
+    before the buffer array."""
+    return frame[which - 2]
+
+
+@njit(inline="always")
 def dim(dims_addr, i):
     return words(dims_addr, i + 1)[i]
 

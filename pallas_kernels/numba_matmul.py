@@ -69,12 +69,18 @@ def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul(x, w, out):
-    """out f32[M, N] = x f32[M, K] @ W, w the packed W f32[P, K, NR] (N = P * NR); all C-contiguous."""
+def packed_matmul(x, w, out_a, out_b, out_c):
+    """x f32[M, K] @ W, w the packed W f32[P, K, NR], in three column groups: out_a f32[M, Na] gets
+    W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
+    multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
+    The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
+    kernels after it take as they are, instead of XLA copying three slices out of one [M, N]."""
     M, K = x.shape
     P = w.shape[0]
-    N = P * NR
-    xf, wf, of = x.ravel(), w.ravel(), out.ravel()
+    Pa = out_a.shape[1] // NR
+    Pb = Pa + out_b.shape[1] // NR
+    xf, wf = x.ravel(), w.ravel()
+    fa, fb, fc = out_a.ravel(), out_b.ravel(), out_c.ravel()
     n_threads = min(_THREADS, max(P, 1))
     for t in prange(n_threads):
         p0, p1 = P * t // n_threads, P * (t + 1) // n_threads
@@ -82,24 +88,31 @@ def packed_matmul(x, w, out):
             m1 = min(M, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             for p in range(p0, p1):
+                # the group panel p writes into, that group's row length and the panel's column there
+                if p < Pa:
+                    of, N, c = fa, out_a.shape[1], p * NR
+                elif p < Pb:
+                    of, N, c = fb, out_b.shape[1], (p - Pa) * NR
+                else:
+                    of, N, c = fc, out_c.shape[1], (p - Pb) * NR
                 b = p * K * NR
                 ahead = (p + 1 if p + 1 < p1 else p0) * K * NR  # the weights come from memory every step
                 m = m0
                 i = 0
                 while m + 8 <= m1:
-                    _tile8(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
+                    _tile8(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
                     m += 8
                     i += 1
                 if m + 4 <= m1:
-                    _tile4(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
+                    _tile4(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
                     m += 4
                     i += 1
                 if m + 2 <= m1:
-                    _tile2(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
+                    _tile2(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
                     m += 2
                     i += 1
                 if m < m1:
-                    _tile1(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + p * NR, N, K)
+                    _tile1(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -137,24 +150,31 @@ def packed_matmul_silu_mul(x, w, out):
                     i += 1
 
 
-# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]; result f32[M, P * NR], x @ W, or f32[M, P / 2 *
-# NR], silu(gate) * up of a fused gate/up weight (the wrapper that makes the call chooses by the
-# result's shape: matmul, matmul_silu_mul).
+# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]. Results, told apart by their count and
+# shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul); three, x @ W in column groups
+# (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a fused gate/up weight
+# (matmul_silu_mul).
 @cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
 def handler(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
         x_p, x_d = buffer(frame, ARGS, 0)
         w_p, w_d = buffer(frame, ARGS, 1)
-        o_p, o_d = buffer(frame, RETS, 0)
-        M, K, P, N = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0), dim(o_d, 1)
+        a_p, a_d = buffer(frame, RETS, 0)
+        M, K, P, Na = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0), dim(a_d, 1)
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.float32)
-        out = carray(pointer(o_p), (M, N), dtype=np.float32)
-        if N == P * NR:
-            packed_matmul(x, w, out)
+        out_a = carray(pointer(a_p), (M, Na), dtype=np.float32)
+        if cpu_ffi.count(frame, RETS) == 3:
+            b_p, b_d = buffer(frame, RETS, 1)
+            c_p, c_d = buffer(frame, RETS, 2)
+            packed_matmul(x, w, out_a, carray(pointer(b_p), (M, dim(b_d, 1)), dtype=np.float32),
+                          carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32))
+        elif Na == P * NR:
+            none = np.empty((M, 0), np.float32)
+            packed_matmul(x, w, out_a, none, none)
         else:
-            packed_matmul_silu_mul(x, w, out)
+            packed_matmul_silu_mul(x, w, out_a)
     return cpu_ffi.success()
 
 
@@ -184,7 +204,17 @@ def _target() -> str:
 
 def matmul(x, wp):
     """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program."""
-    return _call(x, wp, fused=False)
+    return _call(x, wp, (wp.shape[0] * NR,))[0]
+
+
+def matmul_split(x, wp, widths: tuple[int, int, int]):
+    """x [..., K] @ W as three arrays [..., widths[i]], W's columns in that order, each written by the
+    kernel where it lies (a fused q/k/v projection's q, k and v without slicing). The widths add up to
+    W's columns and are multiples of NR."""
+    if len(widths) != 3 or sum(widths) != wp.shape[0] * NR or any(n % NR or n <= 0 for n in widths):
+        raise ValueError(f"matmul_split takes three positive widths, multiples of {NR}, that add up to the "
+                         f"weight's {wp.shape[0] * NR} columns; got {widths}")
+    return _call(x, wp, widths)
 
 
 def matmul_silu_mul(x, wp):
@@ -192,16 +222,16 @@ def matmul_silu_mul(x, wp):
     multiple of NR), in float32, inside a jitted program."""
     if wp.shape[0] % 2:
         raise ValueError(f"a fused gate/up weight needs an even number of {NR}-column panels, got {wp.shape[0]}")
-    return _call(x, wp, fused=True)
+    return _call(x, wp, (wp.shape[0] // 2 * NR,))[0]
 
 
-def _call(x, wp, fused: bool):
+def _call(x, wp, widths: tuple[int, ...]):
+    """The kernel's results, one [..., n] per width (the handler tells the three calls apart)."""
     import jax
     import jax.numpy as jnp
 
-    P, K, _ = wp.shape
-    N = P // 2 * NR if fused else P * NR
+    K = wp.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
-    out = jax.ffi.ffi_call(_target(), jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))(x2, wp)
-    return out.reshape(*lead, N).astype(x.dtype)
+    outs = jax.ffi.ffi_call(_target(), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(x2, wp)
+    return tuple(o.reshape(*lead, n).astype(x.dtype) for o, n in zip(outs, widths))

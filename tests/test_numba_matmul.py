@@ -52,6 +52,30 @@ def test_fused_gate_up_needs_whole_panels_for_each_half():
         nm.matmul_silu_mul(jnp.zeros((2, 64)), w)
 
 
+@pytest.mark.parametrize("widths", [(576, 192, 192), (32, 32, 32), (64, 32, 96)])
+@pytest.mark.parametrize("T", [1, 13, 200, 400])
+def test_split_matmul_writes_each_column_group_to_its_own_array(widths, T):
+    # a fused q/k/v projection's q, k and v, each written where it lies: the groups of x @ W's
+    # columns in order, every row tile and more than one block of MB rows
+    rng = np.random.default_rng(T + sum(widths))
+    K = 96
+    w = rng.standard_normal((K, sum(widths))).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    got = jax.jit(lambda x, wp: nm.matmul_split(x, wp, widths))(jnp.asarray(x), jnp.asarray(nm.pack(w)))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    edges = np.cumsum((0, *widths))
+    for g, a, b in zip(got, edges[:-1], edges[1:]):
+        assert g.shape == (T, b - a)
+        np.testing.assert_allclose(np.asarray(g), ref[:, a:b], rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("widths", [(64, 32), (64, 32, 48), (96, 48, 16), (128, 0, 32)])
+def test_split_matmul_refuses_widths_that_are_not_three_whole_groups(widths):
+    wp = jnp.zeros((5, 64, nm.NR), jnp.float32)  # 160 columns
+    with pytest.raises(ValueError, match="three positive widths"):
+        nm.matmul_split(jnp.zeros((2, 64)), wp, widths)
+
+
 def test_leading_axes_and_no_rows():
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1e3
     x = np.ones((2, 3, 64), np.float32)
@@ -72,16 +96,19 @@ def test_what_can_be_packed():
 
 @pytest.mark.parametrize("kind", ["llama", "llama3 tied, vocab 320"])
 def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_model(kind, model_dirs, tokenizer_dir,
-                                                                                      tmp_path):
+                                                                                      tmp_path, monkeypatch):
     # the same tiny Llama with the "numba" backend (packed weights) and the "xla" one (XLA's dots):
     # the same greedy tokens and logprobs, and the packed engine's layer weights are all packed; a
     # tied lm_head whose vocabulary fills whole panels gets a packed copy of its own
     from jaxsched import LLM, SamplingParams
 
+    split = nm.matmul_split
     if kind == "llama":
         path = model_dirs["llama"]
     else:
         path = tiny.build_model(str(tmp_path / "tied"), "llama3", tokenizer_dir, seed=3, vocab_size=320)
+    split_calls, traced = [], 0  # the q/k/v projection traced through the split kernel (layers.qkv_projection)
+    monkeypatch.setattr(nm, "matmul_split", lambda *a: split_calls.append(a[2]) or split(*a))
     prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs, logprobs = {}, {}
@@ -98,6 +125,13 @@ def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_m
         else:  # tied: a packed copy with the numba backend, the embedding itself with XLA
             assert (head.shape == (320 // nm.NR, 64, nm.NR)) if backend == "numba" else head is None
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if backend == "numba":  # traced at warm-up, with q's, k's and v's widths
+            cfg = llm.llm_engine.model_config
+            H = cfg.head_dim
+            assert set(split_calls) == {(cfg.num_heads * H, cfg.num_kv_heads * H, cfg.num_kv_heads * H)}
+        else:  # XLA's dots: no packed weight, no split kernel
+            assert len(split_calls) == traced, split_calls[traced:]
+        traced = len(split_calls)
         outs[backend] = [o.outputs[0].token_ids for o in got]
         logprobs[backend] = [o.outputs[0].logprobs for o in got]
     assert outs["numba"] == outs["xla"]

@@ -30,10 +30,10 @@ from jaxsched.models.layers import (
     linear,
     paged_attend,
     param,
+    qkv_projection,
     rope_cos_sin,
     shards_of,
     split_gate_up,
-    split_qkv,
     vocab_logits,
 )
 
@@ -86,7 +86,7 @@ class GemmaForCausalLM(nnx.Module):
         shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            return split_qkv(linear(p, gemma_rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H, shards)
+            return qkv_projection(p, gemma_rms_norm(h, p["input_norm"], eps), N, K, H, shards)
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")

@@ -257,6 +257,22 @@ def pack_linear_weights(state):
     return jax.tree_util.tree_map_with_path(pack, state)
 
 
+def qkv_projection(p: dict, x, N: int, K: int, H: int, shards: int = 1):
+    """The fused q/k/v projection of x [T, D] -> q [T, N, H], k, v [T, K, H]. A weight packed by
+    pack_linear_weights, without a bias, on one shard, goes through numba_matmul.matmul_split, which
+    writes q, k and v to buffers of their own: the kernels after it take them as they are, where the
+    slices of one [T, (N + 2 K) H] output were copies (docs/PERFORMANCE.md, "Seventh pass")."""
+    w = p["qkv"]
+    if w.ndim == 3 and "qkv_bias" not in p and shards == 1:
+        from pallas_kernels import numba_matmul
+
+        if (N * H) % numba_matmul.NR == 0 and (K * H) % numba_matmul.NR == 0:
+            q, k, v = numba_matmul.matmul_split(x, w, (N * H, K * H, K * H))
+            T = x.shape[0]
+            return q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+    return split_qkv(linear(p, x, "qkv", "qkv_bias"), N, K, H, shards)
+
+
 def split_qkv(qkv, N: int, K: int, H: int, shards: int = 1):
     """The fused projection's output [T, (N + 2 K) H] -> q [T, N, H], k, v [T, K, H]. Its columns
     are in `shards` contiguous groups, each [q k v] of that shard's heads (parallel.shard_interleave),

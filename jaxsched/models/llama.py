@@ -27,11 +27,11 @@ from jaxsched.models.layers import (
     linear,
     paged_attend,
     param,
+    qkv_projection,
     rms_norm,
     rope_cos_sin,
     shards_of,
     silu_gate_up,
-    split_qkv,
     vocab_logits,
 )
 
@@ -108,7 +108,7 @@ class LlamaForCausalLM(nnx.Module):
         shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            q, k, v = split_qkv(linear(p, rms_norm(h, p["input_norm"], eps), "qkv", "qkv_bias"), N, K, H, shards)
+            q, k, v = qkv_projection(p, rms_norm(h, p["input_norm"], eps), N, K, H, shards)
             if "q_norm" in p:
                 q = rms_norm(q, p["q_norm"], eps)
                 k = rms_norm(k, p["k_norm"], eps)
