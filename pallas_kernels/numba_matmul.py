@@ -14,11 +14,13 @@ every panel of the thread passes over it.
 
 A second kernel, `matmul_silu_mul`, takes a fused gate/up weight and returns silu(gate) * up: the
 [T, 2 F] projection stays in a scratch tile in cache instead of going to memory for XLA to read
-back (docs/PERFORMANCE.md, "Sixth pass").
+back (docs/PERFORMANCE.md, "Sixth pass"). The plain kernel can also write W's columns to three
+arrays, `matmul_split`: a fused q/k/v projection's q, k and v, which XLA would otherwise copy out of
+one output as slices for the next FFI call ("Seventh pass").
 
 Used by the "numba" attention backend's engines (runner.py packs the weights; models/layers.linear
-calls `matmul` on a packed weight, layers.silu_gate_up `matmul_silu_mul`). Shapes are read at run
-time; the functions are cached on disk.
+calls `matmul` on a packed weight, layers.qkv_projection `matmul_split`, layers.silu_gate_up
+`matmul_silu_mul`). Shapes are read at run time; the functions are cached on disk.
 """
 
 from __future__ import annotations
