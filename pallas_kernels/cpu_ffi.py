@@ -17,7 +17,8 @@ ships as include/xla/ffi/api/c_api.h; every struct starts with struct_size and e
 XLA calls the handler once at registration with a metadata extension (it checks the FFI version
 the handler was built for), then once per execution. Shapes and dtypes are static per program and
 checked in Python before the call is traced, so a handler only reads pointers and sizes. A handler
-is a module-level `@cfunc(HANDLER_SIGNATURE, cache=True)`:
+is `cfunc(HANDLER_SIGNATURE, cache=True)` of a module-level function (numba caches only those), made
+at import or, where compiling it is slow, on first use (numba_kernels.handler):
 
     frame = frame_words(frame_ptr)
     if not answer_metadata(frame) and executing(frame):
@@ -115,7 +116,7 @@ _PyCapsule_New.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
 def register(name: str, handler) -> None:
     """Register a numba `@cfunc(HANDLER_SIGNATURE)` with XLA:CPU under `name`. Register each name
     once (XLA refuses a second, different handler under the same name); the cfunc object must stay
-    alive as long as programs that call it (module-level cfuncs do)."""
+    alive as long as programs that call it (module-level or cached ones do)."""
     import jax
 
     capsule = _PyCapsule_New(handler.address, b"xla._CUSTOM_CALL_TARGET", None)

@@ -38,7 +38,7 @@ def _target(bits: bool) -> str:
     from pallas_kernels import cpu_ffi, numba_kernels
 
     name = f"jaxsched_numba_attention_{'u16' if bits else 'f32'}"
-    cpu_ffi.register(name, numba_kernels.handler_u16 if bits else numba_kernels.handler_f32)
+    cpu_ffi.register(name, numba_kernels.handler(bits))
     return name
 
 

@@ -14,12 +14,14 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 the loops); otherwise loops of 4 rows and 4 terms per pass (about 3x one row-term
                 at a time; docs/PERFORMANCE.md, "Decisions in the code").
 
-Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use on a
-machine compiles them (tens of seconds, both pool storages), later processes load the cache.
-The FFI handlers at the bottom are what XLA calls (cpu_ffi.py).
+Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use of a
+pool storage on a machine compiles its handler, later processes load the cache. The FFI handlers at
+the bottom (`handler`) are what XLA calls (cpu_ffi.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -39,7 +41,7 @@ try:
 
     _launch_threads()
     _CACHE_HANDLERS = True
-except (ImportError, AttributeError):  # another numba: compile the handlers in every process (~5 s)
+except (ImportError, AttributeError):  # another numba: compile the handlers in every process
     _CACHE_HANDLERS = False
 
 Q_TILE = 16  # query tokens per prefill work item (a multiple of 4: rows go through 4 at a time)
@@ -137,7 +139,10 @@ def _rows_acc(a, b, c, j, terms, rows, cols):
                     c[g, x] += e * _val(b[t, x])
 
 
-@njit(fastmath=True, inline="always", cache=True)
+# decode_row and prefill_tile are called once per work item, not inlined into `ragged` (the inner
+# loops' helpers above are, with inline="always"): inlining them too doubled the handlers' compile
+# time, for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code").
+@njit(fastmath=True, cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
 
@@ -284,7 +289,7 @@ def _page_dot_impl(a, pool, layer, blk, k, c, rows, kdim, cols, add):
     return tiles
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, cache=True)  # not inlined: see decode_row
 def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
     """Up to Q_TILE consecutive query tokens of one sequence (tokens tok0.., positions pos0..),
     causal over the cached prefix and themselves (both dots: _page_dot)."""
@@ -416,12 +421,12 @@ def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
 # q f32[T, N, H], k_cache, v_cache, layer i32[1], block_tables i32[S, M], seq_lens i32[S],
 # query_start_loc i32[S + 1], num_seqs i32[1], sm_scale f32[1]; result f32[T, N, H].
 # ---------------------------------------------------------------------------------------------------
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _scalar(frame, i, dtype):
     return carray(pointer(buffer(frame, ARGS, i)[0]), (1,), dtype=dtype)[0]
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _run(frame, kc, vc):
     q_p, q_d = buffer(frame, ARGS, 0)
     bt_p, bt_d = buffer(frame, ARGS, 4)
@@ -435,15 +440,14 @@ def _run(frame, kc, vc):
            carray(pointer(buffer(frame, RETS, 0)[0]), (T, N, H), dtype=np.float32))
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _pool_shapes(frame):
     _, k_d = buffer(frame, ARGS, 1)
     L, NB, K, H, P = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2), dim(k_d, 3), dim(k_d, 4)
     return (L, NB, K, H, P), (L, NB, K, P, H)
 
 
-@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
-def handler_f32(frame_ptr):
+def _handler_f32(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
         k_shape, v_shape = _pool_shapes(frame)
@@ -452,11 +456,18 @@ def handler_f32(frame_ptr):
     return cpu_ffi.success()
 
 
-@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
-def handler_u16(frame_ptr):
+def _handler_u16(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
         k_shape, v_shape = _pool_shapes(frame)
         _run(frame, carray(pointer(buffer(frame, ARGS, 1)[0]), k_shape, dtype=np.uint16),
              carray(pointer(buffer(frame, ARGS, 2)[0]), v_shape, dtype=np.uint16))
     return cpu_ffi.success()
+
+
+@functools.cache
+def handler(bits: bool):
+    """The FFI handler for a float32 pool (bits False) or a uint16 one holding bfloat16 bits,
+    compiled (or loaded from numba's cache) on first use: an engine pays only for the storage its
+    pool has, and importing this module (numba_matmul.py does) compiles nothing."""
+    return cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)(_handler_u16 if bits else _handler_f32)

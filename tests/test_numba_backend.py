@@ -46,3 +46,15 @@ def test_without_numba_auto_falls_back_and_explicit_numba_says_why(llama_dir, mo
     with pytest.raises(ValueError, match="attention_backend='numba' cannot run here: numba is not importable.*"
                                          "use attention_backend='xla'"):
         LLM(llama_dir, attention_backend="numba", **ENGINE)
+
+
+def test_importing_the_kernels_compiles_no_attention_handler():
+    """numba_matmul.py imports numba_kernels; the attention handlers are compiled (cold, tens of
+    seconds each) only when an engine asks for its pool storage's, once per process."""
+    from numba.core.ccallback import CFunc
+
+    from pallas_kernels import numba_kernels
+
+    assert [name for name, v in vars(numba_kernels).items() if isinstance(v, CFunc)] == []
+    f32 = numba_kernels.handler(False)
+    assert isinstance(f32, CFunc) and f32.address and numba_kernels.handler(False) is f32
