@@ -21,7 +21,7 @@ the bottom (`handler`) are what XLA calls (cpu_ffi.py).
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -465,9 +465,16 @@ def _handler_u16(frame_ptr):
     return cpu_ffi.success()
 
 
-@functools.cache
+_HANDLERS: dict[bool, object] = {}
+_HANDLERS_LOCK = threading.Lock()  # one cfunc per storage, even if two threads trace at once
+
+
 def handler(bits: bool):
     """The FFI handler for a float32 pool (bits False) or a uint16 one holding bfloat16 bits,
     compiled (or loaded from numba's cache) on first use: an engine pays only for the storage its
     pool has, and importing this module (numba_matmul.py does) compiles nothing."""
-    return cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)(_handler_u16 if bits else _handler_f32)
+    with _HANDLERS_LOCK:
+        if bits not in _HANDLERS:
+            _HANDLERS[bits] = cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)(
+                _handler_u16 if bits else _handler_f32)
+        return _HANDLERS[bits]
