@@ -127,6 +127,48 @@ def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tu
     return tuple(out)
 
 
+# The int32 row fields the sampler reads, in the order the model program passes them on. The
+# sampler is a program of its own, compiled per S alone (runner.py), so it cannot take the int32
+# buffer, whose length depends on T: the model program hands it these as one i32[6 S] array. The
+# float32 buffer holds sampler fields only, each [S], so it goes to the sampler program as it is.
+SAMPLER_I32 = ("top_k", "seeds", "sample_index", "num_logprobs", "penalty_num", "masked")
+
+
+@dataclass
+class SamplerRows:
+    """What the sampler reads of a step: BatchDescriptor's row fields and tables of the same names,
+    rebuilt inside the sampler program (S rows; shapes as in BatchDescriptor)."""
+
+    top_k: object
+    seeds: object
+    sample_index: object
+    num_logprobs: object
+    penalty_num: object
+    masked: object
+    temperature: object
+    top_p: object
+    min_p: object
+    presence_penalty: object
+    frequency_penalty: object
+    repetition_penalty: object
+    penalty_ids: object
+    penalty_counts: object
+    token_mask: object
+    bias_ids: object
+    bias_values: object
+
+    @classmethod
+    def from_flat(cls, rows_i32, flat_f32, S: int, penalty_ids, penalty_counts, token_mask, bias_ids,
+                  bias_values) -> SamplerRows:
+        """rows_i32: i32[6 S], SAMPLER_I32's fields one after the other; flat_f32: the step's float32
+        buffer."""
+        kw = {name: rows_i32[i * S : (i + 1) * S] for i, name in enumerate(SAMPLER_I32)}
+        for name, start, stop, shape in _layout("f32", 0, S, 0):  # row fields only: T and M do not matter
+            kw[name] = flat_f32[start:stop].reshape(shape)
+        return cls(**kw, penalty_ids=penalty_ids, penalty_counts=penalty_counts, token_mask=token_mask,
+                   bias_ids=bias_ids, bias_values=bias_values)
+
+
 def flat_sizes(T: int, S: int, M: int) -> tuple[int, int]:
     """Lengths of the int32 and float32 flat buffers for a (T, S) bucket."""
     return _layout("i32", T, S, M)[-1][2], _layout("f32", T, S, M)[-1][2]

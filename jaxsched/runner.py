@@ -1,10 +1,14 @@
-"""ModelRunner: the weights and the KV pool on the device, one compiled program per (T, S) bucket,
-and dispatch(scheduler output) / collect(step) -> sampled tokens.
+"""ModelRunner: the weights and the KV pool on the device, one compiled model program per (T, S)
+bucket and one sampler program per S, and dispatch(scheduler output) / collect(step) -> sampled
+tokens.
 
 A step is a SchedulerOutput: its block moves (swap out, copy-on-write, swap in), then the batch
-packed into fixed-shape arrays and one jitted call (model + sampler). All compilation
-happens in warm_up(), ahead of time, one executable per bucket pair; a step only looks an
-executable up, so it can never compile. The KV pool is donated to every call and updated in place.
+packed into fixed-shape arrays and two calls dispatched back to back: the model's program, whose
+logits stay on the device, then the sampler's. The sampler does not depend on T, so it is compiled
+once per S rather than into every pair's program: it was about half of each pair's compile time
+(docs/PERFORMANCE.md, "Decisions in the code"). All compilation happens in warm_up(), ahead of time;
+a step only looks its executables up, so it can never compile. The KV pool is donated to every
+call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
 (sampled ids + logprobs, packed).
 
@@ -28,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
+from jaxsched.batch import SAMPLER_I32, BatchDescriptor, BatchPacker, SamplerRows, flat_sizes
 from jaxsched.buckets import bucket_pairs
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.grammar import mask_words
@@ -127,11 +131,18 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int
     return total
 
 
+# Programs that compile faster than this are not written to the persistent cache. jax's default
+# (1 s) left out the model's programs of small buckets (0.3-0.9 s each once the sampler is a program
+# of its own); the block-copy programs (~0.1 s) compile about as fast as they would load.
+CACHE_MIN_COMPILE_SECONDS = 0.2
+
+
 def enable_compilation_cache() -> None:
     """Turn on jax's persistent compilation cache (in the jaxsched cache folder) unless the user
     chose a folder already, so a second start of the same model and buckets skips compilation."""
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
 class ModelRunner:
@@ -167,8 +178,9 @@ class ModelRunner:
                                                 cache.block_size, cfg.head_dim)
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
-        self._executables: dict[tuple[int, int], object] = {}
-        self._use_compiler_options = True  # off once jaxlib rejects them (compile())
+        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
+        self._samplers: dict[int, object] = {}  # S -> the sampler's program
+        self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
         self.warmup_seconds = 0.0
         self.ran: set[tuple[int, int]] = set()  # bucket pairs whose program has run (first runs are slow)
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
@@ -217,30 +229,53 @@ class ModelRunner:
         return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
-    def _step(self, state, kv, prev_ids, flat_i32, flat_f32, tables, *, T: int, S: int):
-        """prev_ids: i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs):
-        decode rows scheduled before the host read them take them from here (batch.from_prev).
-        tables: _table_shapes's arrays. Returns the pool, the packed sampler output, and this
-        step's prev_ids for the next."""
+    def _forward(self, state, kv, prev_ids, flat_i32, *, T: int, S: int):
+        """The model's part of a step. prev_ids: i32[Smax], the tokens the last step sampled per row
+        (padded to max_num_seqs): decode rows scheduled before the host read them take them from
+        here (batch.from_prev). Returns the pool, the logits f32[S, V] and the sampler's int32 row
+        fields (batch.SAMPLER_I32, i32[6 S])."""
         model = nnx.merge(self.graphdef, state)
-        batch = BatchDescriptor.from_flat(flat_i32, flat_f32, T, S, self.max_blocks_per_seq, *tables)
+        # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
+        _, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
+        batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
-        ints, floats = sample(logits, batch, self.max_logprobs)
-        next_ids = jnp.zeros_like(prev_ids).at[:S].set(ints[:S])  # SamplerOutput: the sampled ids come first
-        return kv, ints, floats, next_ids
+        return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32])
+
+    def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int):
+        """The sampler's part of a step, a program of its own per S (the model's is per (T, S)):
+        tables: _table_shapes's arrays. Returns the packed sampler output, and this step's prev_ids
+        (i32[Smax]) for the next."""
+        rows = SamplerRows.from_flat(rows_i32, flat_f32, S, *tables)
+        ints, floats = sample(logits, rows, self.max_logprobs)
+        # SamplerOutput: the sampled ids come first
+        next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:S].set(ints[:S])
+        return ints, floats, next_ids
 
     def compile(self, T: int, S: int):
-        n_i32, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
-        # with a mesh: the pool stays split on its heads, the sampled ids and logprobs replicated
-        # (each process of a multi-host engine reads its own copy)
+        """The model's program for bucket pair (T, S)."""
+        n_i32, _ = flat_sizes(T, S, self.max_blocks_per_seq)
+        # with a mesh: the pool stays split on its heads, the logits and rows replicated
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
-                                                              self._replicated, self._replicated)}
-        fn = jax.jit(self._step, static_argnames=("T", "S"), donate_argnums=(1,), **out)
+                                                              self._replicated)}
+        fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1,), **out)
+        return self._compiled(fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
+                                       self._input((n_i32,), jnp.int32), T=T, S=S))
+
+    def compile_sampler(self, S: int):
+        """The sampler's program for S rows: one per sequence bucket, shared by every T."""
+        # with a mesh: the sampled ids and logprobs replicated (each process of a multi-host engine
+        # reads its own copy)
+        out = {} if self.mesh is None else {"out_shardings": (self._replicated,) * 3}
+        fn = jax.jit(self._sample, static_argnames=("S",), **out)
+        _, n_f32 = flat_sizes(1, S, self.max_blocks_per_seq)
         tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
-        lowered = fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
-                           self._input((n_i32,), jnp.int32), self._input((n_f32,), jnp.float32), tables, T=T, S=S)
+        return self._compiled(fn.lower(self._input((S, self.model_config.vocab_size), jnp.float32),
+                                       self._input((len(SAMPLER_I32) * S,), jnp.int32),
+                                       self._input((n_f32,), jnp.float32), tables, S=S))
+
+    def _compiled(self, lowered):
         options = tuning.compiler_options(self._platform, self.config.attention_backend) \
             if self._use_compiler_options else {}
         if not options:
@@ -331,6 +366,8 @@ class ModelRunner:
         for T, S in pairs:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
+            if S not in self._samplers:
+                self._samplers[S] = self.compile_sampler(S)
         self._compile_swaps()
         V = self.model_config.vocab_size
         for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
@@ -395,7 +432,7 @@ class ModelRunner:
                           step.rejected, step.device_seconds + done - t0, done)
 
     def run(self, batch: BatchDescriptor):
-        """Dispatch the jitted model + sampler over one packed batch: its packed sampler output,
+        """Dispatch the model's and the sampler's programs over one packed batch: its packed sampler output,
         still on the device (an array being computed)."""
         T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
         exe = self._executables.get((T, S))
@@ -406,9 +443,16 @@ class ModelRunner:
         pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts)) if batch.has_penalties else idle[:2]
         mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
         bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
-        self.kv, ints, floats, self._prev_ids = exe(self.state, self.kv, self._prev_ids, self._put(batch.flat_i32),
-                                                    self._put(batch.flat_f32), (*pen, *mask, *bias))
+        tables = (*pen, *mask, *bias)
+        ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
+                                                   self._put(batch.flat_f32), tables)
         return ints, floats
+
+    def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables):
+        """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
+        then S's sampler. Updates the pool; returns (ints, floats, next prev_ids), on the device."""
+        self.kv, logits, rows_i32 = exe(self.state, self.kv, prev_ids, flat_i32)
+        return self._samplers[S](logits, rows_i32, flat_f32, tables)
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
         """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the

@@ -27,14 +27,14 @@ from bench_offline import make_llm, parser, workload
 
 
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
-    """Seconds of `reps` runs of one compiled step on captured flat buffers (the KV pool is donated
-    and kept, as in execute()), and the sampled ids of the last run."""
+    """Seconds of `reps` runs of one step (the model program `exe`, then S's sampler) on captured
+    flat buffers (the KV pool is donated and kept, as in run()), and the sampled ids of the last run."""
     prev, fi, ff = batch_flat
     pen = runner._idle_tables[S]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.kv, ints, _, _ = exe(runner.state, runner.kv, prev, fi, ff, pen)
+        ints, _, _ = runner.launch(exe, S, prev, fi, ff, pen)
         ints = np.asarray(ints)  # waits for the step
         times.append(time.perf_counter() - t0)
     return times, ints[:S]

@@ -48,6 +48,19 @@ def test_zero_compilations_after_warm_up(llm):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
+def test_the_sampler_is_one_program_per_seq_bucket_shared_by_every_t(llm):
+    """The sampler does not depend on T: it is compiled once per S, apart from the model's (T, S)
+    programs, which hold none of it (it was about half of each pair's compile time)."""
+    runner = llm.llm_engine.runner
+    pairs = runner.bucket_pairs()
+    seqs = sorted({S for _, S in pairs})
+    assert len(pairs) > len(seqs), "the fixture must have several T per S, or this proves nothing"
+    assert sorted(runner._samplers) == seqs
+    for T, S in pairs:  # the compiled HLO names each op's source file
+        assert "sampler.py" not in runner._executables[(T, S)].as_text(), (T, S)
+    assert all("sampler.py" in runner._samplers[S].as_text() for S in seqs)
+
+
 def test_generate_keeps_input_order_and_string_prompts(llm):
     tok = llm.get_tokenizer()
     outs = llm.generate(["hello", "what is a cat ?", "one two"], SamplingParams(temperature=0, max_tokens=3),
