@@ -132,7 +132,7 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int
 
 
 # Programs that compile faster than this are not written to the persistent cache. jax's default
-# (1 s) left out the model's programs of small buckets (0.3-0.9 s each once the sampler is a program
+# (1 s) left out the model's programs of small buckets (0.4-1.3 s each once the sampler is a program
 # of its own); the block-copy programs (~0.1 s) compile about as fast as they would load.
 CACHE_MIN_COMPILE_SECONDS = 0.2
 
