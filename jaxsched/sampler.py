@@ -73,8 +73,9 @@ def argmax_rows(x):
     return (blk * B + inner).astype(jnp.int32)
 
 
-def _filter(x, top_k, top_p, min_p):
-    """Mask logits outside top-k, top-p and min-p to -inf. x f32[S, V] (temperature applied)."""
+def _threshold(x, top_k, top_p, min_p):
+    """The lowest logit each row keeps under its top-k, top-p and min-p: x f32[S, V] (temperature
+    applied) -> f32[S, 1]."""
     _S, V = x.shape
     srt = -jnp.sort(-x, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -86,8 +87,7 @@ def _filter(x, top_k, top_p, min_p):
     pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
     # min_p keeps p >= min_p * p_max, i.e. x >= x_max + log(min_p)
     mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + jnp.log(jnp.maximum(min_p, 1e-38))[:, None], -jnp.inf)
-    thr = jnp.maximum(jnp.maximum(kth, pth), mth)
-    return jnp.where(x >= thr, x, -jnp.inf)
+    return jnp.maximum(jnp.maximum(kth, pth), mth)
 
 
 def penalty_updates(logits, batch):
@@ -140,6 +140,29 @@ def apply_token_mask(logits, token_mask):
     return jnp.where(bits.reshape(S, VW * 32)[:, :V] == 1, logits, -jnp.inf)
 
 
+def _mix32(h):
+    """A 32-bit integer hash (lowbias32): each input bit flips about half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: consecutive token ids land far apart before the hash
+
+
+def gumbel_noise(seeds, sample_index, V: int):
+    """Gumbel noise f32[S, V], a function of each row's (seed, sample_index) and the token id only,
+    so a seeded row draws the same whatever its neighbours. A counter-based hash per element rather
+    than jax.random's threefry, which made a sampled step several times slower than a greedy one
+    on a CPU (docs/PERFORMANCE.md, "Decisions in the code")."""
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(sample_index.astype(jnp.uint32) + jnp.uint32(_GOLDEN)))
+    h = _mix32(row[:, None] ^ (jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(_GOLDEN))[None, :])
+    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, strictly inside (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
 def _choose(logits, batch):
     """The token of each row: the argmax for greedy rows, a Gumbel-max draw for the others."""
     V = logits.shape[1]
@@ -150,10 +173,12 @@ def _choose(logits, batch):
         t = jnp.where(do_sample, batch.temperature, 1.0)
         x = logits / t[:, None]
         need_filter = jnp.any(do_sample & ((batch.top_k > 0) | (batch.top_p < 1.0) | (batch.min_p > 0)))
-        x = jax.lax.cond(need_filter, _filter, lambda x, *_: x, x, batch.top_k, batch.top_p, batch.min_p)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
-        g = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-        return jnp.where(do_sample, argmax_rows(x + g), greedy)
+        # the cond gives thresholds, not filtered logits: a branch returning x unchanged would copy
+        # all [S, V] of them every sampled step
+        thr = jax.lax.cond(need_filter, _threshold, lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
+                           x, batch.top_k, batch.top_p, batch.min_p)
+        noisy = jnp.where(x >= thr, x + gumbel_noise(batch.seeds, batch.sample_index, V), -jnp.inf)
+        return jnp.where(do_sample, argmax_rows(noisy), greedy)
 
     return jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
 

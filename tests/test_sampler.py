@@ -93,6 +93,22 @@ def test_sampling_follows_the_softmax_and_the_filters():
     assert m[3] == 0 and m[2] > 0  # 0.05 < 0.25 * 0.5 <= 0.15
 
 
+def test_one_seeds_successive_draws_and_every_token_are_fair():
+    """The noise is a hash of (seed, output index, token id): one seeded request's successive outputs
+    follow the softmax, and a flat row draws every token about equally often."""
+    n = 4000
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * n))
+    one_seed = {"temperature": 1.0, "seeds": 7, "sample_index": np.arange(n)}
+    freq = np.bincount(run(logits, make_batch(n, **one_seed)).sampled, minlength=4) / n
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    V = 500
+    counts = np.bincount(run(np.zeros((n, V)), make_batch(n, temperature=1.0, seeds=np.arange(n) * 7919)).sampled,
+                         minlength=V)
+    expected = n / V
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < (V - 1) + 5 * np.sqrt(2 * (V - 1)), chi2  # mean V - 1, sd sqrt(2 (V - 1)): five sd
+
+
 def test_logprobs_rank_and_top_alternatives():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((4, 30)) * 3
