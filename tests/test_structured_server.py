@@ -423,10 +423,10 @@ def test_streamed_calls_equal_the_whole_response(server, tool_choice):
 
 def test_streamed_parallel_calls_equal_the_whole_response(server):
     kw = {"messages": ASK_WEATHER, "tools": [WEATHER, CLOCK], "tool_choice": "required", "temperature": 1.0,
-          "seed": 1, "max_tokens": TOOL_MAX_TOKENS}
+          "seed": 4, "max_tokens": TOOL_MAX_TOKENS}
     whole = check_calls(server.client.chat.completions.create(model="tiny", **kw).choices[0], SCHEMAS)
     calls, finish, _ = streamed_calls(server, **kw)
-    assert finish == "tool_calls" and len(whole) > 1  # seed 1 makes several calls
+    assert finish == "tool_calls" and len(whole) > 1  # seed 4 makes several calls (sampler.gumbel_noise)
     assert [(c["name"], c["arguments"]) for c in calls] == [(w.function.name, w.function.arguments) for w in whole]
 
 
