@@ -269,7 +269,7 @@ class ModelRunner:
         # reads its own copy)
         out = {} if self.mesh is None else {"out_shardings": (self._replicated,) * 3}
         fn = jax.jit(self._sample, static_argnames=("S",), **out)
-        _, n_f32 = flat_sizes(1, S, self.max_blocks_per_seq)
+        _, n_f32 = flat_sizes(0, S, 0)  # the float32 buffer holds row fields only (as SamplerRows reads it)
         tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
         return self._compiled(fn.lower(self._input((S, self.model_config.vocab_size), jnp.float32),
                                        self._input((len(SAMPLER_I32) * S,), jnp.int32),
