@@ -1,9 +1,10 @@
-"""On-device sampling, traced into the same jit as the model.
+"""On-device sampling, compiled once per sequence bucket and run after the model's forward pass.
 
 Greedy rows take the argmax. Sampling rows apply temperature, then top-k / top-p / min-p as one
-threshold per row, then a Gumbel-max draw whose key is derived from (request seed, output index):
-a seeded request gives the same tokens whatever else shares its batch. Each costly part runs under
-lax.cond, so an all-greedy step pays only for the argmax and a step without logprobs for none.
+threshold per row, then one draw from what the filters keep, by inverting its CDF at a number hashed
+from (request seed, output index): a seeded request gives the same tokens whatever else shares its
+batch. Each costly part runs under lax.cond, so an all-greedy step pays only for the argmax and a
+step without logprobs for none.
 
 Penalties come first, as in vLLM, and apply to greedy and sampled rows alike: repetition_penalty
 divides positive and multiplies non-positive logits of every token seen in the prompt or the output;
@@ -73,20 +74,21 @@ def argmax_rows(x):
     return (blk * B + inner).astype(jnp.int32)
 
 
-def _threshold(x, top_k, top_p, min_p):
-    """The lowest logit each row keeps under its top-k, top-p and min-p: x f32[S, V] (temperature
-    applied) -> f32[S, 1]."""
-    _S, V = x.shape
-    srt = -jnp.sort(-x, axis=-1)  # descending
+def _threshold(logits, t, top_k, top_p, min_p):
+    """The lowest logit each row keeps under its top-k, top-p and min-p at temperature t: logits
+    f32[S, V], t f32[S] -> f32[S, 1]. The thresholds are the rows' own logits (min-p's excepted), not
+    logits / t, so a filter that keeps one token keeps exactly the argmax."""
+    _S, V = logits.shape
+    srt = -jnp.sort(-logits, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
-    srt_k = jnp.where(jnp.arange(V)[None, :] < k[:, None], srt, -jnp.inf)
+    srt_k = jnp.where(jnp.arange(V)[None, :] < k[:, None], srt / t[:, None], -jnp.inf)
     probs = jax.nn.softmax(srt_k, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
     n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
     pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
-    # min_p keeps p >= min_p * p_max, i.e. x >= x_max + log(min_p)
-    mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + jnp.log(jnp.maximum(min_p, 1e-38))[:, None], -jnp.inf)
+    # min_p keeps p >= min_p * p_max, i.e. logits / t >= max / t + log(min_p)
+    mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
     return jnp.maximum(jnp.maximum(kth, pth), mth)
 
 
@@ -149,51 +151,97 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: consecutive token ids land far apart before the hash
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive output indices before the hash
 
 
-def gumbel_noise(seeds, sample_index, V: int):
-    """Gumbel noise f32[S, V], a function of each row's (seed, sample_index) and the token id only,
-    so a seeded row draws the same whatever its neighbours. A counter-based hash per element rather
-    than jax.random's threefry, which made a sampled step several times slower than a greedy one
-    on a CPU (docs/PERFORMANCE.md, "Decisions in the code")."""
-    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(sample_index.astype(jnp.uint32) + jnp.uint32(_GOLDEN)))
-    h = _mix32(row[:, None] ^ (jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(_GOLDEN))[None, :])
-    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, strictly inside (0, 1)
-    return -jnp.log(-jnp.log(u))
+def row_uniform(seeds, sample_index):
+    """u f32[S] in [0, 1), a function of each row's (seed, sample_index) only, so a seeded row draws
+    the same whatever its neighbours. 24 bits, so that u is exact in float32 and strictly below 1."""
+    h = _mix32(seeds.astype(jnp.uint32) ^ _mix32(sample_index.astype(jnp.uint32) + jnp.uint32(_GOLDEN)))
+    return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def _first_above(cum, target, mass):
+    """The first column whose running sum exceeds target: cum, mass f32[S, N], target f32[S] -> i32[S].
+    Clamped to the row's last column with mass, for when rounding puts target at or past the total;
+    columns without mass never win, as their running sum equals the one before."""
+    N = cum.shape[1]
+    idx = jnp.sum(cum <= target[:, None], axis=-1)
+    last = jnp.max(jnp.where(mass > 0, jnp.arange(N), 0), axis=-1)
+    return jnp.minimum(idx, last)
+
+
+def draw_rows(x, t, thr, u):
+    """One draw per row from softmax(x / t) restricted to x >= thr, by inverting its CDF at u:
+    x f32[S, V], t f32[S] (> 0), thr f32[S, 1], u f32[S] -> i32[S]. One exp per element and one
+    random number per row, where a Gumbel-max draw needs random bits and two logs per element
+    (docs/PERFORMANCE.md, "Decisions in the code"). Two levels, as in argmax_rows: the block of 512
+    columns whose running mass passes u * total, then the column inside it, whose probabilities are
+    computed again from that block's logits, since keeping all [S, V] of them for the second level
+    would write and read them through memory."""
+    S, V = x.shape
+    B = _ARGMAX_BLOCK
+    m = x.max(axis=-1, keepdims=True)  # exp(x - m) of the max is 1: every row's total is >= 1
+    pad = (-V) % B
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    xb = x.reshape(S, -1, B)
+    inv_t = 1.0 / t[:, None]  # temperature goes into the exp: logits / t is never stored
+
+    def prob(xs, m, inv_t, thr):
+        return jnp.where(xs >= thr, jnp.exp((xs - m) * inv_t), 0.0)
+
+    mass = prob(xb, m[:, :, None], inv_t[:, :, None], thr[:, :, None]).sum(axis=-1)  # [S, V / 512]
+    cum = jnp.cumsum(mass, axis=-1)
+    target = u * cum[:, -1]
+    blk = _first_above(cum, target, mass)
+    inner = prob(jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0], m, inv_t, thr)  # [S, 512]
+    before = jnp.take_along_axis(cum - mass, blk[:, None], axis=-1)[:, 0]
+    # the two levels sum in different orders: a remainder rounded below zero must not pick a
+    # massless leading column
+    col = _first_above(jnp.cumsum(inner, axis=-1), jnp.maximum(target - before, 0.0), inner)
+    return (blk * B + col).astype(jnp.int32)
 
 
 def _choose(logits, batch):
-    """The token of each row: the argmax for greedy rows, a Gumbel-max draw for the others."""
-    V = logits.shape[1]
-    greedy = argmax_rows(logits)
+    """The token of each row: the argmax for greedy rows, a draw from the filtered softmax for the others."""
     do_sample = batch.temperature > 0
 
     def draw(_):
         t = jnp.where(do_sample, batch.temperature, 1.0)
-        x = logits / t[:, None]
         need_filter = jnp.any(do_sample & ((batch.top_k > 0) | (batch.top_p < 1.0) | (batch.min_p > 0)))
-        # the cond gives thresholds, not filtered logits: a branch returning x unchanged would copy
-        # all [S, V] of them every sampled step
+        # the cond gives thresholds, not filtered logits: a branch returning its input unchanged
+        # would copy all [S, V] of them every sampled step
         thr = jax.lax.cond(need_filter, _threshold, lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
-                           x, batch.top_k, batch.top_p, batch.min_p)
-        noisy = jnp.where(x >= thr, x + gumbel_noise(batch.seeds, batch.sample_index, V), -jnp.inf)
-        return jnp.where(do_sample, argmax_rows(noisy), greedy)
+                           logits, t, batch.top_k, batch.top_p, batch.min_p)
+        drawn = draw_rows(logits, t, thr, row_uniform(batch.seeds, batch.sample_index))
+        # a step whose rows all sample (a served run at the default temperature) skips the argmax
+        greedy = jax.lax.cond(jnp.all(do_sample), lambda: drawn, lambda: argmax_rows(logits))
+        return jnp.where(do_sample, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(do_sample), draw, lambda _: greedy, None)
+    return jax.lax.cond(jnp.any(do_sample), draw, lambda _: argmax_rows(logits), None)
 
 
 def sample(logits, batch, max_logprobs: int):
     """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
-    S = logits.shape[0]
+    S, V = logits.shape
     raw = logits
-    logits = apply_logit_bias(apply_penalties(logits, batch), batch)
-    if batch.token_mask is None:
-        sampled = _choose(logits, batch)
-    else:
-        sampled = jax.lax.cond(jnp.any(batch.masked > 0),
-                               lambda lg: _choose(apply_token_mask(lg, batch.token_mask), batch),
-                               lambda lg: _choose(lg, batch), logits)
+
+    def adjusted(logits):
+        logits = apply_logit_bias(apply_penalties(logits, batch), batch)
+        if batch.token_mask is None:
+            return _choose(logits, batch)
+        return jax.lax.cond(jnp.any(batch.masked > 0),
+                            lambda lg: _choose(apply_token_mask(lg, batch.token_mask), batch),
+                            lambda lg: _choose(lg, batch), logits)
+
+    # Penalties and logit_bias scatter into the logits, and the logprobs below still read the raw
+    # ones, so the scatters copy all [S, V] of them: a step where no row needs them skips both
+    # (docs/PERFORMANCE.md, "Decisions in the code").
+    plain = jnp.all(batch.penalty_num <= 0) & jnp.all(batch.masked <= 0)
+    if batch.bias_ids is not None:
+        plain = plain & jnp.all(batch.bias_ids >= V)
+    sampled = jax.lax.cond(plain, lambda lg: _choose(lg, batch), adjusted, logits)
 
     k = max_logprobs
 

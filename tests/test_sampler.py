@@ -109,6 +109,18 @@ def test_one_seeds_successive_draws_and_every_token_are_fair():
     assert chi2 < (V - 1) + 5 * np.sqrt(2 * (V - 1)), chi2  # mean V - 1, sd sqrt(2 (V - 1)): five sd
 
 
+def test_a_negligible_tail_is_never_drawn():
+    """A row whose top token holds all but ~1e-13 of the mass draws it every time. A Gumbel-max draw
+    whose uniform could round to 1 gave one token in ~2^24 / V infinite noise: a random token about
+    once per 500 draws at V = 32768 (fails on c124676: ~10 such draws expected here)."""
+    S, V = 512, 32768
+    logits = np.zeros((S, V), np.float32)
+    logits[:, 7] = 40.0
+    for index in range(10):
+        out = run(logits, make_batch(S, temperature=1.0, seeds=np.arange(S) * 31 + index, sample_index=index))
+        np.testing.assert_array_equal(out.sampled, 7)
+
+
 def test_logprobs_rank_and_top_alternatives():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((4, 30)) * 3
