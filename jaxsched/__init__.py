@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import importlib
 
+from jaxsched import host_malloc
+
+host_malloc.keep_freed_memory()  # before jax's threads first allocate: host_malloc.py says why
+
 _EXPORTS = {
     "LLM": "jaxsched.llm",
     "LLMEngine": "jaxsched.engine",

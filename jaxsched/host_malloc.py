@@ -1,0 +1,78 @@
+"""Keep freed host memory in the process on a CPU backend, so that each step does not fault it in again.
+
+XLA:CPU allocates an executable's temporary buffer (all its intermediates, in one block) at every
+run and frees it afterwards. glibc serves a block over 32 MiB, and any block larger than a worker
+thread's arena can hold, with a fresh mmap, and gives it back with munmap at free: every run then
+pays a page fault and the zeroing of each page it touches, on the step's critical path. The
+sampler's temporary buffer holds several [S, V] arrays, so a sampled step of many rows spent a large
+share of its time in the kernel (docs/PERFORMANCE.md, "Tenth pass").
+
+The cure is glibc's own switches, set before any worker thread allocates: one arena (whose heap can
+grow with brk), no mmap for large blocks, and a trim threshold that keeps up to 1 GiB of freed
+memory at the top of the heap. The process keeps its peak host memory instead of returning it to
+the kernel after each step, as a caching allocator would (vLLM's CPU build asks for tcmalloc for the
+same reason).
+
+This runs at `import jaxsched` because it must come before jax's threads first allocate, which is
+before the engine knows its devices; so it is chosen from the environment: JAXSCHED_HOST_MALLOC=keep
+applies it, =system leaves glibc as it is, and the default, auto, applies it when jax will run on
+the CPU (JAX_PLATFORMS starts with cpu, or no GPU or TPU plugin is installed). On a GPU the large
+buffers live in device memory, which XLA pools already. Only Linux with glibc has these switches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import platform
+import sys
+
+logger = logging.getLogger(__name__)
+
+ENV = "JAXSCHED_HOST_MALLOC"
+CHOICES = ("auto", "keep", "system")
+
+# mallopt parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+TRIM_THRESHOLD = 1 << 30
+
+# modules present when jax can run on something other than the CPU
+_ACCELERATOR_MODULES = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
+
+applied = False  # whether this process's malloc was set up here
+
+
+def cpu_backend_expected(environ=os.environ) -> bool:
+    """Whether jax will run on the CPU, decided without starting jax."""
+    platforms = environ.get("JAX_PLATFORMS", environ.get("JAX_PLATFORM_NAME", "")).strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_MODULES)
+
+
+def keep_freed_memory(environ=os.environ) -> bool:
+    """Apply the settings above when JAXSCHED_HOST_MALLOC asks for them; True when they were set."""
+    global applied
+    choice = environ.get(ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={environ[ENV]!r} is not one of {', '.join(CHOICES)}: keep sets glibc's malloc up "
+                         "to keep freed memory, system leaves it alone, auto keeps it when jax runs on the CPU")
+    if choice == "system" or (choice == "auto" and not cpu_backend_expected(environ)):
+        return False
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        if choice == "keep":
+            logger.warning("%s=keep needs Linux with glibc; this is %s with %s: left as it is", ENV, sys.platform,
+                           platform.libc_ver()[0] or "another C library")
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    # the arena count first: glibc fixes it when a second thread first allocates
+    ok = all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
+                                                  (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+    if not ok:
+        logger.warning("glibc refused a mallopt setting; host memory is returned to the kernel after each step")
+    applied = ok
+    return ok
