@@ -1,0 +1,71 @@
+"""The sampler program alone: milliseconds per call and page faults per call, greedy and sampled.
+
+  python scripts/bench_sampler.py [--vocab 49152] [--seqs 32 128] [--reps 30]
+
+Per S: `sampler.sample` jitted as the engine's sampler program is (SamplerRows in, packed ints and
+floats out), on random [S, V] logits, every row greedy or every row at temperature 1 with seeds of
+its own, no penalties, bias, masks or logprobs. Prints the median and best of `--reps` calls, the
+minor page faults per call (host memory the run faulted in; jaxsched/host_malloc.py) and the
+program's temporary buffer. Run it with JAXSCHED_HOST_MALLOC=system to see glibc's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsched import host_malloc
+from jaxsched.batch import SamplerRows
+from jaxsched.sampler import sample
+
+
+def rows(S: int, V: int, temperature: float) -> dict:
+    """SamplerRows' fields for S plain rows: no filters, penalties, bias entries, masks or logprobs."""
+    zi, zf = np.zeros(S, np.int32), np.zeros(S, np.float32)
+    fields = {"top_k": zi, "seeds": np.arange(S, dtype=np.int32) * 7919, "sample_index": zi,
+              "num_logprobs": zi - 1, "penalty_num": zi, "masked": zi,
+              "temperature": np.full(S, temperature, np.float32), "top_p": np.ones(S, np.float32), "min_p": zf,
+              "presence_penalty": zf, "frequency_penalty": zf, "repetition_penalty": np.ones(S, np.float32),
+              "penalty_ids": np.zeros((S, 64), np.int32), "penalty_counts": np.zeros((S, 64), np.float32),
+              "token_mask": np.full((S, (V + 31) // 32), -1, np.int32), "bias_ids": np.full((S, 16), V, np.int32),
+              "bias_values": np.zeros((S, 16), np.float32)}
+    assert set(fields) == {f.name for f in dataclasses.fields(SamplerRows)}
+    return {k: jnp.asarray(v) for k, v in fields.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=49152, help="V (default: the demo model's)")
+    p.add_argument("--seqs", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--reps", type=int, default=30)
+    ns = p.parse_args()
+    V = ns.vocab
+    fn = jax.jit(lambda logits, kw: sample(logits, SamplerRows(**kw), 0))
+    print(f"V = {V}; host malloc kept: {host_malloc.applied}")
+    for S in ns.seqs:
+        logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, V), np.float32))
+        for temperature in (0.0, 1.0):
+            kw = rows(S, V, temperature)
+            temp_mb = fn.lower(logits, kw).compile().memory_analysis().temp_size_in_bytes / 2**20
+            for _ in range(3):
+                jax.block_until_ready(fn(logits, kw))
+            times = []
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(ns.reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(logits, kw))
+                times.append(time.perf_counter() - t0)
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / ns.reps
+            kind = "greedy " if temperature == 0 else "sampled"
+            print(f"S = {S:4d} {kind}: median {np.median(times) * 1e3:6.2f} ms, best {min(times) * 1e3:6.2f} ms, "
+                  f"{faults:6.0f} page faults per call, temporary buffer {temp_mb:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
