@@ -14,10 +14,13 @@ the kernel after each step, as a caching allocator would (vLLM's CPU build asks 
 same reason).
 
 This runs at `import jaxsched` because it must come before jax's threads first allocate, which is
-before the engine knows its devices; so it is chosen from the environment: JAXSCHED_HOST_MALLOC=keep
-applies it, =system leaves glibc as it is, and the default, auto, applies it when jax will run on
-the CPU (JAX_PLATFORMS starts with cpu, or no GPU or TPU plugin is installed). On a GPU the large
-buffers live in device memory, which XLA pools already. Only Linux with glibc has these switches.
+before the engine knows its devices. (glibc fixes the arena count when a thread other than the
+main one first allocates; imported after that, only the mmap switches take effect, and the large
+blocks of the other threads' arenas are still mapped afresh.) So the choice comes from the
+environment: JAXSCHED_HOST_MALLOC=keep applies it, =system leaves glibc as it is, and the default,
+auto, applies it when jax will run on the CPU (JAX_PLATFORMS starts with cpu, or no GPU or TPU
+plugin is installed). On a GPU the large buffers live in device memory, which XLA pools already.
+Only Linux with glibc has these switches.
 """
 
 from __future__ import annotations
