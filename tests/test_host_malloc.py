@@ -13,21 +13,24 @@ import pytest
 from jaxsched import host_malloc
 
 _PROBE = """
-import resource, jaxsched, jax, jax.numpy as jnp
+import resource, statistics, jaxsched, jax, jax.numpy as jnp
 from jaxsched import host_malloc
 # intermediates of 48 MiB each, which XLA keeps in the executable's temporary buffer
 f = jax.jit(lambda x: jnp.cumsum(x * 2.0, axis=0).sum())
 x = jnp.ones((1024, 12288), jnp.float32)
-for _ in range(10):
+for _ in range(5):
     f(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+faults = []
+for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
-print(host_malloc.applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+# the median run: a kept heap may still grow once or twice (two runs' buffers alive at once)
+print(host_malloc.applied, int(statistics.median(faults)))
 """
 
 
-def _faults_per_run(choice: str) -> tuple[bool, int]:
+def _median_faults_per_run(choice: str) -> tuple[bool, int]:
     env = {**os.environ, host_malloc.ENV: choice, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", _PROBE], check=False, env=env, capture_output=True, text=True,
                          timeout=300)
@@ -39,8 +42,8 @@ def _faults_per_run(choice: str) -> tuple[bool, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="mallopt's switches are glibc's")
 def test_a_large_temporary_buffer_is_not_faulted_in_at_every_run():
-    kept, kept_faults = _faults_per_run("auto")
-    system, system_faults = _faults_per_run("system")
+    kept, kept_faults = _median_faults_per_run("auto")
+    system, system_faults = _median_faults_per_run("system")
     assert kept and not system
     # 48 MiB is 12288 pages of 4 KiB: glibc's mmap of each run faults every one of them in
     assert system_faults > 5000, system_faults
