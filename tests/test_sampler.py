@@ -94,7 +94,7 @@ def test_sampling_follows_the_softmax_and_the_filters():
 
 
 def test_one_seeds_successive_draws_and_every_token_are_fair():
-    """The noise is a hash of (seed, output index, token id): one seeded request's successive outputs
+    """Each row's uniform is a hash of (seed, output index): one seeded request's successive outputs
     follow the softmax, and a flat row draws every token about equally often."""
     n = 4000
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * n))

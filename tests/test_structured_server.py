@@ -426,7 +426,7 @@ def test_streamed_parallel_calls_equal_the_whole_response(server):
           "seed": 4, "max_tokens": TOOL_MAX_TOKENS}
     whole = check_calls(server.client.chat.completions.create(model="tiny", **kw).choices[0], SCHEMAS)
     calls, finish, _ = streamed_calls(server, **kw)
-    assert finish == "tool_calls" and len(whole) > 1  # seed 4 makes several calls (sampler.gumbel_noise)
+    assert finish == "tool_calls" and len(whole) > 1  # seed 4 makes several calls (sampler.row_uniform)
     assert [(c["name"], c["arguments"]) for c in calls] == [(w.function.name, w.function.arguments) for w in whole]
 
 
