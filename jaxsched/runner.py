@@ -20,6 +20,7 @@ tokens (overlapped scheduling, engine.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -240,8 +241,19 @@ class ModelRunner:
         batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
-        logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
+        with self._row_limits(batch, T, S):
+            logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
         return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32])
+
+    def _row_limits(self, batch, T: int, S: int):
+        """With packed matmuls: the step's real tokens and sequences, so that the kernels skip its
+        padding rows (numba_matmul.row_limits; padding comes last in both). T == S: the tokens'
+        count, at least the sequences'."""
+        if not self.packed_matmuls:
+            return contextlib.nullcontext()
+        from pallas_kernels import numba_matmul
+
+        return numba_matmul.row_limits({S: batch.num_seqs[0], T: batch.query_start_loc[-1]})
 
     def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int):
         """The sampler's part of a step, a program of its own per S (the model's is per (T, S)):

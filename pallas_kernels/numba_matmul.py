@@ -25,6 +25,8 @@ calls `matmul` on a packed weight, layers.qkv_projection `matmul_split`, layers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import numpy as np
@@ -32,7 +34,7 @@ from numba import carray, cfunc, njit, prange
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp
+from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp, _scalar
 from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
 
 MB = 192  # rows per outer block: 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
@@ -70,14 +72,29 @@ def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
         _tile1(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
 
 
+@njit(cache=True)
+def _zero_rows(out, m):
+    """out[m:] = 0 for a C-contiguous 2-D out (a plain loop: under parallel=True an array expression
+    would be a parallel region of its own)."""
+    f = out.ravel()
+    for i in range(m * out.shape[1], f.size):
+        f[i] = 0.0
+
+
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul(x, w, out_a, out_b, out_c):
+def packed_matmul(x, w, out_a, out_b, out_c, rows):
     """x f32[M, K] @ W, w the packed W f32[P, K, NR], in three column groups: out_a f32[M, Na] gets
     W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
     multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
     The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
-    kernels after it take as they are, instead of XLA copying three slices out of one [M, N]."""
-    M, K = x.shape
+    kernels after it take as they are, instead of XLA copying three slices out of one [M, N].
+    Only x's first `rows` rows are multiplied; the outputs' rows past them are zeros (a step's
+    padding: `row_limits`)."""
+    K = x.shape[1]
+    M = min(max(rows, 0), x.shape[0])
+    _zero_rows(out_a, M)
+    _zero_rows(out_b, M)
+    _zero_rows(out_c, M)
     P = w.shape[0]
     Pa = out_a.shape[1] // NR
     Pb = Pa + out_b.shape[1] // NR
@@ -118,12 +135,15 @@ def packed_matmul(x, w, out_a, out_b, out_c):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul_silu_mul(x, w, out):
+def packed_matmul_silu_mul(x, w, out, rows):
     """out f32[M, F] = silu(x @ Wg) * (x @ Wu), w the packed [Wg Wu] f32[P, K, NR] (a fused gate/up
     weight, F = P / 2 * NR: the gate's panels first). Each row tile of a gate panel and of the up
     panel beside it go to a scratch tile in cache, and only their product is written, so the
-    [M, 2 F] projection never reaches memory nor a separate elementwise pass."""
-    M, K = x.shape
+    [M, 2 F] projection never reaches memory nor a separate elementwise pass. Rows of x past
+    `rows` are not multiplied; their rows of out are zeros."""
+    K = x.shape[1]
+    M = min(max(rows, 0), x.shape[0])
+    _zero_rows(out, M)
     F2 = w.shape[0] // 2  # panels of the gate (and of the up)
     F = F2 * NR
     xf, wf, of = x.ravel(), w.ravel(), out.ravel()
@@ -152,7 +172,7 @@ def packed_matmul_silu_mul(x, w, out):
                     i += 1
 
 
-# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR]. Results, told apart by their count and
+# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR], rows i32[1] (x's real rows). Results, told apart by their count and
 # shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul); three, x @ W in column groups
 # (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a fused gate/up weight
 # (matmul_silu_mul).
@@ -164,6 +184,7 @@ def handler(frame_ptr):
         w_p, w_d = buffer(frame, ARGS, 1)
         a_p, a_d = buffer(frame, RETS, 0)
         M, K, P, Na = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0), dim(a_d, 1)
+        rows = _scalar(frame, 2, np.int32)
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.float32)
         out_a = carray(pointer(a_p), (M, Na), dtype=np.float32)
@@ -171,12 +192,12 @@ def handler(frame_ptr):
             b_p, b_d = buffer(frame, RETS, 1)
             c_p, c_d = buffer(frame, RETS, 2)
             packed_matmul(x, w, out_a, carray(pointer(b_p), (M, dim(b_d, 1)), dtype=np.float32),
-                          carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32))
+                          carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32), rows)
         elif Na == P * NR:
             none = np.empty((M, 0), np.float32)
-            packed_matmul(x, w, out_a, none, none)
+            packed_matmul(x, w, out_a, none, none, rows)
         else:
-            packed_matmul_silu_mul(x, w, out_a)
+            packed_matmul_silu_mul(x, w, out_a, rows)
     return cpu_ffi.success()
 
 
@@ -227,6 +248,25 @@ def matmul_silu_mul(x, wp):
     return _call(x, wp, (wp.shape[0] // 2 * NR,))[0]
 
 
+# While a step's model is traced (runner.py): {rows of an operand: how many of them are real}, for
+# the step's T tokens and S sequences. A step's padding is at the end of both (batch.py), and a
+# matmul's cost is linear in its rows: a decode step of 100 rows in the 112 bucket multiplied 12
+# rows of zeros-to-be through every layer and the lm_head (docs/PERFORMANCE.md, "Eleventh pass").
+_ROW_LIMITS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("numba_matmul_row_limits", default=None)
+
+
+@contextlib.contextmanager
+def row_limits(limits: dict):
+    """Within: a matmul of an operand with n rows, n a key of `limits` (an int32 scalar, traced),
+    multiplies only that many leading rows and gives zeros for the rest. Rows past the limit must
+    be padding whose results nothing reads: the caller vouches for it."""
+    token = _ROW_LIMITS.set(dict(limits))
+    try:
+        yield
+    finally:
+        _ROW_LIMITS.reset(token)
+
+
 def _call(x, wp, widths: tuple[int, ...]):
     """The kernel's results, one [..., n] per width (the handler tells the three calls apart)."""
     import jax
@@ -235,5 +275,8 @@ def _call(x, wp, widths: tuple[int, ...]):
     K = wp.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
-    outs = jax.ffi.ffi_call(_target(), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(x2, wp)
+    limit = (_ROW_LIMITS.get() or {}).get(x2.shape[0])
+    rows = jnp.full((1,), x2.shape[0], jnp.int32) if limit is None else jnp.reshape(limit, (1,)).astype(jnp.int32)
+    outs = jax.ffi.ffi_call(_target(), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
+        x2, wp, rows)
     return tuple(o.reshape(*lead, n).astype(x.dtype) for o, n in zip(outs, widths))

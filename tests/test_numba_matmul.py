@@ -76,6 +76,34 @@ def test_split_matmul_refuses_widths_that_are_not_three_whole_groups(widths):
         nm.matmul_split(jnp.zeros((2, 64)), wp, widths)
 
 
+@pytest.mark.parametrize("rows", [0, 5, 13, 16, 40])
+def test_row_limits_multiply_only_the_real_rows(rows):
+    # inside row_limits, an operand of 16 rows (a step's T) has its first `rows` multiplied by all
+    # three kernels and zeros past them (a step's padding), bit for bit the rows of the call without
+    # a limit; an operand of another row count (8: S) keeps all its rows; a limit past T is T
+    rng = np.random.default_rng(rows)
+    K, T = 64, 16
+    w = jnp.asarray(nm.pack(rng.standard_normal((K, 96)).astype(np.float32)))
+    x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+    xs = jnp.asarray(rng.standard_normal((8, K)).astype(np.float32))
+
+    def all_kernels(x, xs):
+        return (nm.matmul(x, w), nm.matmul_silu_mul(x, w[:2]), *nm.matmul_split(x, w, (32, 32, 32)), nm.matmul(xs, w))
+
+    def limited(x, xs, n):
+        with nm.row_limits({T: n}):
+            return all_kernels(x, xs)
+
+    full = jax.jit(all_kernels)(x, xs)
+    got = jax.jit(limited)(x, xs, jnp.int32(rows))  # the limit traced, as a step's token count is
+    n = min(rows, T)
+    for a, b in zip(got[:-1], full[:-1]):
+        np.testing.assert_array_equal(np.asarray(a)[:n], np.asarray(b)[:n])
+        assert not np.asarray(a)[n:].any()
+    assert np.asarray(full[0])[n:].all()  # (the rows zeroed were not zeros anyway)
+    np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(full[-1]))
+
+
 def test_leading_axes_and_no_rows():
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1e3
     x = np.ones((2, 3, 64), np.float32)
@@ -102,11 +130,14 @@ def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_m
     # tied lm_head whose vocabulary fills whole panels gets a packed copy of its own
     from jaxsched import LLM, SamplingParams
 
-    split = nm.matmul_split
+    split, row_limits = nm.matmul_split, nm.row_limits
+    limits = []  # the step's padding skipped: (T, S) of each traced model program (runner._row_limits)
+    monkeypatch.setattr(nm, "row_limits", lambda lim: limits.append(tuple(lim)) or row_limits(lim))
     if kind == "llama":
         path = model_dirs["llama"]
     else:
         path = tiny.build_model(str(tmp_path / "tied"), "llama3", tokenizer_dir, seed=3, vocab_size=320)
+    n_limits = 0
     split_calls, traced = [], 0  # the q/k/v projection traced through the split kernel (layers.qkv_projection)
     monkeypatch.setattr(nm, "matmul_split", lambda *a: split_calls.append(a[2]) or split(*a))
     prompts = [[1, 5, 9, 13, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -129,8 +160,11 @@ def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_m
             cfg = llm.llm_engine.model_config
             H = cfg.head_dim
             assert set(split_calls) == {(cfg.num_heads * H, cfg.num_kv_heads * H, cfg.num_kv_heads * H)}
-        else:  # XLA's dots: no packed weight, no split kernel
+            assert limits, "the packed engine traced no step under numba_matmul.row_limits"
+        else:  # XLA's dots: no packed weight, no split kernel, no row limits
             assert len(split_calls) == traced, split_calls[traced:]
+            assert len(limits) == n_limits, limits[n_limits:]
+        n_limits = len(limits)
         traced = len(split_calls)
         outs[backend] = [o.outputs[0].token_ids for o in got]
         logprobs[backend] = [o.outputs[0].logprobs for o in got]

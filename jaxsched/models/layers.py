@@ -106,9 +106,12 @@ class DecoderLayers(nnx.Module):
             if i + 1 < L:
                 h = after_once(ws[i], h, o)
                 return (h, *before_once(ws[i + 1], h))
-            # the last layer: its second half on the wanted rows only; the other rows of the carry
-            # keep this layer's input, never read
-            h = h.at[rows].set(after_once(ws[i], h[rows], o[rows]))
+            # the last layer: its second half on the wanted rows only, written to the carry's first
+            # S rows (S <= T), the other rows keeping this layer's input, never read. Not scattered
+            # back to `rows`: a padding row there names a real token, and where the matmuls skip
+            # padding (numba_matmul.row_limits) its result differs from that token's, so a
+            # scatter with both could keep either.
+            h = jax.lax.dynamic_update_slice(h, after_once(ws[i], h[rows], o[rows]), (0, 0))
             return (h, *(jnp.zeros(x.shape, x.dtype) for x in qkv0))  # after the last layer: unused
 
         branches = [functools.partial(between, i) for i in range(L)]
@@ -121,7 +124,7 @@ class DecoderLayers(nnx.Module):
 
         (h, *_, k_cache, v_cache, _), _ = jax.lax.scan(
             layer, (h, *qkv0, k_cache, v_cache, jnp.int32(0)), None, length=L)
-        return h[rows], (k_cache, v_cache)
+        return h[: rows.shape[0]], (k_cache, v_cache)
 
 
 def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> Attend:
