@@ -6,8 +6,10 @@ score row is a sum of contiguous page rows), v_cache [L, NB, K, P, H], float32 o
 bfloat16 bits. All math is float32 with an online softmax, page by page.
 
 Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`):
-  decode row    one query token: its G heads per KV head against every cached page. Bound by
-                reading the pages (each byte is read once, while the dots run on it in cache).
+  decode row    one query token: its G heads per KV head against every cached page, each byte
+                read once, the next page prefetched. On a float32 pool with G <= 3, pages a
+                multiple of 64 and heads of 64 or 128, both dots are register tiles holding whole
+                page rows (the page read in memory order); otherwise loops of 4 terms per pass.
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
                 themselves: a [Q_TILE * G, H] x [H, P] block per page. On a float32 pool with pages
                 and heads a multiple of 32, both dots are numba_tile.py's register tiles (~1.4x
@@ -139,6 +141,21 @@ def _rows_acc(a, b, c, j, terms, rows, cols):
                     c[g, x] += e * _val(b[t, x])
 
 
+@njit(inline="always", cache=True)
+def _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
+    """The page a decode row reads after (head k, block b): (block, head, filled positions). Its
+    pages are one stream, KV head by KV head, block by block, and after its last comes block
+    next_blk, the first of the thread's next item, whose fill is not known here (P)."""
+    j = k * nb + b + 1
+    if j < K * nb:
+        nxt, nk, n_next = blocks[j % nb], j // nb, min(P, kv_len - (j % nb) * P)
+    else:
+        nxt, nk, n_next = next_blk, 0, P
+    if nxt < 0 or nxt >= NB:
+        nxt = 0
+    return nxt, nk, n_next
+
+
 # decode_row and prefill_tile are called once per work item, not inlined into `ragged` (the inner
 # loops' helpers above are, with inline="always"): inlining them too doubled the handlers' compile
 # time, for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code").
@@ -146,12 +163,137 @@ def _rows_acc(a, b, c, j, terms, rows, cols):
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
 
-    Its pages are read as one stream, KV head by KV head, block by block, and the page after the
-    one in hand (the next block's, the next head's first, or block next_blk, the first of the
-    thread's next item) is prefetched as this one is read: the pages lie anywhere in the pool,
-    where the hardware's prefetcher, which follows addresses, cannot see them coming. Both dots
-    take 4 terms per pass, a quarter of the accumulator loads and stores; unrolled without the
-    prefetch, the same loops ran no faster (docs/PERFORMANCE.md, "Decisions in the code")."""
+    Its pages are read as one stream (_next_page), and the page after the one in hand is
+    prefetched as this one is read: the pages lie anywhere in the pool, where the hardware's
+    prefetcher, which follows addresses, cannot see them coming. Both dots in register tiles
+    (_decode_tiles) where they fit, else in loops (_decode_loops)."""
+    _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+
+
+def _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    """decode_row's work: _decode_tiles on a float32 pool with pages and heads a multiple of NR,
+    else _decode_loops (compiled per pool storage through the overload below)."""
+
+
+@overload(_decode_heads, inline="always")
+def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    if not isinstance(kc.dtype, types.Float):  # a uint16 pool: read through _val in the loops
+        def loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+        return loops
+
+    def pick(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+        K, H, P = kc.shape[2], kc.shape[3], kc.shape[4]
+        if q.shape[1] // K <= 3 and P % 64 == 0 and (H == 64 or H == 128):
+            _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+        else:
+            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+    return pick
+
+
+# A decode row's dots in register tiles that hold whole rows of a page, so that a page is read in
+# its memory order, row after row (tiles of 32 columns took each row a quarter at a time, one
+# strided pass over the page per quarter, and were no faster than the loops from memory):
+# [G, 64 or 128] accumulators for G <= 3 query heads per KV head (at most 24 of the 32 vector
+# registers). Each prefetches the same rows of the next page as it reads its own.
+_s1w, _s2w, _s3w = (make_tile(r, "strided", ahead=True, cols=64) for r in (1, 2, 3))
+_s1W, _s2W, _s3W = (make_tile(r, "strided", ahead=True, cols=128) for r in (1, 2, 3))
+_a1w, _a2w, _a3w = (make_tile(r, "strided", accumulate=True, ahead=True, cols=64) for r in (1, 2, 3))
+_a1W, _a2W, _a3W = (make_tile(r, "strided", accumulate=True, ahead=True, cols=128) for r in (1, 2, 3))
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _row_tile(G, wide, add, a, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim):
+    """c[:G, c_col:c_col + W] = (or += with add) a[:G, :kdim] . b's kdim rows from b_off (ldb
+    apart, W columns), W = 128 if wide else 64, G in 1 ... 3; prefetching ahead_rows rows at
+    b_ahead (numba_tile.py, ahead=True)."""
+    if add:
+        if wide:
+            if G == 3:
+                _a3W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+            elif G == 2:
+                _a2W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+            else:
+                _a1W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+        elif G == 3:
+            _a3w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+        elif G == 2:
+            _a2w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+        else:
+            _a1w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+    elif wide:
+        if G == 3:
+            _s3W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+        elif G == 2:
+            _s2W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+        else:
+            _s1W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+    elif G == 3:
+        _s3w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+    elif G == 2:
+        _s2w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+    else:
+        _s1w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    """decode_row with both dots in whole-row register tiles (_row_tile; G <= 3, pages a multiple
+    of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
+    acc [G, H] += s [G, :n] . V page [:n, H]. In the loops every pass loads and stores its
+    accumulators; from memory these ran a decode step's attention ~13 % faster on a CPU whose
+    float32 rate is low beside its memory bandwidth (docs/PERFORMANCE.md, "Eleventh pass")."""
+    _, NB, K, H, P = kc.shape
+    G = q.shape[1] // K
+    m = np.empty(G, np.float32)
+    l_sum = np.empty(G, np.float32)
+    acc = np.empty((G, H), np.float32)
+    s = np.empty((G, P), np.float32)
+    qs = np.empty((G, H), np.float32)
+    nb = (kv_len + P - 1) // P
+    wide_pages = P % 128 == 0
+    for k in range(K):
+        m[:] = _NEG_INF
+        l_sum[:] = 0.0
+        acc[:] = 0.0
+        for g in range(G):
+            for h in range(H):
+                qs[g, h] = q[tok, k * G + g, h] * scale
+        for b in range(nb):
+            blk = blocks[b]
+            if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
+                blk = 0
+            nxt, nk, n_next = _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
+            page = ((layer * NB + blk) * K + k) * H * P  # flat offset of a page, K and V alike
+            ahead = ((layer * NB + nxt) * K + nk) * H * P
+            n = min(P, kv_len - b * P)
+            # scores over the page's filled positions, in chunks of 128 columns (64 for the last
+            # ones): those past n are stale slots, never read
+            c0 = 0
+            while c0 < n:
+                wide = wide_pages and n - c0 > 64
+                _row_tile(G, wide, False, qs, H, kc, page + c0, P, ahead + c0, H if c0 < n_next else 0,
+                          s, c0, P, H)
+                c0 += 128 if wide else 64
+            for x in range(c0, (n_next + 15) // 16 * 16, 16):  # the next page's columns past these
+                for h in range(H):
+                    _prefetch(kc, ahead + h * P + x)
+            for g in range(G):  # online softmax over this page's n positions
+                _softmax_row(s, g, n, n, m, l_sum, acc)
+            _row_tile(G, H == 128, True, s, P, vc, page, H, ahead, min(n, n_next), acc, 0, H, n)
+            for x in range(n * H, n_next * H, 16):  # the next page's rows past this page's n
+                _prefetch(vc, ahead + x)
+        for g in range(G):
+            inv = np.float32(1.0) / l_sum[g] if kv_len > 0 else _ZERO
+            for h in range(H):
+                out[tok, k * G + g, h] = acc[g, h] * inv
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    """decode_row in loops (any pool storage, any page shape). Both dots take 4 terms per pass, a
+    quarter of the accumulator loads and stores; unrolled without the prefetch, the same loops
+    ran no faster (docs/PERFORMANCE.md, "Decisions in the code")."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     m = np.empty(G, np.float32)
@@ -172,13 +314,7 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             blk = blocks[b]
             if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
                 blk = 0
-            j = k * nb + b + 1  # the stream's next page: (head j // nb, block j % nb), n_next filled
-            if j < K * nb:
-                nxt, nk, n_next = blocks[j % nb], j // nb, min(P, kv_len - (j % nb) * P)
-            else:  # the thread's next item: its fill is not known here
-                nxt, nk, n_next = next_blk, 0, P
-            if nxt < 0 or nxt >= NB:
-                nxt = 0
+            nxt, nk, n_next = _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
             ahead = ((layer * NB + nxt) * K + nk) * H * P  # flat offset of that page, K and V alike
             n = min(P, kv_len - b * P)
             # A page's last filled position bounds what is read: a row of the K page holds all P

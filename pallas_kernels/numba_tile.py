@@ -6,17 +6,22 @@ multiply-add per vector and term.
 Why IR: numba vectorises a loop over 16 lanes but keeps the accumulators of plain Python loops in
 memory, so every pass loads and stores them (numba_kernels.py's 4-rows-by-4-terms loops only
 amortise that); phi nodes stay in registers. Used by numba_matmul.py (the layers' weight matmuls,
-b a packed weight panel) and numba_kernels.py (the prefill tiles' score and value dots, b a page of
-the KV pool).
+b a packed weight panel) and numba_kernels.py (the prefill tiles' and decode rows' score and value
+dots, b a page of the KV pool).
 
-Two forms, each an intrinsic made for one MR (every array flat float32 C-contiguous, offsets in
-elements, a's rows lda apart and c's ldc apart):
+Two forms, each an intrinsic made for one MR and a number of columns (NR, or a strided tile's
+own: a decode row's tiles hold whole page rows of 64 or 128; every array flat float32
+C-contiguous, offsets in elements, a's rows lda apart and c's ldc apart):
   packed(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim)
       b's rows NR apart (a packed panel); writes c; prefetches row k of the panel at b_ahead for
       the k with k % every == phase (the weights come from memory: see numba_matmul.py).
   strided(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, kdim)
       b's rows ldb apart (a page in cache); accumulates into c when made with accumulate=True,
       else writes it.
+  strided with ahead=True: (a, a_off, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_off, ldc, kdim)
+      the same, and for k < ahead_rows it prefetches row k of its columns at b_ahead (the same
+      place in the next page) as it reads row k of b: a decode row's pages lie anywhere in the
+      pool, where the hardware's prefetcher cannot see them coming (numba_kernels.decode_row).
 """
 
 from __future__ import annotations
@@ -29,16 +34,23 @@ from numba.extending import intrinsic
 NR = 32  # columns of a tile: two 16-lane vectors per row
 
 
-def make_tile(MR: int, form: str, accumulate: bool = False):
-    """The intrinsic of `form` ("packed" or "strided", above) for MR rows."""
+def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False, cols: int = NR):
+    """The intrinsic of `form` ("packed" or "strided", above) for MR rows of `cols` columns (NR
+    unless a strided tile says otherwise; a multiple of 16)."""
     if form not in ("packed", "strided"):
         raise ValueError(f"form must be 'packed' or 'strided', got {form!r}")
-    nv = NR // 16
+    if cols % 16 or (form == "packed" and cols != NR):
+        raise ValueError(f"a tile's columns are a multiple of 16 (NR = {NR} for a packed one), got {cols}")
+    nv = cols // 16
     packed = form == "packed"
+    ahead = ahead and not packed
 
     def codegen(context, builder, signature, args):
         if packed:
             a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim = args
+            a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[8]
+        elif ahead:
+            a_arr, a_off, lda, b_arr, b_off, ldb, b_ahead, ahead_rows, c_arr, c_off, ldc, kdim = args
             a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[8]
         else:
             a_arr, a_off, lda, b_arr, b_off, ldb, c_arr, c_off, ldc, kdim = args
@@ -88,6 +100,12 @@ def make_tile(MR: int, form: str, accumulate: bool = False):
                 for j in range(0, NR, 16):  # one 64-byte line per 16 float32
                     addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
                     builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        elif ahead:  # row k of the next page, as row k of this one is read
+            with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
+                ahead_row = builder.add(b_ahead, builder.mul(k, ldb))
+                for j in range(0, cols, 16):
+                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
+                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         builder.branch(body)
 
         builder.position_at_end(body)
@@ -117,6 +135,11 @@ def make_tile(MR: int, form: str, accumulate: bool = False):
     if packed:
         @intrinsic
         def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
+            i = types.intp
+            return types.void(a, i, i, b, i, i, i, i, c, i, i, i), codegen
+    elif ahead:
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_off, ldc, kdim):
             i = types.intp
             return types.void(a, i, i, b, i, i, i, i, c, i, i, i), codegen
     else:

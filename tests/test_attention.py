@@ -124,6 +124,22 @@ def test_numba_prefill_register_tiles_match_reference(P, H, N, K):
     assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
 
 
+@pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (9, 3), (8, 2)])
+@pytest.mark.parametrize("P,H", [(64, 64), (128, 128)])
+def test_numba_decode_register_tiles_match_reference(N, K, P, H):
+    """Decode rows on a float32 pool with pages a multiple of 64 and heads of 64 or 128 take
+    whole-row register tiles for both dots when G = N / K <= 3 (numba_kernels._decode_tiles; G = 4
+    takes the loops): chunks of 128 and 64 columns, contexts ending on, just past and inside page
+    boundaries, a lone token, and more rows than threads (each prefetches its next row's pages)."""
+    rng = np.random.default_rng(N * 100 + K + P)
+    ctx = [0, P - 1, P, P + 1, 3 * P - 7, 5 * P, 2, 4 * P + 9]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1] * len(ctx), ctx, N=N, K=K, H=H, P=P, S=8, T=16, NB=48, M=6)
+    want = _ref(q, k, v, jnp.int32(1), bt, sl, qsl, ns)
+    got = _cpu["numba"](q, k, v, jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got)[len(ctx):] == 0)
+
+
 def test_numba_skips_a_row_whose_context_does_not_fit_its_block_table():
     """A row claiming more KV than its block table holds (never from the engine) must not make the
     kernel read past the table: its tokens get zeros and every other row is untouched."""
