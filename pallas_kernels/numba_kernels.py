@@ -193,63 +193,31 @@ def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_b
 
 # A decode row's dots in register tiles that hold whole rows of a page, so that a page is read in
 # its memory order, row after row (tiles of 32 columns took each row a quarter at a time, one
-# strided pass over the page per quarter, and were no faster than the loops from memory):
-# [G, 64 or 128] accumulators for G <= 3 query heads per KV head (at most 24 of the 32 vector
-# registers). Each prefetches the same rows of the next page as it reads its own.
-_s1w, _s2w, _s3w = (make_tile(r, "strided", ahead=True, cols=64) for r in (1, 2, 3))
-_s1W, _s2W, _s3W = (make_tile(r, "strided", ahead=True, cols=128) for r in (1, 2, 3))
-_a1w, _a2w, _a3w = (make_tile(r, "strided", accumulate=True, ahead=True, cols=64) for r in (1, 2, 3))
-_a1W, _a2W, _a3W = (make_tile(r, "strided", accumulate=True, ahead=True, cols=128) for r in (1, 2, 3))
-
-
-@njit(fastmath=True, inline="always", cache=True)
-def _row_tile(G, wide, add, a, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim):
-    """c[:G, c_col:c_col + W] = (or += with add) a[:G, :kdim] . b's kdim rows from b_off (ldb
-    apart, W columns), W = 128 if wide else 64, G in 1 ... 3; prefetching ahead_rows rows at
-    b_ahead (numba_tile.py, ahead=True)."""
-    if add:
-        if wide:
-            if G == 3:
-                _a3W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-            elif G == 2:
-                _a2W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-            else:
-                _a1W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-        elif G == 3:
-            _a3w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-        elif G == 2:
-            _a2w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-        else:
-            _a1w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-    elif wide:
-        if G == 3:
-            _s3W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-        elif G == 2:
-            _s2W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-        else:
-            _s1W(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-    elif G == 3:
-        _s3w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-    elif G == 2:
-        _s2w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
-    else:
-        _s1w(a, 0, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_col, ldc, kdim)
+# strided pass over the page per quarter, and were no faster than the loops from memory): 3 rows
+# of 64 or 128 columns (at most 24 of the 32 vector registers), for G <= 3 query heads per KV head;
+# with G < 3 the rows past G are zeros, so that one row count serves all three (every tile shape
+# more is a loop of its own to compile: 12 shapes took the float32 handler's cold compile from
+# ~30 to ~50-60 s). Each prefetches the same rows of the next page as it reads its own.
+_TILE_ROWS = 3
+_set64, _set128 = (make_tile(_TILE_ROWS, "strided", ahead=True, cols=w) for w in (64, 128))
+_add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True, cols=w) for w in (64, 128))
 
 
 @njit(fastmath=True, inline="always", cache=True)
 def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
-    """decode_row with both dots in whole-row register tiles (_row_tile; G <= 3, pages a multiple
-    of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
+    """decode_row with both dots in whole-row register tiles (_set64 ... _add128; G <= 3, pages a
+    multiple of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
     acc [G, H] += s [G, :n] . V page [:n, H]. In the loops every pass loads and stores its
     accumulators; from memory these ran a decode step's attention ~13 % faster on a CPU whose
     float32 rate is low beside its memory bandwidth (docs/PERFORMANCE.md, "Eleventh pass")."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
+    R = _TILE_ROWS  # rows G.. of qs, s and acc are zeros or unread
     m = np.empty(G, np.float32)
     l_sum = np.empty(G, np.float32)
-    acc = np.empty((G, H), np.float32)
-    s = np.empty((G, P), np.float32)
-    qs = np.empty((G, H), np.float32)
+    acc = np.zeros((R, H), np.float32)
+    s = np.zeros((R, P), np.float32)
+    qs = np.zeros((R, H), np.float32)
     nb = (kv_len + P - 1) // P
     wide_pages = P % 128 == 0
     for k in range(K):
@@ -272,15 +240,21 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             c0 = 0
             while c0 < n:
                 wide = wide_pages and n - c0 > 64
-                _row_tile(G, wide, False, qs, H, kc, page + c0, P, ahead + c0, H if c0 < n_next else 0,
-                          s, c0, P, H)
+                rows = H if c0 < n_next else 0
+                if wide:
+                    _set128(qs, 0, H, kc, page + c0, P, ahead + c0, rows, s, c0, P, H)
+                else:
+                    _set64(qs, 0, H, kc, page + c0, P, ahead + c0, rows, s, c0, P, H)
                 c0 += 128 if wide else 64
             for x in range(c0, (n_next + 15) // 16 * 16, 16):  # the next page's columns past these
                 for h in range(H):
                     _prefetch(kc, ahead + h * P + x)
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
-            _row_tile(G, H == 128, True, s, P, vc, page, H, ahead, min(n, n_next), acc, 0, H, n)
+            if H == 128:
+                _add128(s, 0, P, vc, page, H, ahead, min(n, n_next), acc, 0, H, n)
+            else:
+                _add64(s, 0, P, vc, page, H, ahead, min(n, n_next), acc, 0, H, n)
             for x in range(n * H, n_next * H, 16):  # the next page's rows past this page's n
                 _prefetch(vc, ahead + x)
         for g in range(G):
