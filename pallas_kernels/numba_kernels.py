@@ -142,10 +142,14 @@ def _rows_acc(a, b, c, j, terms, rows, cols):
 
 
 @njit(inline="always", cache=True)
-def _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
-    """The page a decode row reads after (head k, block b): (block, head, filled positions). Its
-    pages are one stream, KV head by KV head, block by block, and after its last comes block
-    next_blk, the first of the thread's next item, whose fill is not known here (P)."""
+def _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
+    """A decode row's page (head k, block b) and the one it reads after: (block, next block, next
+    head, next filled positions). Its pages are one stream, KV head by KV head, block by block, and
+    after its last comes block next_blk, the first of the thread's next item, whose fill is not
+    known here (P). A block outside the pool (never from the block manager) reads block 0."""
+    blk = blocks[b]
+    if blk < 0 or blk >= NB:
+        blk = 0
     j = k * nb + b + 1
     if j < K * nb:
         nxt, nk, n_next = blocks[j % nb], j // nb, min(P, kv_len - (j % nb) * P)
@@ -153,7 +157,28 @@ def _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
         nxt, nk, n_next = next_blk, 0, P
     if nxt < 0 or nxt >= NB:
         nxt = 0
-    return nxt, nk, n_next
+    return blk, nxt, nk, n_next
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale):
+    """qs[:G] = token tok's G query heads of KV head k, scaled; the online softmax's running max,
+    sum and accumulator start afresh."""
+    m[:] = _NEG_INF
+    l_sum[:] = 0.0
+    acc[:] = 0.0
+    for g in range(G):
+        for h in range(H):
+            qs[g, h] = q[tok, k * G + g, h] * scale
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
+    """out[tok, KV head k's G query heads] = acc / l_sum (zeros with nothing cached)."""
+    for g in range(G):
+        inv = np.float32(1.0) / l_sum[g] if kv_len > 0 else _ZERO
+        for h in range(H):
+            out[tok, k * G + g, h] = acc[g, h] * inv
 
 
 # decode_row and prefill_tile are called once per work item, not inlined into `ragged` (the inner
@@ -163,7 +188,7 @@ def _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
 
-    Its pages are read as one stream (_next_page), and the page after the one in hand is
+    Its pages are read as one stream (_pages), and the page after the one in hand is
     prefetched as this one is read: the pages lie anywhere in the pool, where the hardware's
     prefetcher, which follows addresses, cannot see them coming. Both dots in register tiles
     (_decode_tiles) where they fit, else in loops (_decode_loops)."""
@@ -221,17 +246,9 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     nb = (kv_len + P - 1) // P
     wide_pages = P % 128 == 0
     for k in range(K):
-        m[:] = _NEG_INF
-        l_sum[:] = 0.0
-        acc[:] = 0.0
-        for g in range(G):
-            for h in range(H):
-                qs[g, h] = q[tok, k * G + g, h] * scale
+        _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale)
         for b in range(nb):
-            blk = blocks[b]
-            if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
-                blk = 0
-            nxt, nk, n_next = _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
+            blk, nxt, nk, n_next = _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
             page = ((layer * NB + blk) * K + k) * H * P  # flat offset of a page, K and V alike
             ahead = ((layer * NB + nxt) * K + nk) * H * P
             n = min(P, kv_len - b * P)
@@ -257,10 +274,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
                 _add64(s, 0, P, vc, page, H, ahead, min(n, n_next), acc, 0, H, n)
             for x in range(n * H, n_next * H, 16):  # the next page's rows past this page's n
                 _prefetch(vc, ahead + x)
-        for g in range(G):
-            inv = np.float32(1.0) / l_sum[g] if kv_len > 0 else _ZERO
-            for h in range(H):
-                out[tok, k * G + g, h] = acc[g, h] * inv
+        _head_out(out, acc, l_sum, tok, k, G, H, kv_len)
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -278,17 +292,9 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     nb = (kv_len + P - 1) // P
     h4 = H - H % 4
     for k in range(K):
-        m[:] = _NEG_INF
-        l_sum[:] = 0.0
-        acc[:] = 0.0
-        for g in range(G):
-            for h in range(H):
-                qs[g, h] = q[tok, k * G + g, h] * scale
+        _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale)
         for b in range(nb):
-            blk = blocks[b]
-            if blk < 0 or blk >= NB:  # never from the block manager; stay in bounds
-                blk = 0
-            nxt, nk, n_next = _next_page(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
+            blk, nxt, nk, n_next = _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
             ahead = ((layer * NB + nxt) * K + nk) * H * P  # flat offset of that page, K and V alike
             n = min(P, kv_len - b * P)
             # A page's last filled position bounds what is read: a row of the K page holds all P
@@ -319,10 +325,7 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             for x in range(n4 * H, n_next * H, 16):  # the next page's rows past this page's n4
                 _prefetch(vc, ahead + x)
             _rows_acc(s, vp, acc, n4, n - n4, G, H)
-        for g in range(G):
-            inv = np.float32(1.0) / l_sum[g] if kv_len > 0 else _ZERO
-            for h in range(H):
-                out[tok, k * G + g, h] = acc[g, h] * inv
+        _head_out(out, acc, l_sum, tok, k, G, H, kv_len)
 
 # Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H], where the
 # register tiles cannot run (a uint16 pool, pages or heads not a multiple of 32). numba
