@@ -8,15 +8,21 @@ change to the model step can be judged on the same inputs without the whole run'
 --no-prefill-attention also times the prefill step with prefill attention switched off (its
 result is wrong; only the time matters): the difference is what prefill attention costs in a step.
 It works on the "xla" backend (--engine-arg attention_backend=xla), whose prefill tiles it swaps.
+--no-row-limits also times the decode step compiled without numba_matmul.row_limits (its matmuls
+multiply the bucket's padding rows too), interleaved with the engine's own; the decode step
+captured is then the largest with padding (the "numba" backend's packed matmuls).
 
   JAXSCHED_CACHE=/tmp/jcache python scripts/bench_steps.py
   python scripts/bench_steps.py -n 32 --max-output 64 --reps 5 --no-prefill-attention \
       --engine-arg attention_backend=xla
+  python scripts/bench_steps.py -n 100 --min-prompt 64 --max-prompt 64 --min-output 96 \
+      --max-output 96 --reps 20 --no-row-limits
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import statistics
 import time
@@ -24,6 +30,8 @@ import time
 import jax
 import numpy as np
 from bench_offline import make_llm, parser, workload
+
+from jaxsched.batch import BatchDescriptor
 
 
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
@@ -49,6 +57,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="replays of each captured step")
     ap.add_argument("--no-prefill-attention", action="store_true",
                     help="also time the prefill step with prefill attention switched off")
+    ap.add_argument("--no-row-limits", action="store_true",
+                    help="also time the padded decode step without the matmuls' row limits")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -72,7 +82,8 @@ def main() -> None:
         T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
         n = int(batch.num_seqs[0])
         kind = "decode" if int(batch.query_start_loc[n]) == n else "prefill"
-        if kind not in captured or (T, S) > captured[kind][0]:
+        wanted = not args.no_row_limits or kind != "decode" or n < T  # with --no-row-limits: padded
+        if wanted and (kind not in captured or (T, S) > captured[kind][0]):
             captured[kind] = ((T, S), (np.asarray(runner._prev_ids), batch.flat_i32.copy(), batch.flat_f32.copy()))
         t0 = time.perf_counter()
         out = jax.block_until_ready(execute(batch))  # run() only dispatches: wait for the step
@@ -100,6 +111,24 @@ def main() -> None:
         (T, S), flat = captured[kind]
         times, _ = _replay(runner, runner._executables[(T, S)], flat, S, args.reps)
         print(f"replay {kind} step (T={T}, S={S}), {args.reps} runs: {_fmt(times)}")
+    if args.no_row_limits and "decode" in captured:
+        (T, S), flat = captured["decode"]
+        original = runner._row_limits
+        runner._row_limits = lambda *a: contextlib.nullcontext()
+        try:
+            exe = runner.compile(T, S)
+        finally:
+            runner._row_limits = original
+        with_limits, without = [], []
+        for _ in range(args.reps):  # interleaved, so machine drift hits both alike
+            t, ids = _replay(runner, runner._executables[(T, S)], flat, S, 1)
+            with_limits += t
+            t, ids_off = _replay(runner, exe, flat, S, 1)
+            without += t
+        n = int(BatchDescriptor.from_flat(flat[1], flat[2], T, S, runner.max_blocks_per_seq).num_seqs[0])
+        same = "same" if np.array_equal(ids[:n], ids_off[:n]) else "DIFFERENT"
+        print(f"decode step (T={T}, S={S}, {n} real rows) with row limits:    {_fmt(with_limits)}")
+        print(f"decode step (T={T}, S={S}, {n} real rows) without row limits: {_fmt(without)} ({same} ids)")
     if args.no_prefill_attention and "prefill" in captured:
         # A second program of the same step whose prefill attention returns its input unchanged.
         import pallas_kernels.xla_attention as xa
