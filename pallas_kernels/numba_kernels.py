@@ -196,8 +196,8 @@ def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
 
 
 def _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
-    """decode_row's work: _decode_tiles on a float32 pool with pages and heads a multiple of NR,
-    else _decode_loops (compiled per pool storage through the overload below)."""
+    """decode_row's work: _decode_tiles on a float32 pool with G <= 3, pages a multiple of 64 and
+    heads of 64 or 128, else _decode_loops (compiled per pool storage through the overload below)."""
 
 
 @overload(_decode_heads, inline="always")
@@ -221,8 +221,9 @@ def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_b
 # strided pass over the page per quarter, and were no faster than the loops from memory): 3 rows
 # of 64 or 128 columns (at most 24 of the 32 vector registers), for G <= 3 query heads per KV head;
 # with G < 3 the rows past G are zeros, so that one row count serves all three (every tile shape
-# more is a loop of its own to compile: 12 shapes took the float32 handler's cold compile from
-# ~30 to ~50-60 s). Each prefetches the same rows of the next page as it reads its own.
+# more is a loop of its own to compile, and a shape per G lengthened the float32 handler's cold
+# compile: docs/PERFORMANCE.md, "Eleventh pass"). Each prefetches the same rows of the next page
+# as it reads its own.
 _TILE_ROWS = 3
 _set64, _set128 = (make_tile(_TILE_ROWS, "strided", ahead=True, cols=w) for w in (64, 128))
 _add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True, cols=w) for w in (64, 128))
@@ -233,7 +234,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """decode_row with both dots in whole-row register tiles (_set64 ... _add128; G <= 3, pages a
     multiple of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
     acc [G, H] += s [G, :n] . V page [:n, H]. In the loops every pass loads and stores its
-    accumulators; from memory these ran a decode step's attention ~13 % faster on a CPU whose
+    accumulators, and from memory the dots and the page reads did not overlap on a CPU whose
     float32 rate is low beside its memory bandwidth (docs/PERFORMANCE.md, "Eleventh pass")."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
