@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: test test-leg1 test-leg2 generate serve bench clean proto
+.PHONY: test test-leg1 test-leg2 leg2-kernels generate serve bench clean proto
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,17 +36,37 @@ $(VENV312)/.test: pyproject.toml
 	$(PY312) -m pip install -q -e '.[test]' $(JAX_PINS)
 	touch $@
 
-# Both legs. Leg 1: the whole suite (CPU; slow tests included, GPU tests skip themselves without a
-# GPU). Leg 2: every test but the slow ones; tests that need torch skip, saying so.
-test: test-leg1 test-leg2
+# numba's CPU kernels compiled once per virtualenv, before its tests (pallas_kernels/compile_cpu_kernels.py):
+# else both workers, and the multi-device tests' subprocesses, compile the same kernels at the same
+# time. Again when a kernel source changes (numba's cache then recompiles them anyway).
+KERNEL_SOURCES := $(wildcard pallas_kernels/*.py)
 
-test-leg1: $(VENV)/.test
+$(VENV)/.kernels: $(VENV)/.test $(KERNEL_SOURCES)
+	$(PY) -m pallas_kernels.compile_cpu_kernels
+	touch $@
+
+$(VENV312)/.kernels: $(VENV312)/.test $(KERNEL_SOURCES)
+	$(PY312) -m pallas_kernels.compile_cpu_kernels
+	touch $@
+
+# Both legs. Leg 1: the whole suite (CPU; slow tests included, GPU tests skip themselves without a
+# GPU). Leg 2: every test but the slow ones; tests that need torch skip, saying so. The two
+# virtualenvs and their kernels are set up side by side first: pip and numba's compiler each keep
+# about one core busy (docs/PERFORMANCE.md, "Twelfth pass").
+test:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels leg2-kernels
+	@$(MAKE) --no-print-directory test-leg1 test-leg2
+
+leg2-kernels:
+	@if [ -n "$(PYTHON312)" ]; then $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.kernels; fi
+
+test-leg1: $(VENV)/.kernels
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-leg2:
 	@if [ -z "$(PYTHON312)" ]; then echo "test leg 2 (Python 3.12, jax 0.11.2) skipped: no Python 3.12" \
 	  "found (pyenv prefix 3.12.1, pyenv prefix 3.12, python3.12 on PATH)"; \
-	else $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.test; fi
+	else $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.kernels; fi
 	@if [ -n "$(PYTHON312)" ]; then set -x; \
 	  $(PY312) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile; fi
 
