@@ -181,9 +181,12 @@ def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
             out[tok, k * G + g, h] = acc[g, h] * inv
 
 
-# decode_row and prefill_tile are called once per work item, not inlined into `ragged` (the inner
-# loops' helpers above are, with inline="always"): inlining them too doubled the handlers' compile
-# time, for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code").
+# decode_row and prefill_tile are called once per work item, not inlined into `ragged`, and so are
+# the bodies under them that run once per row or page (_decode_tiles, _decode_loops, _matmul_acc,
+# _page_dot_loops); only the small helpers of the inner loops are inlined at numba's level
+# (inline="always"). Inlining the large bodies too made the handlers' cold compile up to 2x longer
+# for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code" and
+# "Twelfth pass").
 @njit(fastmath=True, cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
@@ -229,7 +232,7 @@ _set64, _set128 = (make_tile(_TILE_ROWS, "strided", ahead=True, cols=w) for w in
 _add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True, cols=w) for w in (64, 128))
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, cache=True)
 def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """decode_row with both dots in whole-row register tiles (_set64 ... _add128; G <= 3, pages a
     multiple of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
@@ -278,7 +281,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
         _head_out(out, acc, l_sum, tok, k, G, H, kv_len)
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, cache=True)
 def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """decode_row in loops (any pool storage, any page shape). Both dots take 4 terms per pass, a
     quarter of the accumulator loads and stores; unrolled without the prefetch, the same loops
@@ -333,7 +336,7 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
 # accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code").
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, cache=True)
 def _matmul_acc(a, b, c, R, kdim, cols):
     """c[:R, :cols] += a[:R, :kdim] . b[:kdim, :cols] (all row-major), 4 rows of a and 4 terms of
     the sum per pass; R a multiple of 4. b may hold pool storage (read through _val)."""
@@ -372,7 +375,7 @@ def _page_dot(a, pool, layer, blk, k, c, rows, kdim, cols, add):
     next multiple of NR get scores of stale slots, which callers do not read."""
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, cache=True)
 def _page_dot_loops(a, pool, layer, blk, k, c, rows, kdim, cols, add):
     """_page_dot through _matmul_acc (any pool storage, any page shape)."""
     if not add:
