@@ -63,12 +63,10 @@ leg2-kernels:
 test-leg1: $(VENV)/.kernels
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test-leg2:
+test-leg2: leg2-kernels
 	@if [ -z "$(PYTHON312)" ]; then echo "test leg 2 (Python 3.12, jax 0.11.2) skipped: no Python 3.12" \
 	  "found (pyenv prefix 3.12.1, pyenv prefix 3.12, python3.12 on PATH)"; \
-	else $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.kernels; fi
-	@if [ -n "$(PYTHON312)" ]; then set -x; \
-	  $(PY312) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile; fi
+	else set -x; $(PY312) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile; fi
 
 # Offline generation on the demo model (fetched once into ~/.cache/jaxsched).
 generate: $(VENV)/.base
