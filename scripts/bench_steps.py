@@ -8,6 +8,9 @@ change to the model step can be judged on the same inputs without the whole run'
 --no-prefill-attention also times the prefill step with prefill attention switched off (its
 result is wrong; only the time matters): the difference is what prefill attention costs in a step.
 It works on the "xla" backend (--engine-arg attention_backend=xla), whose prefill tiles it swaps.
+--profile DIR also replays both captured steps under jax.profiler and prints each one's ops by time
+per step, exclusive of nested events ("ThunkExecutor::Execute (wait for completion)" is the calling
+thread waiting for the step, not work of its own).
 --no-row-limits also times the decode step compiled without numba_matmul.row_limits (its matmuls
 multiply the bucket's padding rows too), interleaved with the engine's own; the decode step
 captured is then the largest with padding (the "numba" backend's packed matmuls).
@@ -15,6 +18,7 @@ captured is then the largest with padding (the "numba" backend's packed matmuls)
   JAXSCHED_CACHE=/tmp/jcache python scripts/bench_steps.py
   python scripts/bench_steps.py -n 32 --max-output 64 --reps 5 --no-prefill-attention \
       --engine-arg attention_backend=xla
+  JAXSCHED_CACHE=/tmp/jcache python scripts/bench_steps.py -n 32 --reps 3 --profile /tmp/prof
   python scripts/bench_steps.py -n 100 --min-prompt 64 --max-prompt 64 --min-output 96 \
       --max-output 96 --reps 20 --no-row-limits
 """
@@ -23,7 +27,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
+import gzip
+import json
 import logging
+import os
+import re
 import statistics
 import time
 
@@ -48,6 +57,50 @@ def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np
     return times, ints[:S]
 
 
+def _profile(runner, exe, batch_flat, S: int, reps: int, out_dir: str, top: int = 14) -> None:
+    """Replays one captured step `reps` times under jax.profiler and prints the ops that took the
+    most time per step, exclusive of the events nested in them (a fusion inside a thunk counts once)."""
+    _replay(runner, exe, batch_flat, S, 1)
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        _replay(runner, exe, batch_flat, S, reps)
+    path = max(glob.glob(f"{out_dir}/**/perfetto_trace.json.gz", recursive=True), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    by_thread: dict[tuple, list] = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e["pid"], e["tid"])].append(e)
+    exclusive: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, time of nested events, duration]
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, child, dur = stack.pop()
+                exclusive[name] += dur - child
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+        for end, name, child, dur in stack:
+            exclusive[name] += dur - child
+    for e in events:
+        calls[e["name"]] += 1
+    # An FFI call is named by its target and result shape (the matmul handler serves three wrappers);
+    # other ops are grouped by their kind: "fusion.12", "fusion.7" ... under "fusion".
+    targets = {m[1]: f"{m[3].removeprefix('jaxsched_')} -> {re.sub(r'{[^}]*}', '', m[2])}" for m in re.finditer(
+        r"(?m)^\s*(?:ROOT )?%?(\S+) = (.+?) custom-call\(.*custom_call_target=\"([^\"]+)\"", exe.as_text())}
+    grouped: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in exclusive.items():
+        if name.startswith(("$", "end: ")):
+            continue  # Python frames and the executor's own markers
+        base = targets.get(name) or re.sub(r"[.:]\d+$", "", name)
+        grouped[base][0] += us
+        grouped[base][1] += calls[name]
+    print(f"  profile ({reps} runs, trace in {out_dir}), ms per step exclusive, calls per step:")
+    for name, (us, n) in sorted(grouped.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {us / reps / 1e3:10.1f} ms {n / reps:8.0f}  {name[:90]}")
+
+
 def _fmt(times: list[float]) -> str:
     return f"best {min(times) * 1e3:8.1f} ms   median {statistics.median(times) * 1e3:8.1f} ms"
 
@@ -59,6 +112,9 @@ def main() -> None:
                     help="also time the prefill step with prefill attention switched off")
     ap.add_argument("--no-row-limits", action="store_true",
                     help="also time the padded decode step without the matmuls' row limits")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="also replay each captured step under jax.profiler (trace written to DIR) and print "
+                         "its ops by time, exclusive of nested ones")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -111,6 +167,8 @@ def main() -> None:
         (T, S), flat = captured[kind]
         times, _ = _replay(runner, runner._executables[(T, S)], flat, S, args.reps)
         print(f"replay {kind} step (T={T}, S={S}), {args.reps} runs: {_fmt(times)}")
+        if args.profile:
+            _profile(runner, runner._executables[(T, S)], flat, S, args.reps, f"{args.profile}/{kind}")
     if args.no_row_limits and "decode" in captured:
         (T, S), flat = captured["decode"]
         original = runner._row_limits
