@@ -101,14 +101,47 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, types.intp), codegen
 
 
+@intrinsic
+def _max_of(typingctx, arr, off, n, init):
+    """max(init, arr's flat elements off .. off + n - 1), arr float32 and C-contiguous: 16 lanes at
+    a time in vector max instructions, then the tail one by one. numba compiles a max reduction in
+    a loop (mx = max(mx, x)) to scalar compares, each waiting for the one before: in a prefill
+    tile's online softmax that loop took about a quarter of the kernel's time (docs/PERFORMANCE.md,
+    "Thirteenth pass")."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        count = context.cast(builder, args[2], signature.args[2], types.intp)
+        first = context.cast(builder, args[3], signature.args[3], types.float32)
+        f32, idx = ir.FloatType(), start.type
+        v16 = ir.VectorType(f32, 16)
+        fn = ir.FunctionType
+        vmax = cgutils.get_or_insert_function(builder.module, fn(v16, [v16, v16]), "llvm.maxnum.v16f32")
+        smax = cgutils.get_or_insert_function(builder.module, fn(f32, [f32, f32]), "llvm.maxnum.f32")
+        vred = cgutils.get_or_insert_function(builder.module, fn(f32, [v16]), "llvm.vector.reduce.fmax.v16f32")
+        lanes = ir.Constant(idx, 16)
+        # (allocas in the entry block: LLVM keeps them in registers)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16, [ir.Constant(f32, -3.0e38)] * 16))
+        whole = builder.sdiv(count, lanes)
+        with cgutils.for_range(builder, whole) as loop:
+            at = builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))])
+            v = builder.load(builder.bitcast(at, v16.as_pointer()), align=4)
+            builder.store(builder.call(vmax, [builder.load(acc), v]), acc)
+        res = cgutils.alloca_once_value(builder, builder.call(smax, [builder.call(vred, [builder.load(acc)]), first]))
+        done = builder.mul(whole, lanes)
+        with cgutils.for_range(builder, builder.sub(count, done)) as loop:
+            x = builder.load(builder.gep(data, [builder.add(start, builder.add(done, loop.index))]))
+            builder.store(builder.call(smax, [builder.load(res), x]), res)
+        return builder.load(res)
+    return types.float32(arr, off, n, init), codegen
+
+
 @njit(fastmath=True, inline="always", cache=True)
 def _softmax_row(s, i, lim, n, m, l_sum, acc):
     """One step of online softmax for row i over a page's scores s[i, :lim] (1 <= lim <= n):
     s[i, :lim] becomes exp(s - running max), s[i, lim:n] zero (masked), and the row's running max
     m[i], sum l_sum[i] and accumulator acc[i] are rescaled to the new max."""
-    mx = m[i]
-    for p in range(lim):
-        mx = max(mx, s[i, p])
+    mx = _max_of(s, i * s.shape[1], lim, m[i])  # s C-contiguous: row i starts at i * its width
     corr = _exp(m[i] - mx)
     tot = _ZERO
     for p in range(lim):

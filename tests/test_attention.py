@@ -124,6 +124,35 @@ def test_numba_prefill_register_tiles_match_reference(P, H, N, K):
     assert np.all(np.asarray(got)[int(qsl[int(ns[0])]):] == 0)
 
 
+def test_numba_max_of_equals_numpy_over_whole_vectors_and_tails():
+    """The online softmax's row max (numba_kernels._max_of): 16 lanes at a time, then a tail; the
+    largest element placed in the vector part, in the tail, at the first and last element, and a
+    start value larger than every element."""
+    from numba import njit
+
+    from pallas_kernels.numba_kernels import _max_of
+
+    @njit
+    def max_of(a, off, n, init):
+        return _max_of(a, off, n, init)
+
+    rng = np.random.default_rng(5)
+    s = rng.standard_normal((3, 128)).astype(np.float32)
+    for off in (0, 1, 128 + 5, 256):
+        for n in (0, 1, 15, 16, 17, 33, 100, 128 - (off % 128)):
+            part = s.ravel()[off : off + n].copy()
+            for where in ([] if n == 0 else [0, n - 1, n // 2]):
+                a = s.copy()
+                a.ravel()[off + where] = 50.0 + where  # the largest, at `where`
+                want = max(np.float32(-1e30), a.ravel()[off : off + n].max())
+                assert max_of(a, off, n, np.float32(-1e30)) == want, (off, n, where)
+            assert max_of(s, off, n, np.float32(1e3)) == np.float32(1e3)  # the start value wins
+            if n:
+                assert max_of(s, off, n, np.float32(-1e30)) == part.max()
+            else:
+                assert max_of(s, off, n, np.float32(-7.0)) == np.float32(-7.0)
+
+
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (9, 3), (8, 2)])
 @pytest.mark.parametrize("P,H", [(64, 64), (128, 128)])
 def test_numba_decode_register_tiles_match_reference(N, K, P, H):
