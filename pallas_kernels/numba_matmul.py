@@ -37,32 +37,38 @@ from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp, _scalar
 from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
 
-MB = 192  # rows per outer block: 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
+MB = 192  # rows per outer block (a multiple of MR): 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
+# Rows of the full row tile: 12 x NR = 24 of the 32 vector registers hold the tile through the sum
+# over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran 5-9 % slower;
+# 14, the most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass").
+MR = 12
 
-_tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (8, 4, 2, 1))
+_tile_mr, _tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 8, 4, 2, 1))
 
 
 @njit(inline="always", cache=True)
 def _tile_rows(left):
-    """The rows of the next row tile with `left` rows of a block to go: 8 while there are, then one
-    tile each of 4, 2 and 1 as needed."""
-    return 8 if left >= 8 else (4 if left >= 4 else (2 if left >= 2 else 1))
+    """The rows of the next row tile with `left` rows of a block to go: MR while there are, then
+    one tile each of 8, 4, 2 and 1 as needed."""
+    return MR if left >= MR else (8 if left >= 8 else (4 if left >= 4 else (2 if left >= 2 else 1)))
 
 
 @njit(inline="always", cache=True)
 def _n_tiles(rows):
-    """The row tiles of a block of `rows` rows: 8 rows each, then one of 4, 2 and 1 as needed (the
-    sequence _tile_rows gives)."""
-    r = rows % 8
-    return rows // 8 + (r >= 4) + (r % 4 >= 2) + r % 2
+    """The row tiles of a block of `rows` rows: MR rows each, then one of 8, 4, 2 and 1 as needed
+    (the sequence _tile_rows gives)."""
+    r = rows % MR
+    return rows // MR + (r >= 8) + (r % 8 >= 4) + (r % 4 >= 2) + r % 2
 
 
 @njit(fastmath=True, inline="always", cache=True)
 def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
-    """One row tile (rows of 8, 4, 2 or 1) of panel b: of[o_off.., NR columns, rows ldo apart] =
+    """One row tile (rows of MR, 8, 4, 2 or 1) of panel b: of[o_off.., NR columns, rows ldo apart] =
     x's rows from x_off . the panel; the i-th of n_tiles tiles of the panel, which prefetches its
     share of panel `ahead`."""
-    if rows == 8:
+    if rows == MR:
+        _tile_mr(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
+    elif rows == 8:
         _tile8(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
     elif rows == 4:
         _tile4(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
@@ -118,20 +124,11 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
                 ahead = (p + 1 if p + 1 < p1 else p0) * K * NR  # the weights come from memory every step
                 m = m0
                 i = 0
-                while m + 8 <= m1:
-                    _tile8(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
-                    m += 8
+                while m < m1:
+                    rows = _tile_rows(m1 - m)
+                    _tile(rows, xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
+                    m += rows
                     i += 1
-                if m + 4 <= m1:
-                    _tile4(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
-                    m += 4
-                    i += 1
-                if m + 2 <= m1:
-                    _tile2(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
-                    m += 2
-                    i += 1
-                if m < m1:
-                    _tile1(xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N, K)
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -150,7 +147,7 @@ def packed_matmul_silu_mul(x, w, out, rows):
     n_threads = min(_THREADS, max(F2, 1))
     for t in prange(n_threads):
         q0, q1 = F2 * t // n_threads, F2 * (t + 1) // n_threads
-        gu = np.empty(16 * NR, np.float32)  # a row tile of the gate [8, NR], then of the up [8, NR]
+        gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
@@ -161,13 +158,13 @@ def packed_matmul_silu_mul(x, w, out, rows):
                 while m < m1:
                     rows = _tile_rows(m1 - m)
                     _tile(rows, xf, m * K, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
-                    _tile(rows, xf, m * K, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, 8 * NR, NR)
+                    _tile(rows, xf, m * K, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
                     for j in range(rows):
                         for c in range(NR):
                             g = gu[j * NR + c]
                             e = _exp(-abs(g))  # exp of a non-positive number: no overflow
                             sig = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
-                            of[(m + j) * F + q * NR + c] = g * sig * gu[(8 + j) * NR + c]
+                            of[(m + j) * F + q * NR + c] = g * sig * gu[(MR + j) * NR + c]
                     m += rows
                     i += 1
 
