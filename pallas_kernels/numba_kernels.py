@@ -84,21 +84,32 @@ def _val_impl(x):
     return lambda x: x
 
 
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """Ask the CPU to bring the cache line holding arr's flat element idx into L1 (arr
-    C-contiguous). Never faults, whatever the address; a hint only."""
+def _prefetch_codegen(write: int):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        # (address, read, locality 3: all cache levels, data cache)
+        # (address, 0 read / 1 write, locality 3: all cache levels, data cache)
         builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p),
-                          ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                          ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
-    return types.void(arr, types.intp), codegen
+    return codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Ask the CPU to bring the cache line holding arr's flat element idx into L1 (arr
+    C-contiguous). Never faults, whatever the address; a hint only."""
+    return types.void(arr, types.intp), _prefetch_codegen(0)
+
+
+@intrinsic
+def _prefetch_write(typingctx, arr, idx):
+    """_prefetch for a line about to be written: the CPU fetches it in a state it may write, so
+    the store does not wait for the line's read."""
+    return types.void(arr, types.intp), _prefetch_codegen(1)
 
 
 @intrinsic
@@ -106,7 +117,7 @@ def _max_of(typingctx, arr, off, n, init):
     """max(init, arr's flat elements off .. off + n - 1), arr float32 and C-contiguous: 16 lanes at
     a time in vector max instructions, then the tail one by one. numba compiles a max reduction in
     a loop (mx = max(mx, x)) to scalar compares, each waiting for the one before: in a prefill
-    tile's online softmax that loop took about a quarter of the kernel's time (docs/PERFORMANCE.md,
+    tile's online softmax that loop took a large share of the kernel's time (docs/PERFORMANCE.md,
     "Thirteenth pass")."""
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data

@@ -20,9 +20,36 @@ from numba import carray, cfunc, njit, prange
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS
+from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _prefetch_write
 
-SERIAL_TOKENS = 128  # steps of at most this many tokens run on the calling thread alone (rope_write_serial)
+# Steps of at most this many tokens run on the calling thread alone (rope_write_serial). Where a
+# token's stores wait on memory, two threads nearly halve a larger step's call; where they hit
+# cache, waking numba's worker costs more than a few dozen tokens' work (docs/PERFORMANCE.md,
+# "Decisions in the code").
+SERIAL_TOKENS = 32
+AHEAD = 2  # tokens ahead whose page lines are prefetched for writing
+
+
+@njit(inline="always", cache=True)
+def _fetch_slot(slots, t, t1, layer, kc, vc):
+    """Prefetch, for writing, the lines token t (if t < t1) writes: its column of each K page (one
+    line per head dimension: the pages are [H, P]) and its row of each V page. A decode step's
+    tokens write to pages anywhere in the pool, 3 x 64 lines of K each on the demo model; one
+    after the other, every store waited for its line from memory."""
+    if t >= t1:
+        return
+    L, NB, K, H, P = kc.shape
+    slot = slots[t]
+    blk, off = slot // P, slot % P
+    if slot < 0 or blk >= NB or layer < 0 or layer >= L:
+        return
+    kf, vf = kc.ravel(), vc.ravel()
+    for kh in range(K):
+        page = (layer * NB + blk) * K + kh
+        for i in range(H):
+            _prefetch_write(kf, (page * H + i) * P + off)
+        for h in range(0, H, 16):  # 16 float32 to a 64-byte line
+            _prefetch_write(vf, (page * P + off) * H + h)
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -32,7 +59,10 @@ def _rows(q, k, v, cos, sin, layer, slots, kc, vc, q_out, t0, t1):
     K = k.shape[1]
     half = H // 2
     L, NB, _, _, P = kc.shape
+    for t in range(t0, min(t1, t0 + AHEAD)):
+        _fetch_slot(slots, t, t1, layer, kc, vc)
     for t in range(t0, t1):
+        _fetch_slot(slots, t + AHEAD, t1, layer, kc, vc)
         for n in range(N):
             for i in range(half):
                 x1, x2, c, s = q[t, n, i], q[t, n, half + i], cos[t, i], sin[t, i]
@@ -63,8 +93,7 @@ def rope_write(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
 
 @njit(fastmath=True, cache=True)
 def rope_write_serial(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
-    """rope_write on the calling thread alone. A decode step's few tokens are microseconds of
-    work, less than waking numba's other threads costs (docs/PERFORMANCE.md, "Decisions")."""
+    """rope_write on the calling thread alone, for steps of few tokens (SERIAL_TOKENS)."""
     _rows(q, k, v, cos, sin, layer, slots, kc, vc, q_out, 0, q.shape[0])
 
 

@@ -39,8 +39,8 @@ from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
 
 MB = 192  # rows per outer block (a multiple of MR): 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
 # Rows of the full row tile: 12 x NR = 24 of the 32 vector registers hold the tile through the sum
-# over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran 5-9 % slower;
-# 14, the most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass").
+# over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran slower; 14, the
+# most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass").
 MR = 12
 
 _tile_mr, _tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 8, 4, 2, 1))

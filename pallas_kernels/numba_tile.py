@@ -83,7 +83,7 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
         builder.position_at_end(loop)
         k = builder.phi(i64)
         k.add_incoming(const(0), entry)
-        if packed:  # k % every, counted along: a division per k slowed the FMAs ~7 %
+        if packed:  # k % every, counted along: a division per k slowed the FMAs
             k_mod = builder.phi(i64)
             k_mod.add_incoming(const(0), entry)
         acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
