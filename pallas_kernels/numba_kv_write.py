@@ -43,6 +43,8 @@ def _fetch_slot(slots, t, t1, layer, kc, vc):
     blk, off = slot // P, slot % P
     if slot < 0 or blk >= NB or layer < 0 or layer >= L:
         return
+    if t > 0 and slot == slots[t - 1] + 1 and off % 16 != 0:
+        return  # a prefill chunk's next position: its K lines are its neighbour's (16 float32 to a line)
     kf, vf = kc.ravel(), vc.ravel()
     for kh in range(K):
         page = (layer * NB + blk) * K + kh
