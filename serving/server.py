@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_TIMEOUT = 20.0  # seconds; inside Kubernetes' default 30 s grace period, with room to spare
 _STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot start
 _FLUSH_SECONDS = 2.0  # after the deadline: for the error events to reach clients that still read
+# An idle connection's life on the server. Longer than the clients' own pool expiry (httpx, and the
+# openai client on it, drop an idle connection after 5 s): at uvicorn's default, also 5 s, the server
+# could close a connection just as a client sent its next request on it, and that request failed with
+# "Server disconnected without sending a response" (seen in CI with the openai client, max_retries=0).
+KEEP_ALIVE_SECONDS = 30
 
 
 class FrontEnd(Protocol):
@@ -104,7 +109,8 @@ def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout:
     stopped it: uvicorn re-raises that signal after its graceful shutdown, and by the default action
     the process would die there, before any cleanup of the caller's (a multi-host engine's leader
     must tell the other processes to stop, or their coordination agents abort)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = GracefulServer(config, engine, shutdown_timeout, front_ends)
     if on_exit is None or threading.current_thread() is not threading.main_thread():  # signals: main thread only
         try:

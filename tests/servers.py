@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from serving.server import GracefulServer
+from serving.server import KEEP_ALIVE_SECONDS, GracefulServer
 
 
 @contextlib.contextmanager
@@ -22,7 +22,8 @@ def uvicorn_thread(app, engine=None, front_ends=(), shutdown_timeout: float = 5)
     """Serve `app` on a free port in a thread; yields its URL; stops it on exit. With `front_ends`
     (the gRPC server), as `jaxsched serve` runs them: on the same loop, under GracefulServer, whose
     exit also shuts `engine` down."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     srv = GracefulServer(config, engine, shutdown_timeout, front_ends) if front_ends else uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

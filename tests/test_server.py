@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 import threading
 import time
 
@@ -155,6 +157,34 @@ def test_other_routes(server):
     assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PROMPTS[0]
     chat_tok = c.post("/tokenize", json={"messages": CHAT}).json()
     assert chat_tok["count"] > tok["count"]
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    """One GET /health on an open keep-alive connection: the response's head and body, b"" if the
+    server had closed the connection."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    m = re.search(rb"content-length: *(\d+)", data, re.IGNORECASE)
+    return int(m.group(1)) if m else 0
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry(server):
+    # httpx (and the openai client on it) keep an idle connection for 5 s: a server that closed it at
+    # the same moment could drop the request a client just sent on it. The server must keep it longer.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(httpx.Limits().keepalive_expiry + 0.5)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
 
 
 def scrape(client: httpx.Client) -> dict[str, tuple[str, dict]]:
