@@ -63,7 +63,7 @@ def shard_report(engine) -> dict:
 
 
 def parity(spec: dict) -> dict:
-    """Greedy tokens of PROMPTS for each model at each tensor_parallel_size with the "xla" backend,
+    """Greedy tokens of spec["prompts"] (PROMPTS by default; and the prompts' token ids) for each model at each tensor_parallel_size with the "xla" backend,
     and for each variant of spec["variants"] (model, tensor_parallel_size, backend, engine
     overrides, key suffix; the model from spec["models"] or spec["variant_models"]), with the preemption and swap counts, the shard report of every sharded
     engine and whether anything compiled after warm-up."""
@@ -72,6 +72,7 @@ def parity(spec: dict) -> dict:
     from jaxsched import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
+    prompts = spec.get("prompts", PROMPTS)
     out: dict = {}
     runs = [(name, path, tp, "xla", {}, "") for name, path in spec["models"].items() for tp in spec["tps"]]
     # (model, tensor_parallel_size, backend, engine overrides, key suffix)
@@ -84,10 +85,10 @@ def parity(spec: dict) -> dict:
         compiled_after_warmup = None
         try:
             with no_compilation():
-                outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+                outs = llm.generate(prompts, greedy, use_tqdm=False)
         except AssertionError as e:
             compiled_after_warmup = str(e)
-            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
         out[f"{name}@{tp}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "preemptions": eng.stats().num_preemptions,
@@ -96,8 +97,15 @@ def parity(spec: dict) -> dict:
             "compiled_after_warmup": compiled_after_warmup,
             "shards": shard_report(eng) if tp > 1 else None,
             "kv_bytes_per_device": eng.kv_bytes_per_device(),
+            # what the pool's arrays hold on the first device, and the sizes that should give it
+            "pool_bytes_device0": sum(x.addressable_shards[0].data.nbytes for x in eng.runner.kv),
+            "pool_elements_per_kv_head": 2 * eng.config.cache.num_blocks * eng.config.cache.block_size
+            * eng.config.model.num_layers * eng.config.model.head_dim,
+            "pool_itemsize": int(eng.runner.kv[0].dtype.itemsize),
         }
+        out["prompt_token_ids"] = [o.prompt_token_ids for o in outs]
         del llm, eng
+    out["max_tokens"] = greedy.max_tokens
     return out
 
 

@@ -48,22 +48,45 @@ def test_answers_paris(llm):
     assert out.outputs[0].finish_reason == "stop"  # it ends with <|im_end|>, the GGUF's EOS
 
 
-@needs_torch
-def test_first_32_greedy_tokens_match_transformers(llm, demo_path):
+@pytest.fixture(scope="module")
+def transformers_tokens(llm, demo_path) -> list[list[int]]:
+    """transformers' first 32 greedy tokens of each of PROMPTS, on the same GGUF file."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tok = llm.get_tokenizer()
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(demo_path), gguf_file=os.path.basename(demo_path),
                                                dtype=torch.float32).eval()
-    for prompt, out in zip(PROMPTS, outs):
-        ids = tok.encode(prompt)
-        assert out.prompt_token_ids == ids
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    with torch.no_grad():
+        return [ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+                for ids in (tok.encode(p) for p in PROMPTS)]
+
+
+@needs_torch
+def test_first_32_greedy_tokens_match_transformers(llm, transformers_tokens):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for prompt, out, want in zip(PROMPTS, outs, transformers_tokens):
+        assert out.prompt_token_ids == tok.encode(prompt)
         assert out.outputs[0].token_ids == want, f"{prompt!r}: {out.outputs[0].text!r} vs {tok.decode(want)!r}"
+
+
+@needs_torch
+def test_at_4_devices_the_tokens_are_transformers(llm, demo_path, transformers_tokens):
+    """Tensor parallel over 4 simulated devices (9 query and 3 KV heads, padded to 12 and 4), with a
+    pool small enough to preempt (8 blocks of 16 for 4 sequences of 3 blocks each): transformers'
+    tokens still."""
+    from test_tensor_parallel import run_sharded
+
+    res = run_sharded("parity", {"models": {"demo": demo_path}, "tps": [4], "max_tokens": 32, "prompts": PROMPTS,
+                                 "engine": {"max_num_batched_tokens": 64}}, devices=4)
+    got = res["demo@4"]
+    assert got["heads"] == [12, 4] and got["shards"]["problems"] == []
+    assert res["prompt_token_ids"] == [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert got["tokens"] == transformers_tokens
+    assert got["preemptions"] > 0
+    assert got["compiled_after_warmup"] is None, got["compiled_after_warmup"]
 
 
 def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path):
