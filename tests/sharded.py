@@ -94,6 +94,7 @@ def parity(spec: dict) -> dict:
             "preemptions": eng.stats().num_preemptions,
             "swap_outs": eng.stats().num_swap_outs,
             "heads": [eng.config.model.num_heads, eng.config.model.num_kv_heads],
+            "backend": eng.config.attention_backend,
             "compiled_after_warmup": compiled_after_warmup,
             "shards": shard_report(eng) if tp > 1 else None,
             "kv_bytes_per_device": eng.kv_bytes_per_device(),
