@@ -63,7 +63,7 @@ def shard_report(engine) -> dict:
 
 
 def parity(spec: dict) -> dict:
-    """Greedy tokens of spec["prompts"] (PROMPTS by default; and the prompts' token ids) for each model at each tensor_parallel_size with the "xla" backend,
+    """Greedy tokens of spec["prompts"] (PROMPTS by default; and the prompts' token ids) for each model at each tensor_parallel_size with the platform's attention backend ("auto"),
     and for each variant of spec["variants"] (model, tensor_parallel_size, backend, engine
     overrides, key suffix; the model from spec["models"] or spec["variant_models"]), with the preemption and swap counts, the shard report of every sharded
     engine and whether anything compiled after warm-up."""
@@ -74,7 +74,7 @@ def parity(spec: dict) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     prompts = spec.get("prompts", PROMPTS)
     out: dict = {}
-    runs = [(name, path, tp, "xla", {}, "") for name, path in spec["models"].items() for tp in spec["tps"]]
+    runs = [(name, path, tp, "auto", {}, "") for name, path in spec["models"].items() for tp in spec["tps"]]
     # (model, tensor_parallel_size, backend, engine overrides, key suffix)
     paths = {**spec["models"], **spec.get("variant_models", {})}
     runs += [(name, paths[name], tp, backend, extra, suffix) for name, tp, backend, extra, suffix in spec.get("variants", [])]

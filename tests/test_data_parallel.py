@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(r'''
 
     model = sys.argv[1]
     ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
-                  num_gpu_blocks_override=10, enable_prefix_caching=False, attention_backend="xla",
+                  num_gpu_blocks_override=10, enable_prefix_caching=False,
                   preemption_mode="recompute")
     res = {"num_devices": len(jax.devices())}
     t0 = time.perf_counter()

@@ -132,9 +132,9 @@ def transformers_greedy(folder: str, prompts: list[list[int]], n: int) -> list[l
 @pytest.mark.slow
 def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs):
     # one subprocess for every engine: jax starts once
-    # q/k norms; tied head, Gemma's norm. Each runs on one of the CPU backends besides "xla", which
-    # run per shard under shard_map too (one engine each, not a second qwen2 per backend)
-    others = {"qwen3": (model_dirs["qwen3"], "numba"), "gemma": (model_dirs["gemma"], "reference")}
+    # q/k norms; tied head, Gemma's norm. The models above run the CPU's default backend ("auto":
+    # numba); each of these runs another CPU backend per shard under shard_map
+    others = {"qwen3": (model_dirs["qwen3"], "xla"), "gemma": (model_dirs["gemma"], "reference")}
     res = run_sharded("parity", {"models": tp_models, "tps": [2, 4],
                                  "variant_models": {kind: path for kind, (path, _) in others.items()}, "variants": [
         ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap"),
@@ -147,6 +147,7 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
         for tp in (2, 4):
             got = res[f"{name}@{tp}"]
             assert got["tokens"] == want[name], f"{name} at tensor_parallel_size={tp}"
+            assert got["backend"] == "numba", got["backend"]
             assert got["preemptions"] > 0, "the pool is meant to be small enough to preempt"
             assert got["compiled_after_warmup"] is None, got["compiled_after_warmup"]
             shards = got["shards"]
