@@ -134,14 +134,14 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
     # one subprocess for every engine: jax starts once
     # q/k norms; tied head, Gemma's norm. The models above run the CPU's default backend ("auto":
     # numba); each of these runs another CPU backend per shard under shard_map
-    others = {"qwen3": (model_dirs["qwen3"], "xla"), "gemma": (model_dirs["gemma"], "reference")}
-    res = run_sharded("parity", {"models": tp_models, "tps": [2, 4],
-                                 "variant_models": {kind: path for kind, (path, _) in others.items()}, "variants": [
+    others = {"qwen3": "xla", "gemma": "reference"}
+    other_paths = {kind: model_dirs[kind] for kind in others}
+    res = run_sharded("parity", {"models": tp_models, "tps": [2, 4], "variant_models": other_paths, "variants": [
         ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap"),
-        *[(kind, 2, backend, {}, "") for kind, (_, backend) in others.items()]]})
+        *[(kind, 2, backend, {}, "") for kind, backend in others.items()]]})
     prompts = res["prompt_token_ids"]
-    paths = {**tp_models, **{kind: path for kind, (path, _) in others.items()}}
-    want = {name: transformers_greedy(path, prompts, res["max_tokens"]) for name, path in paths.items()}
+    want = {name: transformers_greedy(path, prompts, res["max_tokens"])
+            for name, path in {**tp_models, **other_paths}.items()}
     for name in tp_models:
         assert len({t for toks in want[name] for t in toks}) > 8, "degenerate outputs would prove nothing"
         for tp in (2, 4):
@@ -165,7 +165,7 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
             share = got["heads"][1] // int(key.split("@")[1].split("/")[0])
             assert got["pool_bytes_device0"] == got["kv_bytes_per_device"] \
                 == got["pool_elements_per_kv_head"] * share * got["pool_itemsize"], key
-    for kind, (_, backend) in others.items():
+    for kind, backend in others.items():
         got = res[f"{kind}@2"]
         assert got["backend"] == backend, (kind, got["backend"])
         assert got["tokens"] == want[kind], kind
