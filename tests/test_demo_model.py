@@ -106,12 +106,14 @@ def test_at_4_devices_the_tokens_are_transformers(llm, demo_path, transformers_t
     assert got["compiled_after_warmup"] is None, got["compiled_after_warmup"]
 
 
-def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path):
+def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path, monkeypatch):
     """The demo model with a pool small enough to preempt: greedy tokens, stop strings, n > 1 and an
     abort give the same outputs with overlapped scheduling on and off. One engine runs both, switched
-    between runs as the benchmarks switch it (bench/driver.py), with its prefix cache emptied between
-    them: the same programs and pool as two engines, without loading and compiling the model twice."""
+    between runs as the benchmarks switch it, with its prefix cache emptied between them: the same
+    programs and pool as two engines, without loading and compiling the model twice."""
     from test_async_scheduling import drive, summary
+
+    from jaxsched.bench.driver import set_overlap
 
     llm = LLM(demo_path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
               num_gpu_blocks_override=24)
@@ -124,13 +126,19 @@ def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path):
               SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=80)][i % 4]
         reqs.append((f"r{i}", p, sp))
-    runs = {}
+    # steps dispatched while the previous one's tokens were still unread: overlap really was on
+    overlapped, dispatch = [], engine.runner.dispatch
+    monkeypatch.setattr(engine.runner, "dispatch",
+                        lambda out: overlapped.append(engine._in_flight is not None) or dispatch(out))
+    runs, n_overlapped = {}, {}
     for mode in (False, True):
-        engine.async_scheduling = mode
+        set_overlap(engine, mode)
         engine.block_manager.reset_prefix_cache()
-        preempted = engine.stats().num_preemptions
+        preempted, overlapped[:] = engine.stats().num_preemptions, []
         runs[mode] = drive(llm, reqs, abort_after=5)
         assert engine.stats().num_preemptions > preempted
+        n_overlapped[mode] = sum(overlapped)
+    assert n_overlapped[False] == 0 and n_overlapped[True] > 0, n_overlapped
     sync, over = runs[False], runs[True]
     assert sorted(sync) == sorted(over) and len(sync) == 12
     for rid in sync:  # r8 and r11 were aborted after 5 tokens
