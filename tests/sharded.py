@@ -63,10 +63,12 @@ def shard_report(engine) -> dict:
 
 
 def parity(spec: dict) -> dict:
-    """Greedy tokens of spec["prompts"] (PROMPTS by default; and the prompts' token ids) for each model at each tensor_parallel_size with the platform's attention backend ("auto"),
-    and for each variant of spec["variants"] (model, tensor_parallel_size, backend, engine
-    overrides, key suffix; the model from spec["models"] or spec["variant_models"]), with the preemption and swap counts, the shard report of every sharded
-    engine and whether anything compiled after warm-up."""
+    """Greedy tokens of spec["prompts"] (PROMPTS by default; and the prompts' token ids) for each
+    model at each tensor_parallel_size with the platform's attention backend ("auto"), and for each
+    variant of spec["variants"] (model, tensor_parallel_size, backend, engine overrides, key suffix;
+    the model from spec["models"] or spec["variant_models"]), with the preemption and swap counts,
+    the backend, the shard report of every sharded engine and whether anything compiled after
+    warm-up."""
     from compiles import no_compilation
 
     from jaxsched import LLM, SamplingParams

@@ -134,7 +134,8 @@ def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path, monkeypat
     for mode in (False, True):
         set_overlap(engine, mode)
         engine.block_manager.reset_prefix_cache()
-        preempted, overlapped[:] = engine.stats().num_preemptions, []
+        overlapped.clear()
+        preempted = engine.stats().num_preemptions
         runs[mode] = drive(llm, reqs, abort_after=5)
         assert engine.stats().num_preemptions > preempted
         n_overlapped[mode] = sum(overlapped)
