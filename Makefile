@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: test test-leg1 test-leg2 leg2-kernels generate serve bench clean proto
+.PHONY: test test-all test-leg1 test-leg2 leg2-kernels generate serve bench clean proto
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,23 +38,33 @@ $(VENV312)/.test: pyproject.toml
 
 # numba's CPU kernels compiled once per virtualenv, before its tests (pallas_kernels/compile_cpu_kernels.py):
 # else both workers, and the multi-device tests' subprocesses, compile the same kernels at the same
-# time. Again when a kernel source changes (numba's cache then recompiles them anyway).
+# time. Again when a kernel source changes (numba's cache then recompiles them anyway). In two
+# processes where nothing else is set up beside it; in one each where test-all readies both virtualenvs'.
 KERNEL_SOURCES := $(wildcard pallas_kernels/*.py)
+KERNEL_JOBS ?= 2
 
 $(VENV)/.kernels: $(VENV)/.test $(KERNEL_SOURCES)
-	$(PY) -m pallas_kernels.compile_cpu_kernels
+	$(PY) -m pallas_kernels.compile_cpu_kernels --jobs $(KERNEL_JOBS)
 	touch $@
 
 $(VENV312)/.kernels: $(VENV312)/.test $(KERNEL_SOURCES)
-	$(PY312) -m pallas_kernels.compile_cpu_kernels
+	$(PY312) -m pallas_kernels.compile_cpu_kernels --jobs $(KERNEL_JOBS)
 	touch $@
 
-# Both legs. Leg 1: the whole suite (CPU; slow tests included, GPU tests skip themselves without a
-# GPU). Leg 2: every test but the slow ones and LEG2_LEG1_ONLY; tests that need torch skip, saying so. The two
-# virtualenvs and their kernels are set up side by side first: pip and numba's compiler each keep
-# about one core busy (docs/PERFORMANCE.md, "Twelfth pass").
-test:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels leg2-kernels
+# `make test` (what CI runs, on 2 cores): leg 1 without the tests marked slow, so that it stays well
+# under 15 minutes on such a machine (docs/PERFORMANCE.md, "Sixteenth pass"). `make test-all`: both
+# legs, slow tests included in leg 1 (the demo model, multi-device and multi-host parity); run it
+# before closing work that touches the engine, the models, the kernels or jax's version.
+# Leg 1: Python 3.11 with the parity extra (torch, transformers' models as ground truth); GPU tests
+# skip themselves without a GPU. Leg 2: the GPU machine's Python 3.12 and jax 0.11.2, every test but
+# the slow ones and LEG2_LEG1_ONLY; tests that need torch skip, saying so. test-all sets up the two
+# virtualenvs and their kernels side by side first: pip and numba's compiler each keep about one
+# core busy (docs/PERFORMANCE.md, "Twelfth pass").
+test: $(VENV)/.kernels
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+
+test-all:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels leg2-kernels KERNEL_JOBS=1
 	@$(MAKE) --no-print-directory test-leg1 test-leg2
 
 leg2-kernels:

@@ -53,7 +53,7 @@ def llama_dir(model_dirs) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """Modules with slow tests run first (a stable sort; tests keep their order inside a module).
-    `make test` deals whole modules to its workers in collection order (`--dist loadfile`): a long
+    `make test-all` deals whole modules to its workers in collection order (`--dist loadfile`): a long
     module dealt last leaves the other worker idle until it ends (docs/PERFORMANCE.md, "Twelfth pass")."""
     slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)
