@@ -38,12 +38,13 @@ $(VENV312)/.test: pyproject.toml
 
 # numba's CPU kernels compiled once per virtualenv, before its tests (pallas_kernels/compile_cpu_kernels.py):
 # else both workers, and the multi-device tests' subprocesses, compile the same kernels at the same
-# time. Again when a kernel source changes (numba's cache then recompiles them anyway). In two
-# processes where nothing else is set up beside it; in one each where test-all readies both virtualenvs'.
+# time. Again when a kernel source changes (numba's cache then recompiles them anyway). In .venv they
+# need only the runtime packages, so they compile while pip installs the test extras (torch the
+# largest). In two processes, but one each where test-all readies both virtualenvs side by side.
 KERNEL_SOURCES := $(wildcard pallas_kernels/*.py)
 KERNEL_JOBS ?= 2
 
-$(VENV)/.kernels: $(VENV)/.test $(KERNEL_SOURCES)
+$(VENV)/.kernels: $(VENV)/.base $(KERNEL_SOURCES)
 	$(PY) -m pallas_kernels.compile_cpu_kernels --jobs $(KERNEL_JOBS)
 	touch $@
 
@@ -60,17 +61,18 @@ $(VENV312)/.kernels: $(VENV312)/.test $(KERNEL_SOURCES)
 # the slow ones and LEG2_LEG1_ONLY; tests that need torch skip, saying so. test-all sets up the two
 # virtualenvs and their kernels side by side first: pip and numba's compiler each keep about one
 # core busy (docs/PERFORMANCE.md, "Twelfth pass").
-test: $(VENV)/.kernels
+test:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-all:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels leg2-kernels KERNEL_JOBS=1
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels $(VENV)/.test leg2-kernels KERNEL_JOBS=1
 	@$(MAKE) --no-print-directory test-leg1 test-leg2
 
 leg2-kernels:
 	@if [ -n "$(PYTHON312)" ]; then $(MAKE) --no-print-directory PYTHON312="$(PYTHON312)" $(VENV312)/.kernels; fi
 
-test-leg1: $(VENV)/.kernels
+test-leg1: $(VENV)/.kernels $(VENV)/.test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Leg 2 is there for jax 0.11.2: these modules test the HTTP and gRPC front ends and the packaging
