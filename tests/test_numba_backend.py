@@ -62,9 +62,10 @@ def test_importing_the_kernels_compiles_no_attention_handler():
 
 
 def test_compile_cpu_kernels_readies_every_handler_for_later_processes():
-    """`python -m pallas_kernels.compile_cpu_kernels` (what `make test` runs before pytest, in two processes) compiles
-    or loads every numba FFI handler, so that a later process loads each from numba's disk cache:
-    a second process finds all of them there, none compiled again."""
+    """`python -m pallas_kernels.compile_cpu_kernels` (what `make test` runs before pytest, in two
+    processes) compiles or loads every numba FFI handler, so that a later process loads each from
+    numba's disk cache: a second process finds all of them there, none compiled again (nor lost by
+    the two processes writing the cache at once)."""
     import subprocess
 
     def run() -> str:
