@@ -10,7 +10,9 @@ T near the machine's float32 peak (docs/PERFORMANCE.md, "Decisions in the code")
 The micro-kernel is numba_tile.py's "packed" form: an MR x NR block of the result held in vector
 registers through the whole sum over K, prefetching the thread's next panel. The driver deals
 panels out to numba's threads and walks the rows in blocks of MB, so a block of x stays in L2 while
-every panel of the thread passes over it.
+every panel of the thread passes over it. Each thread first copies the block's rows tile by tile,
+term-major (`pack_rows`), so that the micro-kernel reads a tile's MR terms k from one place instead
+of MR rows K apart.
 
 A second kernel, `matmul_silu_mul`, takes a fused gate/up weight and returns silu(gate) * up: the
 [T, 2 F] projection stays in a scratch tile in cache instead of going to memory for XLA to read
@@ -64,8 +66,8 @@ def _n_tiles(rows):
 @njit(fastmath=True, inline="always", cache=True)
 def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
     """One row tile (rows of MR, 8, 4, 2 or 1) of panel b: of[o_off.., NR columns, rows ldo apart] =
-    x's rows from x_off . the panel; the i-th of n_tiles tiles of the panel, which prefetches its
-    share of panel `ahead`."""
+    the tile's rows of x, packed at xf[x_off..] (pack_rows), . the panel; the i-th of n_tiles tiles
+    of the panel, which prefetches its share of panel `ahead`."""
     if rows == MR:
         _tile_mr(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
     elif rows == 8:
@@ -76,6 +78,24 @@ def _tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo):
         _tile2(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
     else:
         _tile1(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K)
+
+
+@njit(fastmath=True, cache=True)
+def pack_rows(xf, m0, m1, K, xp):
+    """Rows m0 .. m1 of x (flat, rows K long) into xp, row tile by row tile as _tile_rows cuts them:
+    the tile of r rows starting at row m at (m - m0) * K, term-major (x[m + j, k] at
+    (m - m0) * K + k * r + j), which is how the "packed" micro-kernel reads a tile. Unsigned
+    indices: with signed ones numba tests every index for wrapping around, which made this copy
+    2-3x slower."""
+    m = m0
+    while m < m1:
+        r = _tile_rows(m1 - m)
+        dst = (m - m0) * K
+        for j in range(r):
+            src = (m + j) * K
+            for k in range(K):
+                xp[np.uint64(dst + k * r + j)] = xf[np.uint64(src + k)]
+        m += r
 
 
 @njit(cache=True)
@@ -109,9 +129,11 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
     n_threads = min(_THREADS, max(P, 1))
     for t in prange(n_threads):
         p0, p1 = P * t // n_threads, P * (t + 1) // n_threads
+        xp = np.empty(min(M, MB) * K, np.float32)  # the block's rows, packed (both threads read all of them)
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
+            pack_rows(xf, m0, m1, K, xp)
             for p in range(p0, p1):
                 # the group panel p writes into, that group's row length and the panel's column there
                 if p < Pa:
@@ -126,7 +148,7 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
                 i = 0
                 while m < m1:
                     rows = _tile_rows(m1 - m)
-                    _tile(rows, xf, m * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
+                    _tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
                     m += rows
                     i += 1
 
@@ -148,17 +170,20 @@ def packed_matmul_silu_mul(x, w, out, rows):
     for t in prange(n_threads):
         q0, q1 = F2 * t // n_threads, F2 * (t + 1) // n_threads
         gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
+        xp = np.empty(min(M, MB) * K, np.float32)
         for m0 in range(0, M, MB):
             m1 = min(M, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
+            pack_rows(xf, m0, m1, K, xp)
             for q in range(q0, q1):
                 nq = q + 1 if q + 1 < q1 else q0
                 m = m0
                 i = 0
                 while m < m1:
                     rows = _tile_rows(m1 - m)
-                    _tile(rows, xf, m * K, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
-                    _tile(rows, xf, m * K, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
+                    x_off = (m - m0) * K
+                    _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
+                    _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
                     for j in range(rows):
                         for c in range(NR):
                             g = gu[j * NR + c]

@@ -13,8 +13,10 @@ Two forms, each an intrinsic made for one MR and a number of columns (NR, or a s
 own: a decode row's tiles hold whole page rows of 64 or 128; every array flat float32
 C-contiguous, offsets in elements, a's rows lda apart and c's ldc apart):
   packed(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim)
-      b's rows NR apart (a packed panel); writes c; prefetches row k of the panel at b_ahead for
-      the k with k % every == phase (the weights come from memory: see numba_matmul.py).
+      a a packed row tile (`pack_rows`: term k of row r at a_off + k * MR + r; lda unused), b's
+      rows NR apart (a packed panel); writes c. Two terms per pass (a remainder term after), and
+      in the passes with pass % every == phase it prefetches the pass's two rows of the panel at
+      b_ahead (the weights come from memory: see numba_matmul.py).
   strided(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, kdim)
       b's rows ldb apart (a page in cache); accumulates into c when made with accumulate=True,
       else writes it.
@@ -77,60 +79,113 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             start = [[builder.load(c_ptr(r, j), align=4) for j in range(nv)] for r in range(MR)]
         else:
             start = [[ir.Constant(v16, [0.0] * 16)] * nv for _ in range(MR)]
-        entry = builder.block
-        loop, fetch, body, done = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_done"))
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        k = builder.phi(i64)
-        k.add_incoming(const(0), entry)
-        if packed:  # k % every, counted along: a division per k slowed the FMAs
-            k_mod = builder.phi(i64)
-            k_mod.add_incoming(const(0), entry)
-        acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
-        for r in range(MR):
-            for j in range(nv):
-                acc[r][j].add_incoming(start[r][j], entry)
-        builder.cbranch(builder.icmp_signed("<", k, kdim), fetch, done)
-
-        builder.position_at_end(fetch)
-        if packed:
-            # the row k of panel b_ahead (the thread's next one), when k % every == phase: while
-            # this panel is in cache, the next one is on its way from memory. The row tiles of a
-            # panel take turns (every = their number), so the requests are spread over the panel's
-            # time rather than all sent by its first tile, faster than one core's misses can go.
-            with builder.if_then(builder.icmp_signed("==", k_mod, phase)):
-                ahead_row = builder.add(b_ahead, builder.mul(k, const(NR)))
-                for j in range(0, NR, 16):  # one 64-byte line per 16 float32
-                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
-                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        elif ahead:  # row k of the next page, as row k of this one is read
-            with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
-                ahead_row = builder.add(b_ahead, builder.mul(k, ldb))
-                for j in range(0, cols, 16):
-                    addr = builder.bitcast(builder.gep(bp, [builder.add(ahead_row, const(j))]), i8p)
-                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        builder.branch(body)
-
-        builder.position_at_end(body)
-        b_row = builder.add(b_off, builder.mul(k, b_step))
-        bv = [builder.load(builder.bitcast(builder.gep(bp, [builder.add(b_row, const(16 * j))]), v16.as_pointer()),
-                           align=4) for j in range(nv)]
         lanes = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-        new = []
-        for r in range(MR):
-            x = builder.load(builder.gep(ap, [builder.add(a_off, builder.add(builder.mul(const(r), lda), k))]))
-            splat = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(v16, ir.Undefined), lanes)
-            new.append([builder.call(fma, [splat, bv[j], acc[r][j]]) for j in range(nv)])
-        end = builder.block
-        k.add_incoming(builder.add(k, const(1)), end)
+
+        def term(k, acc):
+            """acc + a[:, k] (x) b[k, :]: one broadcast of a and nv fused multiply-adds per row."""
+            b_row = builder.add(b_off, builder.mul(k, b_step))
+            bv = [builder.load(builder.bitcast(builder.gep(bp, [builder.add(b_row, const(16 * j))]),
+                                               v16.as_pointer()), align=4) for j in range(nv)]
+            new = []
+            for r in range(MR):
+                if packed:  # the tile's MR terms k lie together, so every address is a constant offset
+                    at = builder.add(a_off, builder.add(builder.mul(k, const(MR)), const(r)))
+                else:
+                    at = builder.add(a_off, builder.add(builder.mul(const(r), lda), k))
+                splat = builder.insert_element(ir.Constant(v16, ir.Undefined), builder.load(builder.gep(ap, [at])),
+                                               ir.Constant(i32, 0))
+                splat = builder.shuffle_vector(splat, ir.Constant(v16, ir.Undefined), lanes)
+                new.append([builder.call(fma, [splat, bv[j], acc[r][j]]) for j in range(nv)])
+            return new
+
+        def prefetch_row(row, width, step):
+            at_row = builder.add(b_ahead, builder.mul(row, step))
+            for j in range(0, width, 16):  # one 64-byte line per 16 float32
+                addr = builder.bitcast(builder.gep(bp, [builder.add(at_row, const(j))]), i8p)
+                builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+        def phis(incoming, block):
+            acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
+            for r in range(MR):
+                for j in range(nv):
+                    acc[r][j].add_incoming(incoming[r][j], block)
+            return acc
+
+        def close(acc, new, block):
+            for r in range(MR):
+                for j in range(nv):
+                    acc[r][j].add_incoming(new[r][j], block)
+
+        entry = builder.block
+        done = builder.append_basic_block("k_done")
         if packed:
-            k_mod1 = builder.add(k_mod, const(1))
-            k_mod.add_incoming(builder.select(builder.icmp_signed("==", k_mod1, every), const(0), k_mod1), end)
-        for r in range(MR):
-            for j in range(nv):
-                acc[r][j].add_incoming(new[r][j], end)
-        builder.branch(loop)
+            # Two terms per pass: the loop's own instructions (counter, compare, the prefetch's
+            # test) are paid once per 48 multiply-adds instead of 24, and with a's terms packed
+            # the addresses need no arithmetic per row (docs/PERFORMANCE.md, "Seventeenth pass").
+            loop, fetch, body, tail, tail_body = (builder.append_basic_block(n) for n in (
+                "k_loop", "k_fetch", "k_body", "k_tail", "k_tail_body"))
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            k.add_incoming(const(0), entry)
+            n_pass = builder.phi(i64)  # pass % every, counted along: a division per pass slowed the FMAs
+            n_pass.add_incoming(const(0), entry)
+            acc = phis(start, entry)
+            builder.cbranch(builder.icmp_signed("<=", builder.add(k, const(2)), kdim), fetch, tail)
+
+            builder.position_at_end(fetch)
+            # rows k and k + 1 of panel b_ahead (the thread's next one) in the passes with
+            # pass % every == phase: while this panel is in cache, the next one is on its way from
+            # memory. The row tiles of a panel take turns (every = their number), so the requests
+            # are spread over the panel's time rather than all sent by its first tile, faster than
+            # one core's misses can go.
+            with builder.if_then(builder.icmp_signed("==", n_pass, phase)):
+                for u in range(2):
+                    prefetch_row(builder.add(k, const(u)), NR, const(NR))
+            builder.branch(body)
+
+            builder.position_at_end(body)
+            new = term(builder.add(k, const(1)), term(k, acc))
+            end = builder.block
+            k.add_incoming(builder.add(k, const(2)), end)
+            n_next = builder.add(n_pass, const(1))
+            n_pass.add_incoming(builder.select(builder.icmp_signed("==", n_next, every), const(0), n_next), end)
+            close(acc, new, end)
+            builder.branch(loop)
+
+            builder.position_at_end(tail)  # an odd kdim's last term
+            k_last = builder.phi(i64)
+            k_last.add_incoming(k, loop)
+            last = phis(acc, loop)
+            builder.cbranch(builder.icmp_signed("<", k_last, kdim), tail_body, done)
+            builder.position_at_end(tail_body)
+            new = term(k_last, last)
+            end = builder.block
+            k_last.add_incoming(builder.add(k_last, const(1)), end)
+            close(last, new, end)
+            builder.branch(tail)
+            acc = last
+        else:
+            loop, fetch, body = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body"))
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            k.add_incoming(const(0), entry)
+            acc = phis(start, entry)
+            builder.cbranch(builder.icmp_signed("<", k, kdim), fetch, done)
+
+            builder.position_at_end(fetch)
+            if ahead:  # row k of the next page, as row k of this one is read
+                with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
+                    prefetch_row(k, cols, ldb)
+            builder.branch(body)
+
+            builder.position_at_end(body)
+            new = term(k, acc)
+            end = builder.block
+            k.add_incoming(builder.add(k, const(1)), end)
+            close(acc, new, end)
+            builder.branch(loop)
 
         builder.position_at_end(done)
         for r in range(MR):

@@ -14,7 +14,7 @@ from pallas_kernels import numba_matmul as nm
 from pallas_kernels import tuning
 
 
-@pytest.mark.parametrize("K,N", [(64, 32), (96, 160), (576, 1728)])
+@pytest.mark.parametrize("K,N", [(64, 32), (1, 32), (37, 64), (96, 160), (576, 1728)])  # 1, 37: odd K
 @pytest.mark.parametrize("T", [1, 3, 8, 13, 23, 200, 400])  # 23: a row tile of each height (12, 8, 2, 1)
 def test_packed_matmul_matches_numpy(K, N, T):
     # T covers every row tile (8, 4, 2, 1) and more than one outer block of MB rows
@@ -28,7 +28,7 @@ def test_packed_matmul_matches_numpy(K, N, T):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("K,F", [(64, 32), (96, 96), (576, 1536)])
+@pytest.mark.parametrize("K,F", [(64, 32), (37, 32), (96, 96), (576, 1536)])
 @pytest.mark.parametrize("T", [1, 3, 8, 13, 23, 200, 400])
 def test_fused_gate_up_matches_numpy(K, F, T):
     # silu(x @ Wg) * (x @ Wu) from the packed [Wg Wu]: every row tile, more than one block of MB
