@@ -118,12 +118,33 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
 
         entry = builder.block
         done = builder.append_basic_block("k_done")
+
+        def term_by_term(k0, acc_in, loop, came_from, fetch_row=None):
+            """The loop from term k0 to kdim, one term per pass, in block `loop` (entered from
+            `came_from` with the accumulators acc_in); fetch_row(k) is called for k < ahead_rows.
+            Ends in `done`; returns the accumulators there."""
+            body = builder.append_basic_block("k_one")
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            k.add_incoming(k0, came_from)
+            acc = phis(acc_in, came_from)
+            builder.cbranch(builder.icmp_signed("<", k, kdim), body, done)
+            builder.position_at_end(body)
+            if fetch_row is not None:
+                with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
+                    fetch_row(k)
+            new = term(k, acc)
+            end = builder.block
+            k.add_incoming(builder.add(k, const(1)), end)
+            close(acc, new, end)
+            builder.branch(loop)
+            return acc
+
         if packed:
             # Two terms per pass: the loop's own instructions (counter, compare, the prefetch's
             # test) are paid once per 48 multiply-adds instead of 24, and with a's terms packed
             # the addresses need no arithmetic per row (docs/PERFORMANCE.md, "Seventeenth pass").
-            loop, fetch, body, tail, tail_body = (builder.append_basic_block(n) for n in (
-                "k_loop", "k_fetch", "k_body", "k_tail", "k_tail_body"))
+            loop, fetch, body, tail = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_tail"))
             builder.branch(loop)
             builder.position_at_end(loop)
             k = builder.phi(i64)
@@ -153,39 +174,12 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             close(acc, new, end)
             builder.branch(loop)
 
-            builder.position_at_end(tail)  # an odd kdim's last term
-            k_last = builder.phi(i64)
-            k_last.add_incoming(k, loop)
-            last = phis(acc, loop)
-            builder.cbranch(builder.icmp_signed("<", k_last, kdim), tail_body, done)
-            builder.position_at_end(tail_body)
-            new = term(k_last, last)
-            end = builder.block
-            k_last.add_incoming(builder.add(k_last, const(1)), end)
-            close(last, new, end)
-            builder.branch(tail)
-            acc = last
+            acc = term_by_term(k, acc, tail, loop)  # an odd kdim's last term
         else:
-            loop, fetch, body = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body"))
+            loop = builder.append_basic_block("k_loop")
             builder.branch(loop)
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            k.add_incoming(const(0), entry)
-            acc = phis(start, entry)
-            builder.cbranch(builder.icmp_signed("<", k, kdim), fetch, done)
-
-            builder.position_at_end(fetch)
-            if ahead:  # row k of the next page, as row k of this one is read
-                with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
-                    prefetch_row(k, cols, ldb)
-            builder.branch(body)
-
-            builder.position_at_end(body)
-            new = term(k, acc)
-            end = builder.block
-            k.add_incoming(builder.add(k, const(1)), end)
-            close(acc, new, end)
-            builder.branch(loop)
+            # row k of the next page, as row k of this one is read
+            acc = term_by_term(const(0), start, loop, entry, (lambda k: prefetch_row(k, cols, ldb)) if ahead else None)
 
         builder.position_at_end(done)
         for r in range(MR):
