@@ -7,12 +7,12 @@ that carries the kernel as Triton IR (TTIR); PTX is only produced by XLA on the 
 also parsed back and checked for what Triton's later passes would reject: every tensor dimension a
 power of two, every dot at least 16 x 16 x 16.
 
-Versions (both run by `make test-all`; jax 0.10.2's leg alone by `make test`): with jax 0.10.2
-the Triton lowering, finding no GPU, targets compute capability 9.0 by itself. With jax 0.11.2 it takes the target GPU from the abstract mesh's
-device, and with neither a GPU nor an abstract device it raises "No supported GPU devices found";
-so every lowering and export here runs under `abstract_gpu()` (an H200, compute capability 9.0),
-which jax 0.10.2 accepts and ignores. On both versions the custom call carries TTIR and nothing here
-needs the CUDA plugin.
+Versions (both run by `make test-all`; jax 0.10.2's leg alone by `make test`): with jax 0.10.2 the
+Triton lowering, finding no GPU, targets compute capability 9.0 by itself. With jax 0.11.2 it takes
+the target GPU from the abstract mesh's device, and with neither a GPU nor an abstract device it
+raises "No supported GPU devices found"; so every lowering and export here runs under
+`abstract_gpu()` (an H200, compute capability 9.0), which jax 0.10.2 accepts and ignores. On both
+versions the custom call carries TTIR and nothing here needs the CUDA plugin.
 """
 
 from __future__ import annotations
