@@ -112,6 +112,11 @@ def _prefetch_write(typingctx, arr, idx):
     return types.void(arr, types.intp), _prefetch_codegen(1)
 
 
+# (a score is never NaN unless its inputs are, and then the row's output is NaN either way: max
+# without the NaN tests llvm.maxnum would otherwise add to every vector)
+_NO_NAN = ("nnan",)
+
+
 @intrinsic
 def _max_of(typingctx, arr, off, n, init):
     """max(init, arr's flat elements off .. off + n - 1), arr float32 and C-contiguous: 16 lanes at
@@ -137,14 +142,79 @@ def _max_of(typingctx, arr, off, n, init):
         with cgutils.for_range(builder, whole) as loop:
             at = builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))])
             v = builder.load(builder.bitcast(at, v16.as_pointer()), align=4)
-            builder.store(builder.call(vmax, [builder.load(acc), v]), acc)
-        res = cgutils.alloca_once_value(builder, builder.call(smax, [builder.call(vred, [builder.load(acc)]), first]))
+            builder.store(builder.call(vmax, [builder.load(acc), v], fastmath=_NO_NAN), acc)
+        res = cgutils.alloca_once_value(builder, builder.call(smax, [builder.call(vred, [builder.load(acc)], fastmath=_NO_NAN), first], fastmath=_NO_NAN))
         done = builder.mul(whole, lanes)
         with cgutils.for_range(builder, builder.sub(count, done)) as loop:
             x = builder.load(builder.gep(data, [builder.add(start, builder.add(done, loop.index))]))
-            builder.store(builder.call(smax, [builder.load(res), x]), res)
+            builder.store(builder.call(smax, [builder.load(res), x], fastmath=_NO_NAN), res)
         return builder.load(res)
     return types.float32(arr, off, n, init), codegen
+
+
+def _ir_exp(builder, x, ty):
+    """IR for _exp over x of type ty (float or a vector of floats), the same steps in the same order:
+    2^floor(t) from the exponent bits, 2^(t - floor(t)) from the degree-6 polynomial in fused
+    multiply-adds."""
+    lanes = ty.count if isinstance(ty, ir.VectorType) else None
+    ity = ir.VectorType(ir.IntType(32), lanes) if lanes else ir.IntType(32)
+
+    def const(t, v):
+        return ir.Constant(t, [ir.Constant(t.element, v)] * lanes) if lanes else ir.Constant(t, v)
+
+    suffix = f"v{lanes}f32" if lanes else "f32"
+    fn = ir.FunctionType
+    maxnum = cgutils.get_or_insert_function(builder.module, fn(ty, [ty, ty]), f"llvm.maxnum.{suffix}")
+    floor = cgutils.get_or_insert_function(builder.module, fn(ty, [ty]), f"llvm.floor.{suffix}")
+    fma = cgutils.get_or_insert_function(builder.module, fn(ty, [ty, ty, ty]), f"llvm.fma.{suffix}")
+    t = builder.fmul(builder.call(maxnum, [x, const(ty, float(_EXP_LO))]), const(ty, float(_LOG2E)))
+    fi = builder.call(floor, [t])
+    f = builder.fsub(t, fi)
+    p = const(ty, float(_C6))
+    for c in (_C5, _C4, _C3, _C2, _C1, 1.0):
+        p = builder.call(fma, [p, f, const(ty, float(c))])
+    bits = builder.shl(builder.add(builder.fptosi(fi, ity), const(ity, 127)), const(ity, 23))
+    return builder.fmul(p, builder.bitcast(bits, ty))
+
+
+@intrinsic
+def _exp_sum(typingctx, arr, off, n, mx):
+    """arr's flat elements off .. off + n - 1 become exp(element - mx) (_exp: mx at least each of
+    them), and their sum is returned; arr float32 and C-contiguous. 16 lanes at a time in vector
+    instructions, then the tail one by one. numba vectorised the same loop over 8 lanes only (LLVM
+    prefers 256-bit vectors on these CPUs), and with the polynomial's constants reloaded in every
+    pass the online softmax took a third of a prefill tile (docs/PERFORMANCE.md, "Eighteenth
+    pass")."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        count = context.cast(builder, args[2], signature.args[2], types.intp)
+        top = context.cast(builder, args[3], signature.args[3], types.float32)
+        f32, idx = ir.FloatType(), start.type
+        v16 = ir.VectorType(f32, 16)
+        vadd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, v16]), "llvm.vector.reduce.fadd.v16f32")
+        lanes = ir.Constant(idx, 16)
+        top16 = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), top, ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16, [ir.Constant(f32, 0.0)] * 16))
+        whole = builder.sdiv(count, lanes)
+        with cgutils.for_range(builder, whole) as loop:
+            at = builder.bitcast(builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))]), v16.as_pointer())
+            e = _ir_exp(builder, builder.fsub(builder.load(at, align=4), top16), v16)
+            builder.store(e, at, align=4)
+            builder.store(builder.fadd(builder.load(acc), e), acc)
+        # (reassoc: a tree of adds, not 16 in a row)
+        total = builder.call(vadd, [ir.Constant(f32, 0.0), builder.load(acc)], fastmath=("reassoc",))
+        res = cgutils.alloca_once_value(builder, total)
+        done = builder.mul(whole, lanes)
+        with cgutils.for_range(builder, builder.sub(count, done)) as loop:
+            at = builder.gep(data, [builder.add(start, builder.add(done, loop.index))])
+            e = _ir_exp(builder, builder.fsub(builder.load(at), top), f32)
+            builder.store(e, at)
+            builder.store(builder.fadd(builder.load(res), e), res)
+        return builder.load(res)
+    return types.float32(arr, off, n, mx), codegen
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -154,11 +224,7 @@ def _softmax_row(s, i, lim, n, m, l_sum, acc):
     m[i], sum l_sum[i] and accumulator acc[i] are rescaled to the new max."""
     mx = _max_of(s, i * s.shape[1], lim, m[i])  # s C-contiguous: row i starts at i * its width
     corr = _exp(m[i] - mx)
-    tot = _ZERO
-    for p in range(lim):
-        e = _exp(s[i, p] - mx)
-        s[i, p] = e
-        tot += e
+    tot = _exp_sum(s, i * s.shape[1], lim, mx)
     for p in range(lim, n):
         s[i, p] = _ZERO
     l_sum[i] = l_sum[i] * corr + tot

@@ -153,6 +153,37 @@ def test_numba_max_of_equals_numpy_over_whole_vectors_and_tails():
                 assert max_of(s, off, n, np.float32(-7.0)) == np.float32(-7.0)
 
 
+def test_numba_exp_sum_matches_numpy_and_leaves_the_rest_untouched():
+    """The online softmax's exponentials (numba_kernels._exp_sum): elements off .. off + n - 1
+    become exp(x - mx), 16 lanes at a time and then a tail, and their sum is returned; elements
+    outside the range keep their values. Includes arguments below the polynomial's floor (-87),
+    whose exponentials are ~0, and x == mx (exactly 1)."""
+    from numba import njit
+
+    from pallas_kernels.numba_kernels import _exp_sum
+
+    @njit
+    def exp_sum(a, off, n, mx):
+        return _exp_sum(a, off, n, mx)
+
+    rng = np.random.default_rng(6)
+    s = (rng.standard_normal((3, 128)) * 8).astype(np.float32)
+    s[1, 7] = -200.0
+    mx = np.float32(s.max())
+    for off in (0, 1, 128 + 5, 256):
+        for n in (0, 1, 15, 16, 17, 33, 100, 128 - (off % 128)):
+            a = s.copy()
+            got = exp_sum(a, off, n, mx)
+            flat, orig = a.ravel(), s.ravel()
+            # float32 rounds x * log2(e): relative error ~|x| * 6e-8, 1e-6 at x = -16
+            want = np.exp(orig[off : off + n].astype(np.float64) - float(mx))
+            np.testing.assert_allclose(flat[off : off + n], want, rtol=1e-5, atol=1e-30)
+            np.testing.assert_allclose(got, want.sum(), rtol=1e-5, atol=1e-30)
+            assert np.array_equal(flat[:off], orig[:off]) and np.array_equal(flat[off + n :], orig[off + n :])
+    one = np.zeros(20, np.float32)
+    assert exp_sum(one, 0, 20, np.float32(0.0)) == np.float32(20.0) and np.all(one == 1.0)
+
+
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (9, 3), (8, 2)])
 @pytest.mark.parametrize("P,H", [(64, 64), (128, 128)])
 def test_numba_decode_register_tiles_match_reference(N, K, P, H):
