@@ -143,7 +143,8 @@ def _max_of(typingctx, arr, off, n, init):
             at = builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))])
             v = builder.load(builder.bitcast(at, v16.as_pointer()), align=4)
             builder.store(builder.call(vmax, [builder.load(acc), v], fastmath=_NO_NAN), acc)
-        res = cgutils.alloca_once_value(builder, builder.call(smax, [builder.call(vred, [builder.load(acc)], fastmath=_NO_NAN), first], fastmath=_NO_NAN))
+        top = builder.call(vred, [builder.load(acc)], fastmath=_NO_NAN)
+        res = cgutils.alloca_once_value(builder, builder.call(smax, [top, first], fastmath=_NO_NAN))
         done = builder.mul(whole, lanes)
         with cgutils.for_range(builder, builder.sub(count, done)) as loop:
             x = builder.load(builder.gep(data, [builder.add(start, builder.add(done, loop.index))]))
@@ -183,7 +184,7 @@ def _exp_sum(typingctx, arr, off, n, mx):
     them), and their sum is returned; arr float32 and C-contiguous. 16 lanes at a time in vector
     instructions, then the tail one by one. numba vectorised the same loop over 8 lanes only (LLVM
     prefers 256-bit vectors on these CPUs), and with the polynomial's constants reloaded in every
-    pass the online softmax took a third of a prefill tile (docs/PERFORMANCE.md, "Eighteenth
+    pass the online softmax took ~30 % of a prefill tile (docs/PERFORMANCE.md, "Eighteenth
     pass")."""
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -195,12 +196,15 @@ def _exp_sum(typingctx, arr, off, n, mx):
         vadd = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(f32, [f32, v16]), "llvm.vector.reduce.fadd.v16f32")
         lanes = ir.Constant(idx, 16)
-        top16 = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), top, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        i32 = ir.IntType(32)
+        top16 = builder.insert_element(ir.Constant(v16, ir.Undefined), top, ir.Constant(i32, 0))
+        lane0 = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+        top16 = builder.shuffle_vector(top16, ir.Constant(v16, ir.Undefined), lane0)  # top in every lane
         acc = cgutils.alloca_once_value(builder, ir.Constant(v16, [ir.Constant(f32, 0.0)] * 16))
         whole = builder.sdiv(count, lanes)
         with cgutils.for_range(builder, whole) as loop:
-            at = builder.bitcast(builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))]), v16.as_pointer())
+            at = builder.gep(data, [builder.add(start, builder.mul(loop.index, lanes))])
+            at = builder.bitcast(at, v16.as_pointer())
             e = _ir_exp(builder, builder.fsub(builder.load(at, align=4), top16), v16)
             builder.store(e, at, align=4)
             builder.store(builder.fadd(builder.load(acc), e), acc)
