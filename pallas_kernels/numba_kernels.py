@@ -117,6 +117,15 @@ def _prefetch_write(typingctx, arr, idx):
 _NO_NAN = ("nnan",)
 
 
+def _span_args(context, builder, signature, args):
+    """The IR values of an (arr, off, n, x) intrinsic's arguments: arr's data pointer, off and n as
+    intp, x as float32."""
+    data = context.make_array(signature.args[0])(context, builder, args[0]).data
+    start = context.cast(builder, args[1], signature.args[1], types.intp)
+    count = context.cast(builder, args[2], signature.args[2], types.intp)
+    return data, start, count, context.cast(builder, args[3], signature.args[3], types.float32)
+
+
 @intrinsic
 def _max_of(typingctx, arr, off, n, init):
     """max(init, arr's flat elements off .. off + n - 1), arr float32 and C-contiguous: 16 lanes at
@@ -125,10 +134,7 @@ def _max_of(typingctx, arr, off, n, init):
     tile's online softmax that loop took a large share of the kernel's time (docs/PERFORMANCE.md,
     "Thirteenth pass")."""
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        start = context.cast(builder, args[1], signature.args[1], types.intp)
-        count = context.cast(builder, args[2], signature.args[2], types.intp)
-        first = context.cast(builder, args[3], signature.args[3], types.float32)
+        data, start, count, first = _span_args(context, builder, signature, args)
         f32, idx = ir.FloatType(), start.type
         v16 = ir.VectorType(f32, 16)
         fn = ir.FunctionType
@@ -187,10 +193,7 @@ def _exp_sum(typingctx, arr, off, n, mx):
     pass the online softmax took ~30 % of a prefill tile (docs/PERFORMANCE.md, "Eighteenth
     pass")."""
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        start = context.cast(builder, args[1], signature.args[1], types.intp)
-        count = context.cast(builder, args[2], signature.args[2], types.intp)
-        top = context.cast(builder, args[3], signature.args[3], types.float32)
+        data, start, count, top = _span_args(context, builder, signature, args)
         f32, idx = ir.FloatType(), start.type
         v16 = ir.VectorType(f32, 16)
         vadd = cgutils.get_or_insert_function(
