@@ -12,7 +12,7 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 page rows (the page read in memory order); otherwise loops of 4 terms per pass.
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
                 themselves: a [Q_TILE * G, H] x [H, P] block per page. On a float32 pool with pages
-                and heads a multiple of 32, both dots are numba_tile.py's register tiles (~1.4x
+                and heads a multiple of NR, both dots are numba_tile.py's register tiles (~1.4x
                 the loops); otherwise loops of 4 rows and 4 terms per pass (about 3x one row-term
                 at a time; docs/PERFORMANCE.md, "Decisions in the code").
 
@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_tile import NR, make_tile
+from pallas_kernels.numba_tile import AVX512, NR, make_tile
 
 try:
     # Code loaded from numba's disk cache calls the thread pool's entry points (allocate_sched...)
@@ -343,7 +343,9 @@ def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_b
 # with G < 3 the rows past G are zeros, so that one row count serves all three (every tile shape
 # more is a loop of its own to compile, and a shape per G lengthened the float32 handler's cold
 # compile: docs/PERFORMANCE.md, "Eleventh pass"). Each prefetches the same rows of the next page
-# as it reads its own.
+# as it reads its own. On AVX2 (16 registers) these tiles spill part of their accumulators to the
+# stack, in cache; reading the pages bounds them there, and tiles of 32 columns that fit measured
+# level with them ("Nineteenth pass").
 _TILE_ROWS = 3
 _set64, _set128 = (make_tile(_TILE_ROWS, "strided", ahead=True, cols=w) for w in (64, 128))
 _add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True, cols=w) for w in (64, 128))
@@ -449,7 +451,7 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
         _head_out(out, acc, l_sum, tok, k, G, H, kv_len)
 
 # Both dots of a prefill tile's page, scores [R, H] x [H, P] and values [R, P] x [P, H], where the
-# register tiles cannot run (a uint16 pool, pages or heads not a multiple of 32). numba
+# register tiles cannot run (a uint16 pool, pages or heads not a multiple of NR). numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
 # accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code").
@@ -481,8 +483,10 @@ def _matmul_acc(a, b, c, R, kdim, cols):
                 c[i0 + 3, x] += e3 * v
 
 
-_tile8_set = make_tile(8, "strided")
-_tile8_add = make_tile(8, "strided", accumulate=True)
+# a prefill tile's page dots: 8 rows of NR columns (16 of AVX-512's 32 registers), 4 on AVX2 (8 of 16)
+_PAGE_ROWS = 8 if AVX512 else 4
+_page_set = make_tile(_PAGE_ROWS, "strided")
+_page_add = make_tile(_PAGE_ROWS, "strided", accumulate=True)
 
 
 def _page_dot(a, pool, layer, blk, k, c, rows, kdim, cols, add):
@@ -515,11 +519,11 @@ def _page_dot_impl(a, pool, layer, blk, k, c, rows, kdim, cols, add):
         page = ((layer * NB + blk) * K + k) * page_rows * W
         lda, ldc = a.shape[1], c.shape[1]
         for c0 in range(0, cols, NR):
-            for r0 in range(0, rows, 8):
+            for r0 in range(0, rows, _PAGE_ROWS):
                 if add:
-                    _tile8_add(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
+                    _page_add(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
                 else:
-                    _tile8_set(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
+                    _page_set(a, r0 * lda, lda, pool, page + c0, W, c, r0 * ldc + c0, ldc, kdim)
     return tiles
 
 

@@ -37,15 +37,17 @@ from numba import carray, cfunc, njit, prange
 from pallas_kernels import cpu_ffi
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp, _scalar
-from pallas_kernels.numba_tile import NR, make_tile  # NR: columns per panel
+from pallas_kernels.numba_tile import AVX512, NR, make_tile  # NR: columns per panel
 
 MB = 192  # rows per outer block (a multiple of MR): 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
-# Rows of the full row tile: 12 x NR = 24 of the 32 vector registers hold the tile through the sum
-# over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran slower; 14, the
-# most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass").
-MR = 12
+# Rows of the full row tile. AVX-512: 12 x NR = 24 of the 32 vector registers hold the tile through
+# the sum over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran slower; 14,
+# the most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass"). AVX2: 6 x NR = 12
+# of the 16 (6 x 16 is also BLIS's float32 tile for these CPUs; "Nineteenth pass").
+MR = 12 if AVX512 else 6
 
-_tile_mr, _tile8, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 8, 4, 2, 1))
+_tile_mr, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 4, 2, 1))
+_tile8 = make_tile(8, "packed") if MR > 8 else _tile_mr  # (a remainder tile of 8 rows needs MR > 8)
 
 
 @njit(inline="always", cache=True)

@@ -1,7 +1,8 @@
 """Register-tile micro-kernels for numba code on a CPU, written as LLVM IR: c[MR, NR] = a[MR, kdim] .
 b[kdim, NR] with the MR x NR block of the result held in vector registers (MR rows x NR / 16
-16-lane float32 vectors) through the whole sum over kdim, one broadcast of a and one fused
-multiply-add per vector and term.
+16-lane float32 vectors, each one AVX-512 register or two AVX2 ones) through the whole sum over
+kdim, one broadcast of a and one fused multiply-add per vector and term. NR and the callers' MR
+follow the target's register file (below).
 
 Why IR: numba vectorises a loop over 16 lanes but keeps the accumulators of plain Python loops in
 memory, so every pass loads and stores them (numba_kernels.py's 4-rows-by-4-terms loops only
@@ -30,10 +31,35 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-NR = 32  # columns of a tile: two 16-lane vectors per row
+
+def _target_has_avx512() -> bool:
+    """Whether the code numba compiles here has AVX-512's 32 vector registers of 16 float32 lanes
+    (zmm0-31), rather than AVX2's 16 of 8 (ymm0-15, where a 16-lane vector of the IR takes two).
+    numba's own target features (NUMBA_CPU_FEATURES, else the host's), which are part of its
+    cache's key: code cached on one kind of CPU is never loaded on the other."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return "+avx512f" in features.split(",")
+
+
+# A register tile must fit the vector registers with room for the row of b it multiplies and a
+# broadcast of a. Sized for AVX-512's 32, the tiles spill to the stack on AVX2's 16, where the
+# packed matmul then ran at about a third of numpy's speed (docs/PERFORMANCE.md, "Nineteenth
+# pass"): the tiles' shapes follow the target.
+AVX512 = _target_has_avx512()
+VECTOR_REGISTERS, LANES = (32, 16) if AVX512 else (16, 8)  # and float32 lanes in each
+NR = 32 if AVX512 else 16  # columns of a packed tile: two 16-lane vectors per row, else one
+
+
+def registers(rows: int, cols: int) -> int:
+    """Vector registers a tile of rows x cols takes through its sum over k at the least: its
+    accumulators, then either the row of b (held while each row's broadcast of a comes and goes)
+    or the rows' broadcasts (held while b comes a vector at a time), and one more for the other."""
+    per_row = cols // LANES
+    return rows * per_row + min(per_row, rows) + 1
 
 
 def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False, cols: int = NR):

@@ -1,9 +1,9 @@
 """What this CPU can do, as the engine's step meets it: f32 matmul GFLOP/s on the demo model's
-weight shapes (XLA, numpy's BLAS, and torch's oneDNN when torch is installed, each in a process
-of its own), and the read bandwidth a numba loop reaches streaming a large array (what the decode
+weight shapes (XLA, numpy's BLAS, torch's oneDNN when torch is installed, and the "numba" backend's
+packed kernel, each in a process of its own), and the read bandwidth a numba loop reaches streaming a large array (what the decode
 attention kernel's KV reads can be compared with: scripts/bench_attention.py).
 
-    python scripts/bench_cpu_roofline.py [--rows 8,32,128,512,2048] [--libs jax,numpy,torch]
+    python scripts/bench_cpu_roofline.py [--rows 8,32,128,512,2048] [--libs jax,numpy,torch,packed]
 
 Each cell is the median of --repeats calls, after one warm-up. The machines here are VMs: compare
 libraries within one run, not across days.
@@ -35,14 +35,25 @@ def matmuls(lib: str, rows: list[int], repeats: int) -> None:
 
         dot = jax.jit(jnp.dot)
         conv, mm = jnp.asarray, lambda a, b: dot(a, b).block_until_ready()
+    elif lib == "packed":  # the "numba" backend's weight matmul, on a weight packed once (numba_matmul.py)
+        from pallas_kernels import numba_matmul as nm
+
+        def mm(a, wp):
+            out = np.empty((a.shape[0], wp.shape[0] * nm.NR), np.float32)
+            none = np.empty((a.shape[0], 0), np.float32)
+            nm.packed_matmul(a, wp, out, none, none, a.shape[0])
+
+        conv, conv_w = (lambda x: x), nm.pack
     else:
         conv, mm = (lambda x: x), np.dot
+    if lib != "packed":
+        conv_w = conv
     rng = np.random.default_rng(0)
     for t in rows:
         cells = []
         for k, n in SHAPES:
             a = conv(rng.standard_normal((t, k), dtype=np.float32))
-            b = conv(rng.standard_normal((k, n), dtype=np.float32))
+            b = conv_w(rng.standard_normal((k, n), dtype=np.float32))
             mm(a, b)
             times = []
             for _ in range(repeats):
@@ -87,7 +98,7 @@ def _timed(fn, a) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,32,128,512,2048", help="T values: rows of the activations")
-    p.add_argument("--libs", default="jax,numpy,torch")
+    p.add_argument("--libs", default="jax,numpy,torch,packed")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--mib", type=int, default=2048, help="array size of the bandwidth probe")
     p.add_argument("--child", help=argparse.SUPPRESS)

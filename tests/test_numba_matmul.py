@@ -4,6 +4,10 @@ running its layers on packed weights."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +19,10 @@ from pallas_kernels import tuning
 
 
 @pytest.mark.parametrize("K,N", [(64, 32), (1, 32), (37, 64), (96, 160), (576, 1728)])  # 1, 37: odd K
-@pytest.mark.parametrize("T", [1, 3, 8, 13, 23, 200, 400])  # 23: a row tile of each height (12, 8, 2, 1)
+@pytest.mark.parametrize("T", [1, 3, 8, 13, 23, 200, 400])
 def test_packed_matmul_matches_numpy(K, N, T):
-    # T covers every row tile (8, 4, 2, 1) and more than one outer block of MB rows
+    # T covers every row tile (MR, then 8 (AVX-512 only), 4, 2 and 1: 23 = 12 + 8 + 2 + 1 there,
+    # 6 * 3 + 4 + 1 on AVX2) and more than one outer block of MB rows
     rng = np.random.default_rng(T * 1000 + N)
     w = rng.standard_normal((K, N)).astype(np.float32)
     x = rng.standard_normal((T, K)).astype(np.float32)
@@ -69,11 +74,11 @@ def test_split_matmul_writes_each_column_group_to_its_own_array(widths, T):
         np.testing.assert_allclose(np.asarray(g), ref[:, a:b], rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("widths", [(64, 32), (64, 32, 48), (96, 48, 16), (128, 0, 32)])
-def test_split_matmul_refuses_widths_that_are_not_three_whole_groups(widths):
-    wp = jnp.zeros((5, 64, nm.NR), jnp.float32)  # 160 columns
+@pytest.mark.parametrize("units", [(2, 1), (2, 1, 1.5), (3, 1.5, 0.5), (4, 0, 1)])  # in panels of NR columns
+def test_split_matmul_refuses_widths_that_are_not_three_whole_groups(units):
+    wp = jnp.zeros((5, 64, nm.NR), jnp.float32)  # 5 panels
     with pytest.raises(ValueError, match="three positive widths"):
-        nm.matmul_split(jnp.zeros((2, 64)), wp, widths)
+        nm.matmul_split(jnp.zeros((2, 64)), wp, tuple(int(u * nm.NR) for u in units))
 
 
 @pytest.mark.parametrize("rows", [0, 5, 13, 16, 40])
@@ -112,9 +117,33 @@ def test_leading_axes_and_no_rows():
     assert nm.matmul(jnp.zeros((0, 64)), jnp.asarray(nm.pack(w))).shape == (0, 32)
 
 
+def test_the_matmul_and_prefill_tiles_fit_the_targets_vector_registers():
+    # a tile that spills its accumulators to the stack ran at about a third of the speed (AVX-512's
+    # shapes on AVX2: docs/PERFORMANCE.md, "Nineteenth pass"); every row tile of the matmul and the
+    # prefill tiles' page dots fit the target numba compiles for
+    from pallas_kernels import numba_kernels, numba_tile
+
+    for rows in (nm.MR, 4, 2, 1) + ((8,) if nm.MR > 8 else ()):
+        assert numba_tile.registers(rows, nm.NR) <= numba_tile.VECTOR_REGISTERS, (rows, nm.NR)
+    assert numba_tile.registers(numba_kernels._PAGE_ROWS, nm.NR) <= numba_tile.VECTOR_REGISTERS
+    assert numba_tile.registers(12, 32) > 16  # (AVX-512's matmul tile would not fit AVX2)
+
+
+@pytest.mark.parametrize("features,want", [("+avx,+avx2,+fma,-avx512f", "False 16 16"),
+                                           ("+avx,+avx2,+fma,+avx512f,+avx512bw", "True 32 32")])
+def test_numbas_target_features_choose_the_tile_shapes(features, want):
+    # numba's target (NUMBA_CPU_FEATURES, part of its cache key, else the host's) sets the tiles:
+    # AVX-512's 32 registers or AVX2's 16 (importing numba_tile compiles nothing)
+    code = "from pallas_kernels import numba_tile as t; print(t.AVX512, t.NR, t.VECTOR_REGISTERS)"
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features}
+    got = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == want.split()
+
+
 def test_what_can_be_packed():
     assert nm.packable(np.zeros((8, 64), np.float32))
-    assert not nm.packable(np.zeros((8, 48), np.float32))  # not a whole number of panels
+    assert not nm.packable(np.zeros((8, nm.NR * 3 // 2), np.float32))  # not a whole number of panels
     assert not nm.packable(np.zeros((8, 64), np.float16))
     assert not nm.packable(np.zeros((64,), np.float32))
     assert tuning.packed_matmuls("cpu", "numba", 1)
