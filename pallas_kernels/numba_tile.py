@@ -47,7 +47,7 @@ def _target_has_avx512() -> bool:
 
 # A register tile must fit the vector registers with room for the row of b it multiplies and a
 # broadcast of a. Sized for AVX-512's 32, the tiles spill to the stack on AVX2's 16, where the
-# packed matmul then ran at about a third of numpy's speed (docs/PERFORMANCE.md, "Nineteenth
+# packed matmul then ran at half of numpy's speed or less (docs/PERFORMANCE.md, "Nineteenth
 # pass"): the tiles' shapes follow the target.
 AVX512 = _target_has_avx512()
 VECTOR_REGISTERS, LANES = (32, 16) if AVX512 else (16, 8)  # and float32 lanes in each
