@@ -133,10 +133,12 @@ def main() -> None:
     if "cost_model_error" in d:
         res["cost_model_error"] = d["cost_model_error"]
         res["deferred_decode_rows"] = engine.scheduler.num_deferred
-    if mode == "off":
-        res["device_idle_share"] = round(d["device_idle_share"], 3)
-    if len(runs) == 2:
+    # the device's idle share is a figure of the synchronous run: with --overlap both, of the off run
+    # (gpu_check.py reports it from there)
+    if "off" in runs:
         off = throughput.run_fields(runs["off"])
+        res["device_idle_share"] = round(off["device_idle_share"], 3)
+    if len(runs) == 2:
         ratios = throughput.compare([off, d])
         res["off_output_tokens_per_s"] = round(n_out / runs["off"].elapsed, 1)
         res["overlap_speedup"] = ratios["overlap_speedup"]

@@ -38,6 +38,8 @@ Table to fill in from the JSON (not yet measured on the H200):
   | mixed T=2048 S=256         |           |             |           |        |
   | prefill T=2048 (4 x 512)   |           |             |           |        |
   | engine output tokens/s, 1B bf16: pallas ____  xla ____  (copy bandwidth ____ GB/s)
+  | pallas, overlap off / on: device idle ____ % (device_idle_share), host share of a step with overlap
+  |   ____ % (host_share_with_overlap), speedup ____x (overlap_speedup)
   | engine output tokens/s, 1B bf16, pallas, tensor_parallel_size=2: ____ (or "skipped: 1 device")
 """
 

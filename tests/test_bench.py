@@ -128,6 +128,26 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
     assert line["R"] == 8 and {"step_us_p50", "step_us_p99"} <= set(line)
 
 
+def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatch, capsys):
+    """bench_offline.py --overlap both (what gpu_check.py runs on the GPU): the JSON has the device's
+    idle share of the synchronous run beside the host's share of a step with overlap and the speedup,
+    and the printed summary says both."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import bench_offline
+
+    flags = ["--model", llama_dir, "-n", "4", *SMALL, "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+             "--max-model-len", "128", "--engine-arg", "block_size=8", "--engine-arg", "warm_up_runs=false",
+             "--overlap", "both", "--json"]
+    monkeypatch.setattr(sys, "argv", ["bench_offline.py", *flags])
+    bench_offline.main()
+    out = capsys.readouterr().out
+    res = json.loads(out.splitlines()[-1])
+    assert res["overlap"] == "on"
+    assert 0 <= res["device_idle_share"] < 1 and 0 <= res["host_share_with_overlap"] < 1
+    assert res["overlap_speedup"] > 0 and res["off_output_tokens_per_s"] > 0
+    assert "without overlap the device idles" in out and "with overlap the host's share" in out
+
+
 @pytest.mark.slow
 def test_bench_vs_vllm_rounds_keep_the_child_and_time_each_round(llama_dir, monkeypatch, capsys):
     """bench_vs_vllm.py --rounds (jaxsched alone: vLLM is not installed here): one resident child
