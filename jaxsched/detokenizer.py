@@ -9,14 +9,39 @@ token decodes with its real left context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxsched.request import SamplingParams
 
 _CONTEXT_TOKENS = 6
+
+# transformers' own decode methods: a tokenizer class that keeps both adds nothing to its Rust
+# tokenizer's decode but argument conversion, unless it cleans up spaces
+_GENERIC_DECODE = "PreTrainedTokenizerBase.decode"
+_GENERIC_BACKEND_DECODES = ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
+
+
+def decoder_of(tokenizer) -> Callable[..., str]:
+    """`tokenizer.decode`, or its Rust tokenizer's decode where that gives the same text.
+
+    transformers' wrapper costs a few microseconds a call (converting the ids, looking up options)
+    for a microsecond of decoding, and a generated token decodes twice: for a step of a few hundred
+    rows that is a share of the host's step on a GPU. Any class that overrides either method, or a
+    tokenizer that cleans up spaces, keeps the wrapper."""
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    generic = (getattr(getattr(cls, "decode", None), "__qualname__", None) == _GENERIC_DECODE
+               and getattr(getattr(cls, "_decode", None), "__qualname__", None) in _GENERIC_BACKEND_DECODES)
+    if (generic and type(backend).__module__.split(".")[0] == "tokenizers"
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
+        return backend.decode
+    return tokenizer.decode
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = decoder_of(tokenizer)
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -32,7 +57,7 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None  # set when a stop string ended the output
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special)
 
     def add_token(self, token_id: int, last: bool = False) -> str:
         """Append one generated token; returns the new text (possibly ''), stop strings applied.
