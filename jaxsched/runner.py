@@ -166,9 +166,10 @@ class ModelRunner:
         self.packed_matmuls = tuning.packed_matmuls(self._platform, config.attention_backend, n_devices)
         if self.packed_matmuls:  # a tied lm_head gets its own copy, packed below (layers.vocab_logits)
             untie_lm_head(model)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
         if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
-            self.state = pack_linear_weights(self.state)
+            state = pack_linear_weights(state)
+        self.state = state
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
                                   config.penalty_capacity, cfg.vocab_size)
@@ -193,6 +194,19 @@ class ModelRunner:
         self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
         # per S: the penalty and constraint tables of a step where no row uses them, kept on the device
         self._idle_tables: dict[int, tuple] = {}
+
+    @property
+    def state(self):
+        """The model's weights (an nnx State, as nnx.split gives it)."""
+        return jax.tree_util.tree_unflatten(self._state_def, self._state_leaves)
+
+    @state.setter
+    def state(self, state) -> None:
+        # The programs take the weights as a flat tuple of arrays: flattening an nnx State walks its
+        # Variables in Python at every call (0.46 ms a step for the demo model's 183 arrays, per
+        # dispatch, host time a GPU's short steps would show); a tuple flattens in C++.
+        self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
+        self._state_leaves = tuple(self._state_leaves)
 
     def _new_pool(self, dt):
         def zeros():
@@ -230,12 +244,12 @@ class ModelRunner:
         return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
-    def _forward(self, state, kv, prev_ids, flat_i32, *, T: int, S: int):
-        """The model's part of a step. prev_ids: i32[Smax], the tokens the last step sampled per row
+    def _forward(self, weights, kv, prev_ids, flat_i32, *, T: int, S: int):
+        """The model's part of a step. weights: the state's leaves (the state setter). prev_ids: i32[Smax], the tokens the last step sampled per row
         (padded to max_num_seqs): decode rows scheduled before the host read them take them from
         here (batch.from_prev). Returns the pool, the logits f32[S, V] and the sampler's int32 row
         fields (batch.SAMPLER_I32, i32[6 S])."""
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
         _, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
         batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
@@ -272,7 +286,7 @@ class ModelRunner:
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
                                                               self._replicated)}
         fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1,), **out)
-        return self._compiled(fn.lower(self.state, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
+        return self._compiled(fn.lower(self._state_leaves, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
                                        self._input((n_i32,), jnp.int32), T=T, S=S))
 
     def compile_sampler(self, S: int):
@@ -463,7 +477,7 @@ class ModelRunner:
     def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables):
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
         then S's sampler. Updates the pool; returns (ints, floats, next prev_ids), on the device."""
-        self.kv, logits, rows_i32 = exe(self.state, self.kv, prev_ids, flat_i32)
+        self.kv, logits, rows_i32 = exe(self._state_leaves, self.kv, prev_ids, flat_i32)
         return self._samplers[S](logits, rows_i32, flat_f32, tables)
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
