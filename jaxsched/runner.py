@@ -202,11 +202,11 @@ class ModelRunner:
 
     @state.setter
     def state(self, state) -> None:
-        # The programs take the weights as a flat tuple of arrays: flattening an nnx State walks its
-        # Variables in Python at every call (0.46 ms a step for the demo model's 183 arrays, per
-        # dispatch, host time a GPU's short steps would show); a tuple flattens in C++.
-        self._state_leaves, self._state_def = jax.tree_util.tree_flatten(state)
-        self._state_leaves = tuple(self._state_leaves)
+        # The programs take the weights as a flat tuple of arrays: a compiled call flattens its
+        # arguments at every dispatch, and an nnx State's Variables flatten in Python, a tuple in C++
+        # (docs/PERFORMANCE.md, "Decisions in the code")
+        leaves, self._state_def = jax.tree_util.tree_flatten(state)
+        self._state_leaves = tuple(leaves)
 
     def _new_pool(self, dt):
         def zeros():
@@ -245,9 +245,9 @@ class ModelRunner:
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
     def _forward(self, weights, kv, prev_ids, flat_i32, *, T: int, S: int):
-        """The model's part of a step. weights: the state's leaves (the state setter). prev_ids: i32[Smax], the tokens the last step sampled per row
-        (padded to max_num_seqs): decode rows scheduled before the host read them take them from
-        here (batch.from_prev). Returns the pool, the logits f32[S, V] and the sampler's int32 row
+        """The model's part of a step. weights: the state's leaves (the `state` setter). prev_ids:
+        i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
+        scheduled before the host read them take them from here (batch.from_prev). Returns the pool, the logits f32[S, V] and the sampler's int32 row
         fields (batch.SAMPLER_I32, i32[6 S])."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused

@@ -415,6 +415,34 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
+def print_rounds(runs: dict[str, list[dict]], rounds: int, also: tuple[str, str] | None = None) -> list:
+    """With several rounds: each round's output tok/s of both engines and their ratio (and the ratio
+    of the field `also` names), then the median of the ratios. Returns the ratios ([] for one round)."""
+    if rounds == 1:
+        return []
+    nan = float("nan")
+    js, vs = runs.get("jaxsched", []), runs.get("vllm", [])
+    pairs = []
+    for r in range(rounds):
+        a, b = js[r] if js else {}, vs[r] if vs else {}
+        x, y = a.get("output_tokens_per_s"), b.get("output_tokens_per_s")
+        pairs.append(ratio(x, y))
+        extra = f" ({also[1]} ratio {ratio(a.get(also[0]), b.get(also[0])) or nan:.3f})" if also else ""
+        print(f"round {r + 1:<16}{x or nan:12.1f}{y or nan:12.1f}{pairs[-1] or nan:9.3f}   output tok/s{extra}")
+    print(f"(medians of {rounds} rounds below; median of the rounds' ratios "
+          f"{float(np.median([x for x in pairs if x])) if any(pairs) else nan:.3f})")
+    return pairs
+
+
+def print_table(j: dict, v: dict, rows) -> None:
+    """One line per (key, label): jaxsched's figure, vLLM's and their ratio."""
+    nan = float("nan")
+    print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
+    for key, label in rows:
+        a, b = j.get(key), v.get(key)
+        print(f"{label:22}{a or nan:12.1f}{b or nan:12.1f}{ratio(a, b) or nan:9.3f}")
+
+
 def offline(args) -> dict:
     reqs = draw_requests(args, vocab_size_of(args.model))
     n_prompt = sum(len(p) for p in reqs["prompts"])
@@ -438,23 +466,10 @@ def offline(args) -> dict:
     print(f"\n{args.num_requests} requests, {n_prompt} prompt + {n_out} output tokens; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
           f"max_model_len {args.max_model_len}, {args.dtype}")
-    pairs = []
-    if args.rounds > 1:
-        js, vs = runs.get("jaxsched", []), runs.get("vllm", [])
-        for r in range(args.rounds):
-            a = js[r]["output_tokens_per_s"] if js else None
-            b = vs[r]["output_tokens_per_s"] if vs else None
-            pairs.append(ratio(a, b))
-            print(f"round {r + 1:<16}{a or float('nan'):12.1f}{b or float('nan'):12.1f}"
-                  f"{pairs[-1] or float('nan'):9.3f}   output tok/s")
-        print(f"(medians of {args.rounds} rounds below; median of the rounds' ratios "
-              f"{float(np.median([x for x in pairs if x])) if any(pairs) else float('nan'):.3f})")
-    print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
+    pairs = print_rounds(runs, args.rounds)
     j, v = results.get("jaxsched", {}), results.get("vllm", {})
-    for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
-                       ("elapsed_s", "elapsed s"), ("init_s", "engine start s")):
-        a, b = j.get(key), v.get(key)
-        print(f"{label:22}{a or float('nan'):12.1f}{b or float('nan'):12.1f}{ratio(a, b) or float('nan'):9.3f}")
+    print_table(j, v, (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
+                       ("elapsed_s", "elapsed s"), ("init_s", "engine start s")))
     if "steps" in j:
         print(f"jaxsched per step     {j['host_ms_per_step']:.1f} ms host + {j['device_ms_per_step']:.1f} ms device "
               f"over {j['steps']} steps ({j['preemptions']} preemptions)")
@@ -504,25 +519,10 @@ def served(args, start=Server) -> dict:
     j, v = results.get("jaxsched", {}), results.get("vllm", {})
     print(f"\nserved: vllm bench serve, random dataset, {args.num_prompts} prompts of {args.random_input_len} "
           f"input / {args.random_output_len} output tokens, request rate inf")
-    pairs = []
-    if args.rounds > 1:
-        js, vs = runs.get("jaxsched", []), runs.get("vllm", [])
-        for r in range(args.rounds):
-            a = js[r] if js else {}
-            b = vs[r] if vs else {}
-            pairs.append(ratio(a.get("output_tokens_per_s"), b.get("output_tokens_per_s")))
-            ttft = ratio(a.get("mean_ttft_ms"), b.get("mean_ttft_ms"))
-            print(f"round {r + 1:<16}{a.get('output_tokens_per_s') or float('nan'):12.1f}"
-                  f"{b.get('output_tokens_per_s') or float('nan'):12.1f}{pairs[-1] or float('nan'):9.3f}   "
-                  f"output tok/s (mean TTFT ratio {ttft or float('nan'):.3f})")
-        print(f"(medians of {args.rounds} rounds below; median of the rounds' ratios "
-              f"{float(np.median([x for x in pairs if x])) if any(pairs) else float('nan'):.3f})")
-    print(f"{'':22}{'jaxsched':>12}{'vLLM':>12}{'ratio':>9}")
-    for key, label in (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
+    pairs = print_rounds(runs, args.rounds, also=("mean_ttft_ms", "mean TTFT"))
+    print_table(j, v, (("output_tokens_per_s", "output tok/s"), ("total_tokens_per_s", "total tok/s"),
                        ("mean_ttft_ms", "mean TTFT ms"), ("mean_tpot_ms", "mean TPOT ms"),
-                       ("duration_s", "duration s"), ("server_ready_s", "server ready s")):
-        a, b = j.get(key), v.get(key)
-        print(f"{label:22}{a or float('nan'):12.1f}{b or float('nan'):12.1f}{ratio(a, b) or float('nan'):9.3f}")
+                       ("duration_s", "duration s"), ("server_ready_s", "server ready s")))
     if "engine_step_s" in j and j.get("duration_s"):
         print(f"jaxsched engine thread: {j['engine_step_s']:.1f} s in steps ({j['engine_device_wait_s']:.1f} s of them "
               f"waiting for the device) of the {j['duration_s']:.1f} s run")
