@@ -31,9 +31,12 @@ from numba import carray, cfunc, config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_ffi, numba_parallel
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_tile import AVX512, NR, make_tile
+
+# before any parallel kernel here compiles: its regions must not wait for the GIL on XLA's threads
+numba_parallel.install()
 
 try:
     # Code loaded from numba's disk cache calls the thread pool's entry points (allocate_sched...)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, prange
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_ffi, numba_parallel
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _prefetch_write
+
+numba_parallel.install()  # before this module's parallel kernels compile (numba_parallel.py)
 
 # Steps of at most this many tokens run on the calling thread alone (rope_write_serial). Where a
 # token's stores wait on memory, two threads nearly halve a larger step's call; where they hit

@@ -34,10 +34,12 @@ import functools
 import numpy as np
 from numba import carray, cfunc, njit, prange
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_ffi, numba_parallel
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp, _scalar
 from pallas_kernels.numba_tile import AVX512, NR, make_tile  # NR: columns per panel
+
+numba_parallel.install()  # before this module's parallel kernels compile (numba_parallel.py)
 
 MB = 192  # rows per outer block (a multiple of MR): 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
 # Rows of the full row tile. AVX-512: 12 x NR = 24 of the 32 vector registers hold the tile through
