@@ -234,7 +234,12 @@ class ModelRunner:
         """Replicated (or single-device) results in host memory, in one transfer; with several
         processes each one reads its own replica."""
         if not self._multiprocess:
-            return [np.asarray(x) for x in jax.device_get(xs)]
+            # jax.device_get's way (every copy started before the first is waited for) without its
+            # tree walk and profiler wrapper, which cost more than the copies (docs/PERFORMANCE.md,
+            # "Decisions in the code")
+            for x in xs:
+                x.copy_to_host_async()
+            return [np.asarray(x) for x in xs]
         return [np.asarray(x.addressable_data(0)) for x in xs]
 
     def _table_shapes(self, S: int) -> list[tuple[tuple[int, int], object]]:

@@ -576,12 +576,13 @@ class Scheduler:
         """
         got_token: list[int] = []
         ended: list[tuple[Request, RequestStatus]] = []
+        sampled = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids
         for i, row in enumerate(out.scheduled.values()):
             req = row.request
             if not row.samples or req.is_finished:  # aborted or failed since schedule()
                 continue
             req.num_pending -= 1
-            token = int(sampled_token_ids[i])
+            token = int(sampled[i])
             req.output_token_ids.append(token)
             got_token.append(i)
             params = req.sampling_params
