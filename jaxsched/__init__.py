@@ -16,11 +16,13 @@ _EXPORTS = {
     "LLMEngine": "jaxsched.engine",
     "EngineArgs": "jaxsched.config",
     "SamplingParams": "jaxsched.request",
+    "RequestOutputKind": "jaxsched.request",
     "RequestOutput": "jaxsched.outputs",
     "CompletionOutput": "jaxsched.outputs",
     "Logprob": "jaxsched.outputs",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "RequestOutputKind",
+           "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -14,7 +14,7 @@ from jaxsched.config import EngineArgs
 from jaxsched.distributed import DistributedEngine
 from jaxsched.engine import PromptType, create_engine
 from jaxsched.outputs import RequestOutput
-from jaxsched.request import Request, SamplingParams
+from jaxsched.request import Request, RequestOutputKind, SamplingParams
 from jaxsched.tokenizer import chat_prompt_ids
 
 
@@ -52,6 +52,13 @@ class LLM:
         eng = self.llm_engine
         if isinstance(eng, DistributedEngine) and not eng.is_leader:
             return self._follow()  # the same script on every host: process 0's prompts are the ones run
+        # Only the final outputs are returned, so only they are built (vLLM's LLM does the same): the
+        # engine makes no RequestOutput per request per step.
+        final: dict[int, SamplingParams] = {}
+        for sp in params:
+            if id(sp) not in final and (sp is None or isinstance(sp, SamplingParams)):  # else make_request says why
+                final[id(sp)] = dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final.get(id(sp), sp) for sp in params]
         # Validate everything before adding anything: a bad prompt leaves no half-added batch.
         reqs = [eng.make_request(eng.next_request_id(), p, sp, priority=pr)
                 for p, sp, pr in zip(prompts, params, priority)]

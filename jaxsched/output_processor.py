@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from jaxsched.detokenizer import IncrementalDetokenizer
 from jaxsched.errors import InvalidRequestError
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxsched.request import Request, RequestStatus
+from jaxsched.request import Request, RequestOutputKind, RequestStatus
 
 if TYPE_CHECKING:
     from jaxsched.runner import StepResult
@@ -32,15 +32,18 @@ Finish = Callable[[Iterable[str], RequestStatus], None]
 
 
 class _RequestState:
-    """Output-side extras of one (sample) request: detokenizer and logprobs."""
+    """Output-side extras of one (sample) request: detokenizer and logprobs, and with DELTA outputs
+    how much of its text and tokens went out already."""
 
-    __slots__ = ("cumulative_logprob", "detok", "logprobs", "request")
+    __slots__ = ("cumulative_logprob", "detok", "logprobs", "request", "sent_chars", "sent_tokens")
 
     def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
         self.request = request
         self.detok = detok
         self.logprobs: list[dict[int, Logprob]] | None = [] if request.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.sent_chars = 0
+        self.sent_tokens = 0
 
 
 class _Group:
@@ -156,9 +159,11 @@ class OutputProcessor:
                 outputs.extend(done.values())
                 continue
             group = self._groups[key]
+            changed = []
             for r, o in done.items():
-                group.completions[group.child_ids.index(r)] = o.outputs[0]
-            outputs.append(self._group_output(key))
+                changed.append(group.child_ids.index(r))
+                group.completions[changed[-1]] = o.outputs[0]
+            outputs.append(self._group_output(key, changed))
         return outputs
 
     # -- a step's outputs ----------------------------------------------------------------------
@@ -192,7 +197,7 @@ class OutputProcessor:
         if stopped:
             self.finish(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = self.fail(broken) if broken else []
-        groups: dict[str, None] = {}
+        groups: dict[str, list[int]] = {}  # n > 1 requests with a new output: the samples that changed
         for i in got:
             req = rows[i].request
             if req.request_id not in self._states and req.error:  # failed above
@@ -200,27 +205,43 @@ class OutputProcessor:
             if req.is_finished:
                 req.finished_time = now
                 o = self._output(self._states.pop(req.request_id))
+            elif req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to build until it ends
             else:
                 o = self._output(self._states[req.request_id])
             if req.group_id is None:
                 outputs.append(o)
             elif req.group_id in self._groups:
                 group = self._groups[req.group_id]
-                group.completions[group.child_ids.index(req.request_id)] = o.outputs[0]
-                groups[req.group_id] = None
-        outputs.extend(self._group_output(gid) for gid in groups)
+                j = group.child_ids.index(req.request_id)
+                group.completions[j] = o.outputs[0]
+                groups.setdefault(req.group_id, []).append(j)
+        for gid, changed in groups.items():
+            if (self._groups[gid].parent.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+                    or self._group_finished(gid)):
+                outputs.append(self._group_output(gid, changed))
         return outputs
 
-    def _group_output(self, gid: str) -> RequestOutput:
+    def _group_finished(self, gid: str) -> bool:
+        return all(c is not None and c.finish_reason is not None for c in self._groups[gid].completions)
+
+    def _group_output(self, gid: str, changed: Iterable[int]) -> RequestOutput:
+        """The n > 1 request's output after its samples `changed` got theirs: every sample's
+        completion, or with DELTA outputs only the changed ones' (vLLM's parallel sampling)."""
         group = self._groups[gid]
         parent = group.parent
+        finished = self._group_finished(gid)
+        if parent.sampling_params.output_kind == RequestOutputKind.DELTA:
+            which = sorted(set(changed))
+        else:
+            which = range(len(group.completions))
         comps = []
-        for i, c in enumerate(group.completions):
+        for i in which:
+            c = group.completions[i]
             if c is None:  # a sample with no token yet
                 c = CompletionOutput(index=i, text="", token_ids=[])
             c.index = i
             comps.append(c)
-        finished = all(c.finish_reason is not None for c in comps)
         if finished:
             del self._groups[gid]
         kids = group.children
@@ -246,10 +267,18 @@ class OutputProcessor:
     def _output(self, state: _RequestState) -> RequestOutput:
         req = state.request
         reason = req.finish_reason
+        text, tokens, logprobs = state.detok.text, req.output_token_ids, state.logprobs
+        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
+            # text a stop string may still remove stays back until it cannot (the detokenizer
+            # cuts only what starts within holdback characters of the end)
+            end = len(text) if req.is_finished else max(state.sent_chars, len(text) - state.detok.holdback)
+            text, state.sent_chars = text[state.sent_chars:end], end
+            tokens, first, state.sent_tokens = tokens[state.sent_tokens:], state.sent_tokens, len(tokens)
+            logprobs = logprobs[first:] if logprobs is not None else None
         comp = CompletionOutput(
-            index=0, text=state.detok.text, token_ids=list(req.output_token_ids),
+            index=0, text=text, token_ids=list(tokens),
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
             finish_reason=reason.value if reason else None, stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.finished_time, req.num_preemptions)

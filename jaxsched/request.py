@@ -51,6 +51,17 @@ _FINISH_REASON = {
 }
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's RequestOutputs hold (vLLM's names and values). CUMULATIVE: everything so
+    far, every step. DELTA: what is new since the last one (text held back while a stop string
+    may be starting, as a stream does). FINAL_ONLY: one output, when the request ends: what
+    LLM.generate asks for, which saves the host building an output per request per step."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what OpenAI-style clients send: int64, or uint64
 MAX_N = 128  # samples per request: each is a sequence in the batch, and they are added at once
@@ -119,6 +130,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Normalise list-like fields to tuples so the object stays hashable and immutable.
@@ -169,6 +181,11 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
                                       "min_tokens")
         self._check_constraints()
+        kind = self.output_kind
+        if not isinstance(kind, int) or isinstance(kind, bool) or kind not in tuple(RequestOutputKind):
+            raise InvalidRequestError(f"output_kind must be a RequestOutputKind (0 CUMULATIVE, 1 DELTA, 2 FINAL_ONLY), "
+                                      f"got {short_repr(kind)}", "output_kind")
+        object.__setattr__(self, "output_kind", RequestOutputKind(kind))
         object.__setattr__(self, "_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 

@@ -26,7 +26,7 @@ from jaxsched.bench import driver, workloads
 from jaxsched.bench.driver import Run
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit
-from jaxsched.request import SamplingParams
+from jaxsched.request import RequestOutputKind, SamplingParams
 from jaxsched.step_cost import WITHIN  # the "close enough" share of the cost model's error report
 from jaxsched.structured_output import StructuredOutputsParams
 
@@ -70,12 +70,14 @@ def sampling_params(reqs: list[workloads.BenchRequest], penalized: float,
                     structured: float = 0.0) -> list[SamplingParams]:
     # --penalized: that share of the requests uses a repetition penalty, whose tables are built on
     # the host from the tokens so far (with overlap, a step with such rows waits for the one before);
-    # --structured: that share (spread evenly over the arrival order) follows BENCH_GRAMMAR
+    # --structured: that share (spread evenly over the arrival order) follows BENCH_GRAMMAR. Only
+    # the final outputs are read, as vLLM's throughput benchmark reads LLM.generate's (FINAL_ONLY).
     n = len(reqs)
     pen = np.arange(n) < round(penalized * n)
     so = np.floor(np.arange(1, n + 1) * structured) > np.floor(np.arange(n) * structured)
     return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len,
-                           repetition_penalty=1.1 if p else 1.0, structured_outputs=BENCH_GRAMMAR if c else None)
+                           repetition_penalty=1.1 if p else 1.0, structured_outputs=BENCH_GRAMMAR if c else None,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
             for r, p, c in zip(reqs, pen, so)]
 
 
