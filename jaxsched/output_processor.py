@@ -267,18 +267,17 @@ class OutputProcessor:
     def _output(self, state: _RequestState) -> RequestOutput:
         req = state.request
         reason = req.finish_reason
-        text, tokens, logprobs = state.detok.text, req.output_token_ids, state.logprobs
+        text, first = state.detok.text, 0  # first: the first token (and logprob) this output holds
         if req.sampling_params.output_kind == RequestOutputKind.DELTA:
             # text a stop string may still remove stays back until it cannot (the detokenizer
             # cuts only what starts within holdback characters of the end)
             end = len(text) if req.is_finished else max(state.sent_chars, len(text) - state.detok.holdback)
             text, state.sent_chars = text[state.sent_chars:end], end
-            tokens, first, state.sent_tokens = tokens[state.sent_tokens:], state.sent_tokens, len(tokens)
-            logprobs = logprobs[first:] if logprobs is not None else None
-        comp = CompletionOutput(
-            index=0, text=text, token_ids=list(tokens),
+            first, state.sent_tokens = state.sent_tokens, len(req.output_token_ids)
+        comp = CompletionOutput(  # the slices are copies: later tokens do not change this output
+            index=0, text=text, token_ids=req.output_token_ids[first:],
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            logprobs=state.logprobs[first:] if state.logprobs is not None else None,
             finish_reason=reason.value if reason else None, stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.finished_time, req.num_preemptions)
