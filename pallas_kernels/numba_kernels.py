@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 
 from pallas_kernels import cpu_ffi, numba_parallel
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_tile import AVX512, NR, make_tile
+from pallas_kernels.numba_tile import AVX512, NR, TO_L1, TO_L2, make_tile
 
 # before any parallel kernel here compiles: its regions must not wait for the GIL on XLA's threads
 numba_parallel.install()
@@ -87,30 +87,31 @@ def _val_impl(x):
     return lambda x: x
 
 
-def _prefetch_codegen(write: int):
+def _prefetch_codegen(write: int, level: int = TO_L1):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        # (address, 0 read / 1 write, locality 3: all cache levels, data cache)
+        # (address, 0 read / 1 write, locality: the cache level, data cache)
         builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p),
-                          ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                          ir.Constant(i32, write), ir.Constant(i32, level), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return codegen
 
 
 @intrinsic
 def _prefetch(typingctx, arr, idx):
-    """Ask the CPU to bring the cache line holding arr's flat element idx into L1 (arr
-    C-contiguous). Never faults, whatever the address; a hint only."""
-    return types.void(arr, types.intp), _prefetch_codegen(0)
+    """Ask the CPU to bring the cache line holding arr's flat element idx into L2 (arr
+    C-contiguous). Never faults, whatever the address; a hint only. L2, not L1: it is used a
+    whole page ahead, which L1 cannot hold beside the page in hand (numba_tile.TO_L2)."""
+    return types.void(arr, types.intp), _prefetch_codegen(0, TO_L2)
 
 
 @intrinsic
 def _prefetch_write(typingctx, arr, idx):
-    """_prefetch for a line about to be written: the CPU fetches it in a state it may write, so
+    """A prefetch into L1 of a line about to be written: the CPU fetches it in a state it may write, so
     the store does not wait for the line's read."""
     return types.void(arr, types.intp), _prefetch_codegen(1)
 

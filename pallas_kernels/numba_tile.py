@@ -17,14 +17,15 @@ C-contiguous, offsets in elements, a's rows lda apart and c's ldc apart):
       a a packed row tile (`pack_rows`: term k of row r at a_off + k * MR + r; lda unused), b's
       rows NR apart (a packed panel); writes c. Two terms per pass (a remainder term after), and
       in the passes with pass % every == phase it prefetches the pass's two rows of the panel at
-      b_ahead (the weights come from memory: see numba_matmul.py).
+      b_ahead (the weights come from memory: see numba_matmul.py): into L1 when the panel's row
+      tiles are SPREAD or more (every), else into L2 (below).
   strided(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, kdim)
       b's rows ldb apart (a page in cache); accumulates into c when made with accumulate=True,
       else writes it.
   strided with ahead=True: (a, a_off, lda, b, b_off, ldb, b_ahead, ahead_rows, c, c_off, ldc, kdim)
       the same, and for k < ahead_rows it prefetches row k of its columns at b_ahead (the same
-      place in the next page) as it reads row k of b: a decode row's pages lie anywhere in the
-      pool, where the hardware's prefetcher cannot see them coming (numba_kernels.decode_row).
+      place in the next page) into L2 as it reads row k of b: a decode row's pages lie anywhere in
+      the pool, where the hardware's prefetcher cannot see them coming (numba_kernels.decode_row).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def _target_has_avx512() -> bool:
 AVX512 = _target_has_avx512()
 VECTOR_REGISTERS, LANES = (32, 16) if AVX512 else (16, 8)  # and float32 lanes in each
 NR = 32 if AVX512 else 16  # columns of a packed tile: two 16-lane vectors per row, else one
+
+# Where a prefetch puts its line: llvm.prefetch's locality 3 is x86's prefetcht0 (L1 and out),
+# 2 is prefetcht1 (L2 and out). A prefetch one page or one panel ahead asks for as much data as
+# the tile is reading (a page of 32 KB, a panel of 74-197 KB) while it reads it; sent to L1, of
+# 32-48 KB, it evicts the lines in use, and decode attention read its pages ~20 % slower than
+# with the same prefetch sent to L2, the small-T matmuls ~10-20 % (docs/PERFORMANCE.md,
+# "Twenty-second pass"). A packed panel's prefetch is dealt out over its row tiles (`every`):
+# with SPREAD or more, each pass asks for little enough that L1 served it best there (T >= 32,
+# a few per cent), so only then does it go to L1.
+TO_L1, TO_L2 = 3, 2
+SPREAD = 3
 
 
 def registers(rows: int, cols: int) -> int:
@@ -124,11 +136,11 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
                 new.append([builder.call(fma, [splat, bv[j], acc[r][j]]) for j in range(nv)])
             return new
 
-        def prefetch_row(row, width, step):
+        def prefetch_row(row, width, step, level):
             at_row = builder.add(b_ahead, builder.mul(row, step))
             for j in range(0, width, 16):  # one 64-byte line per 16 float32
                 addr = builder.bitcast(builder.gep(bp, [builder.add(at_row, const(j))]), i8p)
-                builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, level), ir.Constant(i32, 1)])
 
         def phis(incoming, block):
             acc = [[builder.phi(v16) for _ in range(nv)] for _ in range(MR)]
@@ -186,9 +198,12 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             # memory. The row tiles of a panel take turns (every = their number), so the requests
             # are spread over the panel's time rather than all sent by its first tile, faster than
             # one core's misses can go.
-            with builder.if_then(builder.icmp_signed("==", n_pass, phase)):
-                for u in range(2):
-                    prefetch_row(builder.add(k, const(u)), NR, const(NR))
+            spread = builder.icmp_signed(">=", every, const(SPREAD))
+            with builder.if_then(builder.icmp_signed("==", n_pass, phase)), builder.if_else(spread) as (to_l1, to_l2):
+                for level, branch in ((TO_L1, to_l1), (TO_L2, to_l2)):
+                    with branch:
+                        for u in range(2):
+                            prefetch_row(builder.add(k, const(u)), NR, const(NR), level)
             builder.branch(body)
 
             builder.position_at_end(body)
@@ -205,7 +220,8 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             loop = builder.append_basic_block("k_loop")
             builder.branch(loop)
             # row k of the next page, as row k of this one is read
-            acc = term_by_term(const(0), start, loop, entry, (lambda k: prefetch_row(k, cols, ldb)) if ahead else None)
+            acc = term_by_term(const(0), start, loop, entry,
+                               (lambda k: prefetch_row(k, cols, ldb, TO_L2)) if ahead else None)
 
         builder.position_at_end(done)
         for r in range(MR):
