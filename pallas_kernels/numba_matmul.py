@@ -9,11 +9,11 @@ T near the machine's float32 peak (docs/PERFORMANCE.md, "Decisions in the code")
 
 The micro-kernel is numba_tile.py's "packed" form: an MR x NR block of the result held in vector
 registers through the whole sum over K, prefetching the thread's next panel (into L1 when a
-block has numba_tile.SPREAD row tiles or more to spread the requests over, else into L2). The driver deals
-panels out to numba's threads and walks the rows in blocks of MB, so a block of x stays in L2 while
-every panel of the thread passes over it. Each thread first copies the block's rows tile by tile,
-term-major (`pack_rows`), so that the micro-kernel reads a tile's MR terms k from one place instead
-of MR rows K apart.
+block has numba_tile.SPREAD row tiles or more to spread the requests over, else into L2). The
+driver deals panels out to numba's threads and walks the rows in blocks of MB, so a block of x
+stays in L2 while every panel of the thread passes over it. Each thread first copies the block's
+rows tile by tile, term-major (`pack_rows`), so that the micro-kernel reads a tile's MR terms k
+from one place instead of MR rows K apart.
 
 A second kernel, `matmul_silu_mul`, takes a fused gate/up weight and returns silu(gate) * up: the
 [T, 2 F] projection stays in a scratch tile in cache instead of going to memory for XLA to read

@@ -56,12 +56,11 @@ NR = 32 if AVX512 else 16  # columns of a packed tile: two 16-lane vectors per r
 
 # Where a prefetch puts its line: llvm.prefetch's locality 3 is x86's prefetcht0 (L1 and out),
 # 2 is prefetcht1 (L2 and out). A prefetch one page or one panel ahead asks for as much data as
-# the tile is reading (a page of 32 KB, a panel of 74-197 KB) while it reads it; sent to L1, of
-# 32-48 KB, it evicts the lines in use, and decode attention read its pages ~20 % slower than
-# with the same prefetch sent to L2, the small-T matmuls ~10-20 % (docs/PERFORMANCE.md,
-# "Twenty-second pass"). A packed panel's prefetch is dealt out over its row tiles (`every`):
-# with SPREAD or more, each pass asks for little enough that L1 served it best there (T >= 32,
-# a few per cent), so only then does it go to L1.
+# the tile is reading, while it reads it; sent to an L1 no larger than a page, it evicts the
+# lines in use, and decode attention and the small-T matmuls ran slower than with the same
+# prefetch sent to L2 (docs/PERFORMANCE.md, "Twenty-second pass"). A packed panel's prefetch
+# is dealt out over its row tiles (`every`): with SPREAD or more, each pass asks for little
+# enough that L1 measured a little faster, so only then does it go to L1.
 TO_L1, TO_L2 = 3, 2
 SPREAD = 3
 
@@ -183,6 +182,7 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             # test) are paid once per 48 multiply-adds instead of 24, and with a's terms packed
             # the addresses need no arithmetic per row (docs/PERFORMANCE.md, "Seventeenth pass").
             loop, fetch, body, tail = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_tail"))
+            spread = builder.icmp_signed(">=", every, const(SPREAD))  # the prefetch's level, once per call
             builder.branch(loop)
             builder.position_at_end(loop)
             k = builder.phi(i64)
@@ -198,7 +198,6 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             # memory. The row tiles of a panel take turns (every = their number), so the requests
             # are spread over the panel's time rather than all sent by its first tile, faster than
             # one core's misses can go.
-            spread = builder.icmp_signed(">=", every, const(SPREAD))
             with builder.if_then(builder.icmp_signed("==", n_pass, phase)), builder.if_else(spread) as (to_l1, to_l2):
                 for level, branch in ((TO_L1, to_l1), (TO_L2, to_l2)):
                     with branch:
