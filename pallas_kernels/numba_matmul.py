@@ -10,7 +10,8 @@ T near the machine's float32 peak (docs/PERFORMANCE.md, "Decisions in the code")
 The micro-kernel is numba_tile.py's "packed" form: an MR x NR block of the result held in vector
 registers through the whole sum over K, prefetching the thread's next panel (into L1 when a
 block has numba_tile.SPREAD row tiles or more to spread the requests over, else into L2). The
-driver deals panels out to numba's threads and walks the rows in blocks of MB, so a block of x
+driver deals out to numba's threads either the panels (a few rows: a decode step) or runs of rows
+(a prefill chunk; `_share`), and each thread walks its rows in blocks of MB, so that a block of x
 stays in L2 while every panel of the thread passes over it. Each thread first copies the block's
 rows tile by tile, term-major (`pack_rows`), so that the micro-kernel reads a tile's MR terms k
 from one place instead of MR rows K apart.
@@ -33,11 +34,14 @@ import contextvars
 import functools
 
 import numpy as np
-from numba import carray, cfunc, njit, prange
+from llvmlite import ir
+from numba import carray, cfunc, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from pallas_kernels import cpu_ffi, numba_parallel
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
-from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _exp, _scalar
+from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _ir_exp, _scalar
 from pallas_kernels.numba_tile import AVX512, NR, make_tile  # NR: columns per panel
 
 numba_parallel.install()  # before this module's parallel kernels compile (numba_parallel.py)
@@ -91,15 +95,18 @@ def pack_rows(xf, m0, m1, K, xp):
     the tile of r rows starting at row m at (m - m0) * K, term-major (x[m + j, k] at
     (m - m0) * K + k * r + j), which is how the "packed" micro-kernel reads a tile. Unsigned
     indices: with signed ones numba tests every index for wrapping around, which made this copy
-    2-3x slower."""
+    2-3x slower. The tile is written in order, term by term, reading its r rows side by side: row
+    by row, each pass wrote a line of every term, and a tile of rows 1536 terms long (74 KB) left
+    L1 before the next row's pass came back to its lines (1.9x slower at K = 1536;
+    docs/PERFORMANCE.md, "Twenty-third pass")."""
     m = m0
     while m < m1:
         r = _tile_rows(m1 - m)
         dst = (m - m0) * K
-        for j in range(r):
-            src = (m + j) * K
-            for k in range(K):
-                xp[np.uint64(dst + k * r + j)] = xf[np.uint64(src + k)]
+        src = m * K
+        for k in range(K):
+            for j in range(r):
+                xp[np.uint64(dst + k * r + j)] = xf[np.uint64(src + j * K + k)]
         m += r
 
 
@@ -110,6 +117,33 @@ def _zero_rows(out, m):
     f = out.ravel()
     for i in range(m * out.shape[1], f.size):
         f[i] = 0.0
+
+
+@njit(inline="always", cache=True)
+def _rows_split(M, n_threads):
+    return M > MB and M // n_threads >= MB // 2
+
+
+@njit(inline="always", cache=True)
+def _share(M, P, n_threads, t):
+    """Thread t's rows [r0, r1) and panels [p0, p1) of an M-row matmul over P panels. With more
+    rows than a block, and at least half a block for each thread, each thread takes its own run of
+    rows (cut at multiples of MR) and every panel, so it packs only its own rows. Otherwise the
+    threads share the rows and split the panels, each packing all the rows (a decode step's
+    matmul: the weights, streamed from memory, are read once, each panel by one thread).
+    Splitting the panels of a large M made each thread pack every row, which took 3-10 % of the
+    multiply (docs/PERFORMANCE.md, "Twenty-third pass")."""
+    if _rows_split(M, n_threads):
+        r0 = (M * t // n_threads) // MR * MR
+        r1 = M if t == n_threads - 1 else (M * (t + 1) // n_threads) // MR * MR
+        return r0, r1, 0, P
+    return 0, M, P * t // n_threads, P * (t + 1) // n_threads
+
+
+@njit(inline="always", cache=True)
+def _n_threads(M, P):
+    """The threads an M-row matmul over P panels is shared out to (_share)."""
+    return _THREADS if _rows_split(M, _THREADS) else min(_THREADS, max(P, 1))
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -131,12 +165,12 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
     Pb = Pa + out_b.shape[1] // NR
     xf, wf = x.ravel(), w.ravel()
     fa, fb, fc = out_a.ravel(), out_b.ravel(), out_c.ravel()
-    n_threads = min(_THREADS, max(P, 1))
+    n_threads = _n_threads(M, P)
     for t in prange(n_threads):
-        p0, p1 = P * t // n_threads, P * (t + 1) // n_threads
-        xp = np.empty(min(M, MB) * K, np.float32)  # the block's rows, packed (both threads read all of them)
-        for m0 in range(0, M, MB):
-            m1 = min(M, m0 + MB)
+        r0, r1, p0, p1 = _share(M, P, n_threads, t)
+        xp = np.empty(min(r1 - r0, MB) * K, np.float32)  # a block of the thread's rows, packed
+        for m0 in range(r0, r1, MB):
+            m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
             for p in range(p0, p1):
@@ -158,6 +192,48 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
                     i += 1
 
 
+@intrinsic
+def _silu_mul(typingctx, gu, rows, out, o_off, ldo):
+    """out[o_off + j * ldo + c] = silu(g) * u for the first `rows` rows of a gate tile g = gu[:MR *
+    NR] and the up tile u = gu[MR * NR:] beside it (both [MR, NR], row-major; out float32 and
+    C-contiguous), in 16-lane vectors: the sigmoid as 1 / (1 + e) or e / (1 + e) with e = exp(-|g|)
+    (no overflow either way), chosen by g's sign in a select. numba compiled the same loop to 8
+    lanes with a branch, and it took ~6 % of the gate/up matmul at T = 2048 (docs/PERFORMANCE.md,
+    "Twenty-third pass")."""
+    def codegen(context, builder, signature, args):
+        gu_a, n_rows, out_a, off, ld = args
+        gp = context.make_array(signature.args[0])(context, builder, gu_a).data
+        op = context.make_array(signature.args[2])(context, builder, out_a).data
+        i64 = ir.IntType(64)
+        f32 = ir.FloatType()
+        v16 = ir.VectorType(f32, 16)
+        n_rows = context.cast(builder, n_rows, signature.args[1], types.int64)
+        off = context.cast(builder, off, signature.args[3], types.int64)
+        ld = context.cast(builder, ld, signature.args[4], types.int64)
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16]), "llvm.fabs.v16f32")
+        one = ir.Constant(v16, [ir.Constant(f32, 1.0)] * 16)
+        zero = ir.Constant(v16, [ir.Constant(f32, 0.0)] * 16)
+
+        def vec(ptr, at):
+            return builder.bitcast(builder.gep(ptr, [at]), v16.as_pointer())
+
+        with cgutils.for_range(builder, n_rows) as loop:
+            j = loop.index
+            for v in range(NR // 16):
+                col = ir.Constant(i64, 16 * v)
+                at = builder.add(builder.mul(j, ir.Constant(i64, NR)), col)
+                g = builder.load(vec(gp, at), align=4)
+                u = builder.load(vec(gp, builder.add(at, ir.Constant(i64, MR * NR))), align=4)
+                e = _ir_exp(builder, builder.fneg(builder.call(fabs, [g])), v16)
+                r = builder.fdiv(one, builder.fadd(one, e))
+                sig = builder.select(builder.fcmp_ordered(">=", g, zero), r, builder.fmul(e, r))
+                res = builder.fmul(builder.fmul(g, sig), u)
+                dst = builder.add(off, builder.add(builder.mul(j, ld), col))
+                builder.store(res, vec(op, dst), align=4)
+        return context.get_dummy_value()
+    return types.void(gu, rows, out, o_off, ldo), codegen
+
+
 @njit(fastmath=True, parallel=True, cache=True)
 def packed_matmul_silu_mul(x, w, out, rows):
     """out f32[M, F] = silu(x @ Wg) * (x @ Wu), w the packed [Wg Wu] f32[P, K, NR] (a fused gate/up
@@ -171,13 +247,13 @@ def packed_matmul_silu_mul(x, w, out, rows):
     F2 = w.shape[0] // 2  # panels of the gate (and of the up)
     F = F2 * NR
     xf, wf, of = x.ravel(), w.ravel(), out.ravel()
-    n_threads = min(_THREADS, max(F2, 1))
+    n_threads = _n_threads(M, F2)
     for t in prange(n_threads):
-        q0, q1 = F2 * t // n_threads, F2 * (t + 1) // n_threads
+        r0, r1, q0, q1 = _share(M, F2, n_threads, t)
         gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
-        xp = np.empty(min(M, MB) * K, np.float32)
-        for m0 in range(0, M, MB):
-            m1 = min(M, m0 + MB)
+        xp = np.empty(min(r1 - r0, MB) * K, np.float32)
+        for m0 in range(r0, r1, MB):
+            m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
             for q in range(q0, q1):
@@ -189,12 +265,7 @@ def packed_matmul_silu_mul(x, w, out, rows):
                     x_off = (m - m0) * K
                     _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
                     _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
-                    for j in range(rows):
-                        for c in range(NR):
-                            g = gu[j * NR + c]
-                            e = _exp(-abs(g))  # exp of a non-positive number: no overflow
-                            sig = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
-                            of[(m + j) * F + q * NR + c] = g * sig * gu[(MR + j) * NR + c]
+                    _silu_mul(gu, rows, of, m * F + q * NR, F)
                     m += rows
                     i += 1
 
