@@ -109,6 +109,37 @@ def test_row_limits_multiply_only_the_real_rows(rows):
     np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(full[-1]))
 
 
+@pytest.mark.parametrize("rows", [150, 192, 250, 400])
+def test_a_large_operand_split_by_rows_gives_the_bits_of_one_split_by_panels(rows):
+    # more than MB rows, at least MB / 2 for each thread: the threads take runs of rows and every
+    # panel (numba_matmul._share); fewer: they share the rows and split the panels. A row limit
+    # moves one call between the two, and each real row's result must be the same bits either
+    # way (and match float64), with zeros past the limit
+    rng = np.random.default_rng(rows)
+    K, T = 576, 400
+    w = rng.standard_normal((K, 4 * nm.NR)).astype(np.float32)
+    wp = jnp.asarray(nm.pack(w))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+
+    def both(x):
+        return nm.matmul(x, wp), nm.matmul_silu_mul(x, wp)
+
+    def limited(x, n):
+        with nm.row_limits({T: n}):
+            return both(x)
+
+    full = jax.jit(both)(jnp.asarray(x))
+    got = jax.jit(limited)(jnp.asarray(x), jnp.int32(rows))
+    one_block = jax.jit(both)(jnp.asarray(x[:nm.MB]))  # MB rows: the panels split
+    for a, b, c in zip(got, full, one_block):
+        a, b, c = np.asarray(a), np.asarray(b), np.asarray(c)
+        np.testing.assert_array_equal(a[:rows], b[:rows])
+        np.testing.assert_array_equal(b[:nm.MB], c)
+        assert not a[rows:].any()
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(full[0]), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
 def test_leading_axes_and_no_rows():
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1e3
     x = np.ones((2, 3, 64), np.float32)
