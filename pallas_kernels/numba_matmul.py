@@ -11,7 +11,7 @@ The micro-kernel is numba_tile.py's "packed" form: an MR x NR block of the resul
 registers through the whole sum over K, prefetching the thread's next panel (into L1 when a
 block has numba_tile.SPREAD row tiles or more to spread the requests over, else into L2). The
 driver deals out to numba's threads either the panels (a few rows: a decode step) or runs of rows
-(a prefill chunk; `_share`), and each thread walks its rows in blocks of MB, so that a block of x
+(a prefill chunk; `_plan`), and each thread walks its rows in blocks of MB, so that a block of x
 stays in L2 while every panel of the thread passes over it. Each thread first copies the block's
 rows tile by tile, term-major (`pack_rows`), so that the micro-kernel reads a tile's MR terms k
 from one place instead of MR rows K apart.
@@ -120,30 +120,28 @@ def _zero_rows(out, m):
 
 
 @njit(inline="always", cache=True)
-def _rows_split(M, n_threads):
-    return M > MB and M // n_threads >= MB // 2
+def _plan(M, P):
+    """How an M-row matmul over P panels is shared out: (by_rows, n_threads). With more rows than
+    a block, and at least half a block for each of numba's threads, each thread takes its own run
+    of rows and every panel, so it packs only its own rows. Otherwise the threads share the rows
+    and split the panels, each packing all the rows (a decode step's matmul: the weights, streamed
+    from memory, are read once, each panel by one thread). Splitting the panels of a large M made
+    each thread pack every row, which took 3-10 % of the multiply (docs/PERFORMANCE.md,
+    "Twenty-third pass")."""
+    if M > MB and M // _THREADS >= MB // 2:
+        return True, _THREADS
+    return False, min(_THREADS, max(P, 1))
 
 
 @njit(inline="always", cache=True)
-def _share(M, P, n_threads, t):
-    """Thread t's rows [r0, r1) and panels [p0, p1) of an M-row matmul over P panels. With more
-    rows than a block, and at least half a block for each thread, each thread takes its own run of
-    rows (cut at multiples of MR) and every panel, so it packs only its own rows. Otherwise the
-    threads share the rows and split the panels, each packing all the rows (a decode step's
-    matmul: the weights, streamed from memory, are read once, each panel by one thread).
-    Splitting the panels of a large M made each thread pack every row, which took 3-10 % of the
-    multiply (docs/PERFORMANCE.md, "Twenty-third pass")."""
-    if _rows_split(M, n_threads):
+def _share(M, P, by_rows, n_threads, t):
+    """Thread t's rows [r0, r1) and panels [p0, p1) under _plan's choice; a run of rows is cut at
+    multiples of MR, so that only the last thread's run ends in the smaller row tiles."""
+    if by_rows:
         r0 = (M * t // n_threads) // MR * MR
         r1 = M if t == n_threads - 1 else (M * (t + 1) // n_threads) // MR * MR
         return r0, r1, 0, P
     return 0, M, P * t // n_threads, P * (t + 1) // n_threads
-
-
-@njit(inline="always", cache=True)
-def _n_threads(M, P):
-    """The threads an M-row matmul over P panels is shared out to (_share)."""
-    return _THREADS if _rows_split(M, _THREADS) else min(_THREADS, max(P, 1))
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -165,9 +163,9 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
     Pb = Pa + out_b.shape[1] // NR
     xf, wf = x.ravel(), w.ravel()
     fa, fb, fc = out_a.ravel(), out_b.ravel(), out_c.ravel()
-    n_threads = _n_threads(M, P)
+    by_rows, n_threads = _plan(M, P)
     for t in prange(n_threads):
-        r0, r1, p0, p1 = _share(M, P, n_threads, t)
+        r0, r1, p0, p1 = _share(M, P, by_rows, n_threads, t)
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)  # a block of the thread's rows, packed
         for m0 in range(r0, r1, MB):
             m1 = min(r1, m0 + MB)
@@ -247,9 +245,9 @@ def packed_matmul_silu_mul(x, w, out, rows):
     F2 = w.shape[0] // 2  # panels of the gate (and of the up)
     F = F2 * NR
     xf, wf, of = x.ravel(), w.ravel(), out.ravel()
-    n_threads = _n_threads(M, F2)
+    by_rows, n_threads = _plan(M, F2)
     for t in prange(n_threads):
-        r0, r1, q0, q1 = _share(M, F2, n_threads, t)
+        r0, r1, q0, q1 = _share(M, F2, by_rows, n_threads, t)
         gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)
         for m0 in range(r0, r1, MB):

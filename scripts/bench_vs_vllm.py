@@ -215,7 +215,7 @@ def vllm_env(args) -> dict:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else the CLI's preload may pick vllm._C (AVX-512) and SIGILL
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if getattr(args, "steps", False):
+    if args.steps:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # StepLog wraps the engine core's scheduler in the child
     # the child imports bench_offline's parser, which imports jaxsched.bench (no jax at import):
     # the repository on its path, as jaxsched is not installed in vLLM's environment
@@ -515,10 +515,10 @@ def step_kind(tokens: int, rows: int, prompt: int, big: int) -> str:
     less), or decode-only by its rows."""
     if prompt:
         return f"prompt tokens, {big} in all" if tokens >= big else "prompt tokens, fewer"
-    for lo, label in ((113, "113+"), (65, "65-112"), (33, "33-64"), (1, "1-32")):
+    for lo, label in ((113, "113+"), (65, "65-112"), (33, "33-64")):
         if rows >= lo:
             return f"decode, {label} rows"
-    return "empty"
+    return "decode, 1-32 rows"
 
 
 def print_steps(runs: dict[str, list[dict]], max_tokens: int) -> None:

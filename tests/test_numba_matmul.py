@@ -112,7 +112,7 @@ def test_row_limits_multiply_only_the_real_rows(rows):
 @pytest.mark.parametrize("rows", [150, 192, 250, 400])
 def test_a_large_operand_split_by_rows_gives_the_bits_of_one_split_by_panels(rows):
     # more than MB rows, at least MB / 2 for each thread: the threads take runs of rows and every
-    # panel (numba_matmul._share); fewer: they share the rows and split the panels. A row limit
+    # panel (numba_matmul._plan); fewer: they share the rows and split the panels. A row limit
     # moves one call between the two, and each real row's result must be the same bits either
     # way (and match float64), with zeros past the limit
     rng = np.random.default_rng(rows)
