@@ -177,7 +177,7 @@ class LLMEngine:
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
-        self._phase_seconds = dict.fromkeys(("schedule", "pack", "update", "output"), 0.0)  # host work by phase
+        self._phase_seconds = dict.fromkeys(("schedule", "pack", "launch", "update", "output"), 0.0)  # host work by phase
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
         _register(self)
@@ -339,6 +339,7 @@ class LLMEngine:
             try:
                 step = self.runner.dispatch(out)
                 self._phase_seconds["pack"] += step.pack_seconds
+                self._phase_seconds["launch"] += step.launch_seconds
             except Exception as e:  # on the device: end the requests whose KV it may have spoiled
                 if prev is not None:  # its tokens were computed before the failed call: apply them
                     self._in_flight = None

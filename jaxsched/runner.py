@@ -76,6 +76,7 @@ class InFlight:
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
     pack_seconds: float = 0.0  # host time packing its batch
+    launch_seconds: float = 0.0  # host time dispatching its programs (they run on after it)
     call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
     # a row used penalty tables, which are built on the host from the tokens read: the next step
     # must wait for this one's tokens (Engine.step)
@@ -439,8 +440,10 @@ class ModelRunner:
                 return step
             t0 = time.perf_counter()
             batch = self.packer.pack(out)
-            step.pack_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            step.pack_seconds = t1 - t0
             step.ints, step.floats = self.run(batch)
+            step.launch_seconds = time.perf_counter() - t1
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
             return step
         except Exception:

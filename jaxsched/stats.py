@@ -30,9 +30,11 @@ class EngineStats:
     device_seconds: float = 0.0  # of which the host waited on the device (jitted calls, block moves)
     # the host's work in the steps, by phase, since start: scheduling, packing the batch into its
     # fixed-shape arrays, applying the sampled tokens to the scheduler, and building the outputs
-    # (detokenizing, stop strings, logprobs)
+    # (detokenizing, stop strings, logprobs); launch: dispatching the step's programs to the device
+    # (the call returns before they run: on a GPU this is the kernel launches and input copies)
     schedule_seconds: float = 0.0
     pack_seconds: float = 0.0
+    launch_seconds: float = 0.0
     update_seconds: float = 0.0
     output_seconds: float = 0.0
     # KV slots now: in blocks held by requests, and of those the unfilled tails of last blocks

@@ -125,6 +125,8 @@ def main() -> None:
         "wall_ms_per_step": d["wall_ms_per_step"],
         "host_ms_per_step": d["host_ms_per_step"],
         "device_wait_ms_per_step": d["device_wait_ms_per_step"],
+        # where the host's time goes (schedule, pack, update, output): on a GPU the step is bound by it
+        "host_ms_per_step_by_phase": d.get("host_ms_per_step_by_phase", {}),
         "kv_blocks": cc.num_blocks - 1,
         "block_size": cc.block_size,
         "attention_backend": engine.config.attention_backend,
@@ -144,6 +146,7 @@ def main() -> None:
         res["overlap_speedup"] = ratios["overlap_speedup"]
         res["off_wall_ms_per_step"] = off["wall_ms_per_step"]
         res["off_device_ms_per_step"] = off["device_wait_ms_per_step"]
+        res["off_host_ms_per_step_by_phase"] = off.get("host_ms_per_step_by_phase", {})
         res["host_share_with_overlap"] = ratios["host_share_with_overlap"]
     print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s "
           f"(attention backend {res['attention_backend']}, KV pool {res['kv_cache_dtype']})")
@@ -153,6 +156,8 @@ def main() -> None:
     print(f"peak memory (RSS)   {res['peak_rss_gib']} GiB")
     print(f"per step ({mode:>3})    {res['wall_ms_per_step']} ms wall over {res['steps']} steps, of which "
           f"{res['device_wait_ms_per_step']} ms waiting for the device; padding {res['padding_share'] * 100:.1f} %")
+    if res["host_ms_per_step_by_phase"]:
+        print("host ms per step    " + ", ".join(f"{k} {v}" for k, v in res["host_ms_per_step_by_phase"].items()))
     if "device_idle_share" in res:
         print(f"                    without overlap the device idles {res['device_idle_share'] * 100:.1f} % of the time")
     if "cost_model_error" in res:

@@ -56,7 +56,10 @@ def test_throughput_continuous_vs_static(llama_dir, tmp_path, capsys):
         assert 0 < r["peak_kv_cache_usage_perc"] <= 1 and r["output_throughput"] > 0
         assert r["seats"] == 4
         assert 0 < r["mean_kv_internal_waste_perc"] < 1  # partly filled last blocks while requests run
-        assert set(r["host_ms_per_step_by_phase"]) == {"schedule", "pack", "update", "output"}
+        phases = r["host_ms_per_step_by_phase"]
+        assert set(phases) == {"schedule", "pack", "launch", "update", "output"}
+        # launching (dispatching the step's programs) is host work inside the step's wall time
+        assert 0 < phases["launch"] < r["wall_ms_per_step"]
         assert 0 < r["scheduling_share"] < 1
     for o in ("off", "on"):  # a static batch waits for its longest request: more steps, more idle seats
         c, s = runs[("continuous", o)], runs[("static", o)]
@@ -146,6 +149,10 @@ def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatc
     assert 0 <= res["device_idle_share"] < 1 and 0 <= res["host_share_with_overlap"] < 1
     assert res["overlap_speedup"] > 0 and res["off_output_tokens_per_s"] > 0
     assert "without overlap the device idles" in out and "with overlap the host's share" in out
+    # where the host's time goes, for both runs (on a GPU, the launch phase bounds the step)
+    for key in ("host_ms_per_step_by_phase", "off_host_ms_per_step_by_phase"):
+        assert set(res[key]) == {"schedule", "pack", "launch", "update", "output"} and res[key]["launch"] > 0
+    assert "host ms per step    schedule" in out
 
 
 @pytest.mark.slow
