@@ -84,6 +84,10 @@ def main() -> None:
                     help="share of the requests with a repetition penalty (0 to 1)")
     ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                     help="overlapped scheduling; 'both' runs the workload without, then with it, on one engine")
+    ap.add_argument("--trace-dir", metavar="DIR",
+                    help="after the measured runs, run the workload once more (last overlap setting) under "
+                         "jax.profiler.trace into DIR and report the device's busy time per step from it; the "
+                         "tracing slows the host, so that run's throughput is not reported")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -137,6 +141,17 @@ def main() -> None:
         res["deferred_decode_rows"] = engine.scheduler.num_deferred
     # the device's idle share is a figure of the synchronous run: with --overlap both, of the off run
     # (gpu_check.py reports it from there)
+    if args.trace_dir:
+        import jax
+
+        from jaxsched.bench import device_trace
+
+        with jax.profiler.trace(args.trace_dir):
+            traced = throughput.measure(engine, reqs, params, ["continuous"], overlaps[-1:])[0]
+        res["trace"] = device_trace.summary(args.trace_dir, traced.num_steps)
+        busy = res["trace"]["device_busy_ms_per_step"]
+        if busy is not None:  # the kernels' time against the untraced run's wall time per step
+            res["device_busy_share"] = round(min(busy / res["wall_ms_per_step"], 1.0), 3)
     if "off" in runs:
         off = throughput.run_fields(runs["off"])
         res["device_idle_share"] = round(off["device_idle_share"], 3)
@@ -170,6 +185,15 @@ def main() -> None:
               f"per step of which {res['off_device_ms_per_step']} ms device")
         print(f"overlap on / off    {res['overlap_speedup']}x; with overlap the host's share of the step is "
               f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time)")
+    if "trace" in res:
+        t = res["trace"]
+        if t["device_busy_ms_per_step"] is None:
+            print(f"trace               no device plane (lines: {t['device_lines']}); host regions only")
+        else:
+            print(f"trace               device busy {t['device_busy_ms_per_step']} ms per step = "
+                  f"{res['device_busy_share'] * 100:.1f} % of the {mode} run's wall time per step")
+        print("                    top host regions (ms per step): " + ", ".join(
+            f"{k} {v}" for k, v in list(t["top_host_ms_per_step"].items())[:6]))
     print(f"model FLOP/s        {res['achieved_gflops']:.1f} GFLOP/s = {res['fraction_of_peak'] * 100:.1f} % of the measured "
           f"{args.dtype} matmul peak {res['matmul_peak_gflops']:.1f} GFLOP/s (workload {res['model_tflop']} TFLOP)")
     if args.json:

@@ -18,8 +18,9 @@ of time still leaves the others' figures:
   bench    scripts/bench_offline.py on that model once per attention backend, each at its default
            block size (16 pallas, 128 xla; its JSON records it): output tokens/s (the first backend
            with overlapped scheduling off then on: the device's idle share without it, the host's
-           share of a step with it, and the speedup); then, where the
-           machine has more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
+           share of a step with it, and the speedup; then one more run under jax.profiler.trace:
+           the device's busy time per step as the device saw it); then, where the machine has
+           more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
            skipped it).
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
@@ -39,7 +40,10 @@ Table to fill in from the JSON (not yet measured on the H200):
   | prefill T=2048 (4 x 512)   |           |             |           |        |
   | engine output tokens/s, 1B bf16: pallas ____  xla ____  (copy bandwidth ____ GB/s)
   | pallas, overlap off / on: device idle ____ % (device_idle_share), host share of a step with overlap
-  |   ____ % (host_share_with_overlap), speedup ____x (overlap_speedup)
+  |   ____ % (host_share_with_overlap), speedup ____x (overlap_speedup); host ms per step by phase
+  |   (host_ms_per_step_by_phase: schedule, pack, launch, update, output)
+  | pallas, profiler trace of one more run: device busy ____ ms a step (trace.device_busy_ms_per_step)
+  |   = ____ % of the untraced run's wall time per step (device_busy_share); top kernels and host regions
   | engine output tokens/s, 1B bf16, pallas, tensor_parallel_size=2: ____ (or "skipped: 1 device")
 """
 
@@ -348,7 +352,9 @@ def orchestrate(args) -> int:
                 share = left() / (len(args.backends.split(",")) - i)
                 # the first backend runs without, then with overlapped scheduling: the device's idle
                 # share without it and the host's share of a step with it (issue 16)
-                overlap = ["--overlap", "both"] if i == 0 else []
+                # and a profiler trace of one more run: the device's busy time per step, measured on
+                # the device (the host's timings only say how long it was blocked)
+                overlap = ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")] if i == 0 else []
                 r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + overlap, share, env)
                 report["phases"][f"bench_{backend}"] = status
                 report["bench"][backend] = r

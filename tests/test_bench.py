@@ -131,7 +131,7 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
     assert line["R"] == 8 and {"step_us_p50", "step_us_p99"} <= set(line)
 
 
-def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatch, capsys):
+def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatch, capsys, tmp_path):
     """bench_offline.py --overlap both (what gpu_check.py runs on the GPU): the JSON has the device's
     idle share of the synchronous run beside the host's share of a step with overlap and the speedup,
     and the printed summary says both."""
@@ -140,7 +140,7 @@ def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatc
 
     flags = ["--model", llama_dir, "-n", "4", *SMALL, "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--max-model-len", "128", "--engine-arg", "block_size=8", "--engine-arg", "warm_up_runs=false",
-             "--overlap", "both", "--json"]
+             "--overlap", "both", "--json", "--trace-dir", str(tmp_path / "trace")]
     monkeypatch.setattr(sys, "argv", ["bench_offline.py", *flags])
     bench_offline.main()
     out = capsys.readouterr().out
@@ -153,6 +153,10 @@ def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatc
     for key in ("host_ms_per_step_by_phase", "off_host_ms_per_step_by_phase"):
         assert set(res[key]) == {"schedule", "pack", "launch", "update", "output"} and res[key]["launch"] > 0
     assert "host ms per step    schedule" in out
+    # the traced extra run: a CPU trace has no device plane, so no busy figure, but the host's regions
+    assert res["trace"]["device_busy_ms_per_step"] is None and "device_busy_share" not in res
+    assert res["trace"]["top_host_ms_per_step"] and res["trace"]["file"].startswith(str(tmp_path))
+    assert "trace               no device plane" in out
 
 
 @pytest.mark.slow
