@@ -54,6 +54,11 @@ class EngineArgs:
     # pages where they lie, called from the jitted step), or "xla" (the jnp path) where numba cannot
     # run; "pallas" on a CPU runs the kernel in interpret mode (slow; for tests)
     attention_backend: str = "auto"
+    # how the model holds and runs its layers (jaxsched/models/layers.py): "stacked" (one scan over
+    # weights with a leading layer axis), "per_layer" (a scan that switches between per-layer
+    # weights), "unrolled" (per-layer weights, no loop); "auto" takes the platform's choice
+    # (pallas_kernels.tuning.layer_weights)
+    layer_weights: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would
     # cost more than the copy (long contexts, n > 1)
@@ -129,6 +134,11 @@ class EngineArgs:
             if self.attention_backend not in BACKENDS:
                 raise ValueError(f"attention_backend must be 'auto' or one of {tuple(BACKENDS)}, "
                                  f"got {self.attention_backend!r}")
+        if self.layer_weights != "auto":
+            from jaxsched.models.layers import LAYER_WEIGHTS
+
+            if self.layer_weights not in LAYER_WEIGHTS:
+                raise ValueError(f"layer_weights must be 'auto' or one of {LAYER_WEIGHTS}, got {self.layer_weights!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
@@ -292,6 +302,7 @@ class EngineConfig:
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
     warm_up_runs: bool = False  # every program run once at warm-up (runner.warm_up)
+    layer_weights: str | None = None  # models/layers.py's layout; None: the platform's
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -371,4 +382,5 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
-        target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs))
+        target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
+        layer_weights=None if args.layer_weights == "auto" else args.layer_weights)

@@ -122,7 +122,7 @@ class LLMEngine:
         self.config: EngineConfig = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
-                            mesh=mesh, heads=cfg.heads if tp > 1 else None)
+                            layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if tp > 1 else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
         if tp > 1:

@@ -60,7 +60,10 @@ def packed_matmuls(platform: str, attention_backend: str, num_devices: int) -> b
 # reached through lax.switch on the layer index, whose branches read them in place: a little
 # faster on a CPU, for more peak memory (L copies of a layer's non-attention code in every program)
 # and about twice the cached warm-up (docs/PERFORMANCE.md, "Per-layer weights"). GPUs keep
-# "stacked": the alternative has not been measured there (no GPU was lent to this work).
+# "stacked" for now: there a switch reads its index on the host (a sync per layer), and a stacked
+# step of the 1B model took 2.6-3.3 ms where its weights take 0.8 ms to read (docs/PERFORMANCE.md,
+# "GPU (H200)"), which a copy of each sliced weight would explain. "unrolled" (no loop, no slice,
+# no switch) is the candidate; scripts/gpu_check.py measures it beside "stacked".
 def layer_weights(platform: str) -> str:
     return "per_layer" if platform == "cpu" else "stacked"
 

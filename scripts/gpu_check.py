@@ -21,7 +21,7 @@ of time still leaves the others' figures:
            share of a step with it, and the speedup; then one more run under jax.profiler.trace:
            the device's busy time per step as the device saw it); then, where the machine has
            more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
-           skipped it).
+           skipped it); last, "pallas" with layer_weights=unrolled (the layers without a loop).
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -45,6 +45,8 @@ Table to fill in from the JSON (not yet measured on the H200):
   | pallas, profiler trace of one more run: device busy ____ ms a step (trace.device_busy_ms_per_step)
   |   = ____ % of the untraced run's wall time per step (device_busy_share); top kernels and host regions
   | engine output tokens/s, 1B bf16, pallas, tensor_parallel_size=2: ____ (or "skipped: 1 device")
+  | engine output tokens/s, 1B bf16, pallas, layer_weights=unrolled: ____ against the stacked run's
+  |   above; its warm-up ____ s (pallas_unrolled.warmup_s)
 """
 
 from __future__ import annotations
@@ -371,6 +373,16 @@ def orchestrate(args) -> int:
                 print(f"== bench: tensor_parallel_size=2 skipped: {devices} device(s) here, it needs 2", flush=True)
                 report["bench"]["pallas_tp2"] = f"skipped: {devices} device(s), tensor parallelism needs 2"
             save()
+            # The layers unrolled in the program (layers.py): no scan slicing stacked weights (which
+            # XLA may copy before each dot) and no per-layer switch (a host sync on a GPU), for a
+            # longer warm-up. tuning.layer_weights picks "stacked" on GPUs until this says otherwise.
+            first = args.backends.split(",")[0]
+            print(f"== bench: attention_backend={first}, layer_weights=unrolled", flush=True)
+            r, status = run_phase(bench + ["--engine-arg", f"attention_backend={first}", "--engine-arg",
+                                           "layer_weights=unrolled"], left(), env)
+            report["phases"]["bench_unrolled"] = status
+            report["bench"][f"{first}_unrolled"] = r
+            save()
     ok = all(s == "ok" for s in report["phases"].values()) and all(
         c["ok"] for c in (report.get("kernels") or {}).get("correctness", [{"ok": False}]))
     report["ok"] = ok
@@ -383,7 +395,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="JSON path (default $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpret mode)")
-    ap.add_argument("--budget-s", type=float, default=450, help="total time for all phases")
+    ap.add_argument("--budget-s", type=float, default=470, help="total time for all phases")
     ap.add_argument("--kernels-s", type=float, default=200, help="time limit of the kernels phase")
     ap.add_argument("--iters", type=int, default=20, help="calls per timed loop")
     ap.add_argument("--runs", type=int, default=7, help="timed loops per figure (median)")

@@ -1,4 +1,4 @@
-"""The layer loop (layers.DecoderLayers) in both weight layouts, with stand-in halves: it returns the
+"""The layer loop (layers.DecoderLayers) in every weight layout, with stand-in halves: it returns the
 final hidden state at the wanted rows, and with per-layer weights the last layer's second half runs
 on those rows alone. Real models' numerics are test_parity.py's."""
 
@@ -51,8 +51,21 @@ def test_the_loop_returns_the_final_hidden_state_at_the_rows(layout):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_per_layer_weights_run_the_last_layers_second_half_on_the_rows_only():
-    _, _, seen = run("per_layer")
+@pytest.mark.parametrize("layout", ["per_layer", "unrolled"])
+def test_per_layer_weights_run_the_last_layers_second_half_on_the_rows_only(layout):
+    _, _, seen = run(layout)
     assert seen == {(T, D), (len(ROWS), D)}, seen  # the earlier layers on all T; the last on S
     _, _, seen = run("stacked")
     assert seen == {(T, D)}, seen  # one scan body for every layer: all T (layers.DecoderLayers)
+
+
+def test_unrolled_layers_run_without_a_loop():
+    """"unrolled" traces each layer into the program: no scan (a while loop) and no switch."""
+    layers = DecoderLayers({"w": ((D, D), None)}, L, jnp.float32, nnx.Rngs(0), "unrolled")
+    kv = (jnp.zeros((L, 1)), jnp.zeros((L, 1)))
+    before = lambda p, h: (h @ p["w"],) * 3
+    after = lambda p, h, o: h + o
+    attend = lambda q, k, v, kc, vc, li: (q + li.astype(q.dtype), kc, vc)
+    jaxpr = str(jax.make_jaxpr(lambda h, rows: layers(h, kv, before, after, attend, rows))(jnp.ones((T, D)), ROWS))
+    assert "scan" not in jaxpr and "while" not in jaxpr and "cond" not in jaxpr
+    assert jaxpr.count("dot_general") == L

@@ -486,3 +486,22 @@ def test_serve_runs_every_program_at_warm_up_unless_told_not_to(monkeypatch, fla
     with pytest.raises(Built) as e:
         cli.main(["serve", "some-model", *flags])
     assert e.value.args[0].warm_up_runs is expected
+
+
+def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
+    """layer_weights="unrolled" (every layer its own code in the program, no loop: the layout meant
+    for GPUs) gives the platform default's greedy tokens, and a wrong name says what to pass."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = prompts_of(llm, 6)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    unrolled = LLM(llama_dir, layer_weights="unrolled", **ENGINE)
+    assert unrolled.llm_engine.config.layer_weights == "unrolled"
+
+    def loops(engine):  # while loops in a step's compiled program: the layer scan is one
+        exe = next(iter(engine.runner._executables.values()))
+        return exe.as_text().count(" while(")
+
+    assert loops(unrolled.llm_engine) < loops(llm.llm_engine)
+    assert [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)] == want
+    with pytest.raises(ValueError, match="layer_weights must be 'auto' or one of"):
+        EngineArgs(layer_weights="scanned")

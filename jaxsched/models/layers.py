@@ -14,7 +14,9 @@ The loop is one lax.scan over layers, so a program compiles the attention of one
 L, which is what keeps warm-up of every bucket short. Weights are either stacked along a leading L
 axis (the scan slices them) or held per layer and reached through lax.switch on the layer index (on
 a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.layer_weights says
-which layout a platform gets, docs/PERFORMANCE.md why).
+which layout a platform gets, docs/PERFORMANCE.md why). "unrolled" holds them per layer too but runs
+the layers as L copies in the program, with no loop: no dynamic slice of a weight to copy and no
+switch (on a GPU a switch reads its index on the host, a sync per layer), for L times the program.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from jaxsched.config import ModelConfig
 from jaxsched.parallel import shard_interleave
 from pallas_kernels import backends, paged_attention, tuning, write_kv
 
-LAYER_WEIGHTS = ("stacked", "per_layer")
+LAYER_WEIGHTS = ("stacked", "per_layer", "unrolled")
 
 # One layer's weights: name -> (shape without the L axis, constant fill, or None for random init).
 # Linear weights are [in, out].
@@ -61,7 +63,8 @@ def _arrays(params: nnx.Dict) -> dict[str, Any]:
 
 class DecoderLayers(nnx.Module):
     """All L layers' weights in one layout: "stacked", one dict of arrays with a leading L axis, or
-    "per_layer", L dicts. layout None picks tuning.layer_weights for this platform."""
+    "per_layer" and "unrolled", L dicts (the two differ in how the layers run, not in the state).
+    layout None picks tuning.layer_weights for this platform."""
 
     def __init__(self, spec: LayerSpec, num_layers: int, dtype, rngs: nnx.Rngs, layout: str | None = None):
         layout = layout or tuning.layer_weights(jax.devices()[0].platform)
@@ -71,7 +74,7 @@ class DecoderLayers(nnx.Module):
         L = num_layers
         self.stacked = _layer_params(spec, dtype, rngs, (L,)) if layout == "stacked" else None
         self.per_layer = nnx.List([_layer_params(spec, dtype, rngs, ()) for _ in range(L)]) \
-            if layout == "per_layer" else None
+            if layout != "stacked" else None
 
     def __call__(self, h, kv, before: Callable, after: Callable, attend: Attend, rows):
         """h [T, D] through every layer; kv: (k_cache, v_cache) with a leading L axis; rows i32[S]: the
@@ -99,6 +102,13 @@ class DecoderLayers(nnx.Module):
         # (tuning.layer_weights: the cost).
         ws = [_arrays(p) for p in self.per_layer]
         L = len(ws)
+        if self.layout == "unrolled":
+            for i, p in enumerate(ws[:-1]):
+                o, k_cache, v_cache = attend(*before(p, h), k_cache, v_cache, jnp.int32(i))
+                h = after(p, h, o)
+            o, k_cache, v_cache = attend(*before(ws[-1], h), k_cache, v_cache, jnp.int32(L - 1))
+            # the last layer's second half on the wanted rows only, as with "per_layer"
+            return after(ws[-1], h[rows], o[rows]), (k_cache, v_cache)
         before_once, after_once = jax.jit(before), jax.jit(after)
         qkv0 = before_once(ws[0], h)
 
@@ -361,7 +371,7 @@ def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num
     """DecoderLayers' pure state dict: per_name maps each name of the layer spec to a function of
     the layer index that reads that weight from a checkpoint (already [in, out], fused)."""
     L = num_layers
-    if layout == "per_layer":
+    if layout != "stacked":
         return {"per_layer": {i: {n: put(n, fn(i)) for n, fn in per_name.items()} for i in range(L)}}
 
     def stack(name: str, fn: Callable[[int], np.ndarray]):

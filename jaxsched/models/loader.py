@@ -35,7 +35,7 @@ def build_model(cfg: ModelConfig, dtype: str, get: Callable[[str], np.ndarray] |
                 heads: HeadLayout | None = None):
     """Construct the NNX model of cfg.architecture (the checkpoint's config). With `get`, weights
     come from HF-named tensors (the model class maps them to its own layout); without, random.
-    layer_weights: "stacked" or "per_layer" (layers.py); None picks the platform's choice.
+    layer_weights: "stacked", "per_layer" or "unrolled" (layers.py); None picks the platform's choice.
     mesh: the engine's mesh (parallel.make_mesh) when it runs on several devices, with `heads` the
     layout of its heads over them (parallel.head_layout): each weight is then placed straight into
     its shards, never whole on one device."""
