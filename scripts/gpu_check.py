@@ -21,7 +21,8 @@ of time still leaves the others' figures:
            share of a step with it, and the speedup; then one more run under jax.profiler.trace:
            the device's busy time per step as the device saw it); then, where the machine has
            more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
-           skipped it); last, "pallas" with layer_weights=unrolled (the layers without a loop).
+           skipped it). Between the first backend and the others: "pallas" with
+           layer_weights=unrolled (the layers without a loop).
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -349,17 +350,29 @@ def orchestrate(args) -> int:
                        "--max-num-batched-tokens", "32", "--max-model-len", "64"] if args.dry_run else
                       ["--dtype", "bfloat16", "-n", str(args.requests), "--max-num-seqs", "64",
                        "--max-num-batched-tokens", "512", "--max-model-len", "1024"])
-            for i, backend in enumerate(args.backends.split(",")):
-                print(f"== bench: attention_backend={backend}", flush=True)
-                share = left() / (len(args.backends.split(",")) - i)
-                # the first backend runs without, then with overlapped scheduling: the device's idle
-                # share without it and the host's share of a step with it (issue 16)
-                # and a profiler trace of one more run: the device's busy time per step, measured on
-                # the device (the host's timings only say how long it was blocked)
-                overlap = ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")] if i == 0 else []
-                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + overlap, share, env)
-                report["phases"][f"bench_{backend}"] = status
-                report["bench"][backend] = r
+            backends = args.backends.split(",")
+            first = backends[0]
+            # (report key, title, extra flags). The first backend runs without, then with overlapped
+            # scheduling (the device's idle share without it, the host's share of a step with it;
+            # issue 16), and one more run under a profiler trace: the device's busy time per step as
+            # the device saw it (the host's timings only say how long it was blocked). Then the same
+            # backend with the layers unrolled in the program (layers.py: no scan slicing stacked
+            # weights, which XLA may copy before each dot, and no per-layer switch, a host sync on a
+            # GPU; a longer warm-up): tuning.layer_weights keeps "stacked" on GPUs until this says
+            # otherwise. It runs before the other backends, whose figures are known, so that a
+            # budget cut falls on those.
+            runs = [(first, f"attention_backend={first}",
+                     ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
+                    (f"{first}_unrolled", f"attention_backend={first}, layer_weights=unrolled",
+                     ["--engine-arg", "layer_weights=unrolled"])]
+            runs += [(b, f"attention_backend={b}", []) for b in backends[1:]]
+            for i, (key, title, extra) in enumerate(runs):
+                print(f"== bench: {title}", flush=True)
+                backend = title.split(",")[0].removeprefix("attention_backend=")
+                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra,
+                                      left() / (len(runs) - i), env)
+                report["phases"][f"bench_{key}"] = status
+                report["bench"][key] = r
                 save()
             # Tensor parallelism needs a second GPU: run it where there is one, say so where not.
             devices = device_count(env)
@@ -372,16 +385,6 @@ def orchestrate(args) -> int:
             else:
                 print(f"== bench: tensor_parallel_size=2 skipped: {devices} device(s) here, it needs 2", flush=True)
                 report["bench"]["pallas_tp2"] = f"skipped: {devices} device(s), tensor parallelism needs 2"
-            save()
-            # The layers unrolled in the program (layers.py): no scan slicing stacked weights (which
-            # XLA may copy before each dot) and no per-layer switch (a host sync on a GPU), for a
-            # longer warm-up. tuning.layer_weights picks "stacked" on GPUs until this says otherwise.
-            first = args.backends.split(",")[0]
-            print(f"== bench: attention_backend={first}, layer_weights=unrolled", flush=True)
-            r, status = run_phase(bench + ["--engine-arg", f"attention_backend={first}", "--engine-arg",
-                                           "layer_weights=unrolled"], left(), env)
-            report["phases"]["bench_unrolled"] = status
-            report["bench"][f"{first}_unrolled"] = r
             save()
     ok = all(s == "ok" for s in report["phases"].values()) and all(
         c["ok"] for c in (report.get("kernels") or {}).get("correctness", [{"ok": False}]))

@@ -502,6 +502,8 @@ def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
         return exe.as_text().count(" while(")
 
     assert loops(unrolled.llm_engine) < loops(llm.llm_engine)
-    assert [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)] == want
+    with no_compilation():  # every program compiled at warm-up, as with the other layouts
+        got = [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)]
+    assert got == want
     with pytest.raises(ValueError, match="layer_weights must be 'auto' or one of"):
         EngineArgs(layer_weights="scanned")
