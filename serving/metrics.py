@@ -21,7 +21,7 @@ PREFIX = "jaxsched:"
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _STEP_HOST = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-_PHASES = ("schedule", "pack", "update", "output")
+_PHASES = ("schedule", "pack", "launch", "update", "output")
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -59,7 +59,7 @@ class EngineMetrics:
         # the host's part of the steps by phase, and per step: "scheduling overhead as a share of the
         # step" is engine_host_seconds{phase="schedule"} / engine_step_seconds
         self.engine_host_seconds = counter("engine_host_seconds", "Seconds of the steps spent on the host, by phase "
-                                           "(schedule, pack, update, output).", ("phase",))
+                                           "(schedule, pack, launch, update, output).", ("phase",))
         self.engine_step_host_seconds = histogram("engine_step_host_seconds",
                                                   "Host seconds of a step (its wall time less the device wait).",
                                                   _STEP_HOST)

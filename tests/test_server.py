@@ -225,7 +225,7 @@ def test_metrics_move(server):
     assert steps[1] > steps[0] and 0 < device <= steps[1]  # the engine thread's time in steps moved
     kind, samples = after["jaxsched:engine_host_seconds"]
     phases = {dict(labels)["phase"]: v for (name, labels), v in samples.items()}
-    assert kind == "counter" and set(phases) == {"schedule", "pack", "update", "output"}
+    assert kind == "counter" and set(phases) == {"schedule", "pack", "launch", "update", "output"}
     assert all(v > 0 for v in phases.values()) and sum(phases.values()) < steps[1]
     host_steps = total(after, "jaxsched:engine_step_host_seconds", "jaxsched:engine_step_host_seconds_count")
     assert host_steps > total(before, "jaxsched:engine_step_host_seconds", "jaxsched:engine_step_host_seconds_count")
