@@ -42,6 +42,16 @@ def make_llm(args):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
 
 
+def layer_layout(engine) -> str:
+    """The layout the engine's model runs its layers in (models/layers.py): the engine argument, or
+    the platform's choice where it was "auto"."""
+    import jax
+
+    from pallas_kernels import tuning
+
+    return engine.config.layer_weights or tuning.layer_weights(jax.devices()[0].platform)
+
+
 def requests(args, vocab_size: int) -> list[workloads.BenchRequest]:
     """The uniform workload of `args` (jaxsched bench throughput --workload uniform draws the same)."""
     ns = argparse.Namespace(workload="uniform", num_requests=args.num_requests, seed=args.seed,
@@ -134,6 +144,7 @@ def main() -> None:
         "kv_blocks": cc.num_blocks - 1,
         "block_size": cc.block_size,
         "attention_backend": engine.config.attention_backend,
+        "layer_weights": layer_layout(engine),
         "kv_cache_dtype": cc.dtype,
     }
     if "cost_model_error" in d:
