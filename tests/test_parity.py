@@ -205,4 +205,4 @@ def test_greedy_generation_matches_transformers(kind, engine_args, layer_weights
 def test_unknown_layer_weights_layout_is_refused(model_dirs):
     cfg, get, _ = load_model_source(model_dirs["llama"])
     with pytest.raises(ValueError, match="layer_weights must be one of"):
-        build_model(cfg, "float32", get, layer_weights="unrolled")
+        build_model(cfg, "float32", get, layer_weights="scanned")
