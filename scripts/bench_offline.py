@@ -157,7 +157,12 @@ def main() -> None:
 
         from jaxsched.bench import device_trace
 
-        with jax.profiler.trace(args.trace_dir):
+        # without the Python tracer (every Python call an event: a slower host and a far larger
+        # trace) and the programs' HLO; the device's activity and XLA's host regions stay
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        opts.enable_hlo_proto = False
+        with jax.profiler.trace(args.trace_dir, profiler_options=opts):
             traced = throughput.measure(engine, reqs, params, ["continuous"], overlaps[-1:])[0]
         res["trace"] = device_trace.summary(args.trace_dir, traced.num_steps)
         busy = res["trace"]["device_busy_ms_per_step"]
