@@ -360,17 +360,17 @@ def orchestrate(args) -> int:
             # weights, which XLA may copy before each dot, and no per-layer switch, a host sync on a
             # GPU; a longer warm-up): tuning.layer_weights keeps "stacked" on GPUs until this says
             # otherwise. It runs before the other backends, whose figures are known, so that a
-            # budget cut falls on those.
+            # budget cut falls on those: each run may take all the time left (an even split would
+            # cut the unrolled run, whose warm-up compiles L layers into every program).
             runs = [(first, f"attention_backend={first}",
                      ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
                     (f"{first}_unrolled", f"attention_backend={first}, layer_weights=unrolled",
                      ["--engine-arg", "layer_weights=unrolled"])]
             runs += [(b, f"attention_backend={b}", []) for b in backends[1:]]
-            for i, (key, title, extra) in enumerate(runs):
+            for key, title, extra in runs:
                 print(f"== bench: {title}", flush=True)
                 backend = title.split(",")[0].removeprefix("attention_backend=")
-                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra,
-                                      left() / (len(runs) - i), env)
+                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra, left(), env)
                 report["phases"][f"bench_{key}"] = status
                 report["bench"][key] = r
                 save()
