@@ -298,11 +298,11 @@ class EngineConfig:
     checkpoint_model: ModelConfig
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
+    layer_weights: str  # models/layers.py's layout, never "auto" (tuning.layer_weights decides it)
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
     warm_up_runs: bool = False  # every program run once at warm-up (runner.warm_up)
-    layer_weights: str | None = None  # models/layers.py's layout; None: the platform's
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -318,6 +318,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     from jaxsched.penalties import table_capacity
     from jaxsched.policy import make_policy
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
+    from pallas_kernels import tuning
     from pallas_kernels.backends import choose
 
     dtype = args.dtype
@@ -383,4 +384,4 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
-        layer_weights=None if args.layer_weights == "auto" else args.layer_weights)
+        layer_weights=tuning.layer_weights(platform) if args.layer_weights == "auto" else args.layer_weights)

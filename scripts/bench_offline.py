@@ -42,16 +42,6 @@ def make_llm(args):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
 
 
-def layer_layout(engine) -> str:
-    """The layout the engine's model runs its layers in (models/layers.py): the engine argument, or
-    the platform's choice where it was "auto"."""
-    import jax
-
-    from pallas_kernels import tuning
-
-    return engine.config.layer_weights or tuning.layer_weights(jax.devices()[0].platform)
-
-
 def requests(args, vocab_size: int) -> list[workloads.BenchRequest]:
     """The uniform workload of `args` (jaxsched bench throughput --workload uniform draws the same)."""
     ns = argparse.Namespace(workload="uniform", num_requests=args.num_requests, seed=args.seed,
@@ -139,19 +129,17 @@ def main() -> None:
         "wall_ms_per_step": d["wall_ms_per_step"],
         "host_ms_per_step": d["host_ms_per_step"],
         "device_wait_ms_per_step": d["device_wait_ms_per_step"],
-        # where the host's time goes (schedule, pack, update, output): on a GPU the step is bound by it
+        # where the host's time goes (schedule, pack, launch, update, output): on a GPU the step is bound by it
         "host_ms_per_step_by_phase": d.get("host_ms_per_step_by_phase", {}),
         "kv_blocks": cc.num_blocks - 1,
         "block_size": cc.block_size,
         "attention_backend": engine.config.attention_backend,
-        "layer_weights": layer_layout(engine),
+        "layer_weights": engine.config.layer_weights,
         "kv_cache_dtype": cc.dtype,
     }
     if "cost_model_error" in d:
         res["cost_model_error"] = d["cost_model_error"]
         res["deferred_decode_rows"] = engine.scheduler.num_deferred
-    # the device's idle share is a figure of the synchronous run: with --overlap both, of the off run
-    # (gpu_check.py reports it from there)
     if args.trace_dir:
         import jax
 
@@ -168,6 +156,8 @@ def main() -> None:
         busy = res["trace"]["device_busy_ms_per_step"]
         if busy is not None:  # the kernels' time against the untraced run's wall time per step
             res["device_busy_share"] = round(min(busy / res["wall_ms_per_step"], 1.0), 3)
+    # the device's idle share is a figure of the synchronous run: with --overlap both, of the off run
+    # (gpu_check.py reports it from there)
     if "off" in runs:
         off = throughput.run_fields(runs["off"])
         res["device_idle_share"] = round(off["device_idle_share"], 3)

@@ -352,7 +352,7 @@ def orchestrate(args) -> int:
                        "--max-num-batched-tokens", "512", "--max-model-len", "1024"])
             backends = args.backends.split(",")
             first = backends[0]
-            # (report key, title, extra flags). The first backend runs without, then with overlapped
+            # (report key, attention backend, extra flags). The first backend runs without, then with overlapped
             # scheduling (the device's idle share without it, the host's share of a step with it;
             # issue 16), and one more run under a profiler trace: the device's busy time per step as
             # the device saw it (the host's timings only say how long it was blocked). Then the same
@@ -362,14 +362,12 @@ def orchestrate(args) -> int:
             # otherwise. It runs before the other backends, whose figures are known, so that a
             # budget cut falls on those: each run may take all the time left (an even split would
             # cut the unrolled run, whose warm-up compiles L layers into every program).
-            runs = [(first, f"attention_backend={first}",
-                     ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
-                    (f"{first}_unrolled", f"attention_backend={first}, layer_weights=unrolled",
-                     ["--engine-arg", "layer_weights=unrolled"])]
-            runs += [(b, f"attention_backend={b}", []) for b in backends[1:]]
-            for key, title, extra in runs:
-                print(f"== bench: {title}", flush=True)
-                backend = title.split(",")[0].removeprefix("attention_backend=")
+            runs = [(first, first, ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
+                    (f"{first}_unrolled", first, ["--engine-arg", "layer_weights=unrolled"])]
+            runs += [(b, b, []) for b in backends[1:]]
+            for key, backend, extra in runs:
+                print(f"== bench: attention_backend={backend}{', layer_weights=unrolled' if 'unrolled' in key else ''}",
+                      flush=True)
                 r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra, left(), env)
                 report["phases"][f"bench_{key}"] = status
                 report["bench"][key] = r
