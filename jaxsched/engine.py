@@ -40,7 +40,7 @@ from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
 from jaxsched.penalties import check_penalty_capacity
 from jaxsched.request import Request, RequestStatus, SamplingParams
-from jaxsched.stats import EngineStats
+from jaxsched.stats import HOST_PHASES, EngineStats
 from jaxsched.step_cost import StepShape
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class LLMEngine:
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
-        self._phase_seconds = dict.fromkeys(("schedule", "pack", "launch", "update", "output"), 0.0)  # host work by phase
+        self._phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)  # host work by phase
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
         _register(self)

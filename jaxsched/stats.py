@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the host phases of a step, each counted in EngineStats.<phase>_seconds (engine.py, serving/metrics.py)
+HOST_PHASES = ("schedule", "pack", "launch", "update", "output")
+
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -14,14 +14,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from jaxsched.stats import EngineStats
+from jaxsched.stats import HOST_PHASES, EngineStats
 
 PREFIX = "jaxsched:"
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _STEP_HOST = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-_PHASES = ("schedule", "pack", "launch", "update", "output")
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -59,7 +58,7 @@ class EngineMetrics:
         # the host's part of the steps by phase, and per step: "scheduling overhead as a share of the
         # step" is engine_host_seconds{phase="schedule"} / engine_step_seconds
         self.engine_host_seconds = counter("engine_host_seconds", "Seconds of the steps spent on the host, by phase "
-                                           "(schedule, pack, launch, update, output).", ("phase",))
+                                           f"({', '.join(HOST_PHASES)}).", ("phase",))
         self.engine_step_host_seconds = histogram("engine_step_host_seconds",
                                                   "Host seconds of a step (its wall time less the device wait).",
                                                   _STEP_HOST)
@@ -79,7 +78,7 @@ class EngineMetrics:
              "data_parallel_size"), registry=self.registry)
         self._preemptions_seen = 0
         self._seconds_seen = (0.0, 0.0)
-        self._phases_seen = dict.fromkeys(_PHASES, 0.0)
+        self._phases_seen = dict.fromkeys(HOST_PHASES, 0.0)
         self._steps_seen = 0
 
     def describe_cache(self, block_size: int, num_blocks: int, bytes_per_device: int, kv_heads_per_device: int,
@@ -98,7 +97,7 @@ class EngineMetrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
         self.kv_cache_internal_waste_perc.set(stats.kv_internal_waste_perc)
         self.kv_cache_external_fragmentation_perc.set(stats.kv_external_fragmentation_perc)
-        for phase in _PHASES:
+        for phase in HOST_PHASES:
             now = getattr(stats, f"{phase}_seconds")
             if now > self._phases_seen[phase]:
                 self.engine_host_seconds.labels(phase=phase).inc(now - self._phases_seen[phase])

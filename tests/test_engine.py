@@ -268,7 +268,7 @@ def test_stats_time_the_host_phases_and_count_kv_waste(llm):
     while eng.has_unfinished_requests():
         eng.step()
     after = eng.stats()
-    phases = ("schedule", "pack", "update", "output")
+    phases = ("schedule", "pack", "launch", "update", "output")
     moved = {k: getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds") for k in phases}
     assert all(v > 0 for v in moved.values()), moved
     host = (after.step_seconds - before.step_seconds) - (after.device_seconds - before.device_seconds)
