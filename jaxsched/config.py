@@ -59,6 +59,10 @@ class EngineArgs:
     # weights), "unrolled" (per-layer weights, no loop); "auto" takes the platform's choice
     # (pallas_kernels.tuning.layer_weights)
     layer_weights: str = "auto"
+    # how the sampler skips the parts a step does not need (jaxsched/sampler.py): "device" (one
+    # program per sequence bucket, with lax.conds), "host" (a few programs without conds, the host
+    # picks one per step); "auto" takes the platform's choice (pallas_kernels.tuning.sampler_branches)
+    sampler_branches: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would
     # cost more than the copy (long contexts, n > 1)
@@ -139,6 +143,12 @@ class EngineArgs:
 
             if self.layer_weights not in LAYER_WEIGHTS:
                 raise ValueError(f"layer_weights must be 'auto' or one of {LAYER_WEIGHTS}, got {self.layer_weights!r}")
+        if self.sampler_branches != "auto":
+            from pallas_kernels.tuning import SAMPLER_BRANCHES
+
+            if self.sampler_branches not in SAMPLER_BRANCHES:
+                raise ValueError(f"sampler_branches must be 'auto' or one of {SAMPLER_BRANCHES}, "
+                                 f"got {self.sampler_branches!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
@@ -299,6 +309,7 @@ class EngineConfig:
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
     layer_weights: str  # models/layers.py's layout, never "auto" (tuning.layer_weights decides it)
+    sampler_branches: str = "device"  # "device" or "host" (tuning.sampler_branches decides "auto")
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
@@ -384,4 +395,5 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
-        layer_weights=tuning.layer_weights(platform) if args.layer_weights == "auto" else args.layer_weights)
+        layer_weights=tuning.layer_weights(platform) if args.layer_weights == "auto" else args.layer_weights,
+        sampler_branches=tuning.sampler_branches(platform) if args.sampler_branches == "auto" else args.sampler_branches)

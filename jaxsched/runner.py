@@ -1,12 +1,14 @@
 """ModelRunner: the weights and the KV pool on the device, one compiled model program per (T, S)
-bucket and one sampler program per S, and dispatch(scheduler output) / collect(step) -> sampled
+bucket and the sampler's program(s) per S, and dispatch(scheduler output) / collect(step) -> sampled
 tokens.
 
 A step is a SchedulerOutput: its block moves (swap out, copy-on-write, swap in), then the batch
 packed into fixed-shape arrays and two calls dispatched back to back: the model's program, whose
 logits stay on the device, then the sampler's. The sampler does not depend on T, so it is compiled
 once per S rather than into every pair's program: it was about half of each pair's compile time
-(docs/PERFORMANCE.md, "Decisions in the code"). All compilation happens in warm_up(), ahead of time;
+(docs/PERFORMANCE.md, "Decisions in the code"). Where XLA turns a lax.cond into a wait for the device
+(a GPU), the sampler is a few programs without conds and the host picks one per step
+(tuning.sampler_branches). All compilation happens in warm_up(), ahead of time;
 a step only looks its executables up, so it can never compile. The KV pool is donated to every
 call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
@@ -42,6 +44,7 @@ from jaxsched.parallel import place
 from jaxsched.paths import cache_dir
 from jaxsched.request import MAX_LOGIT_BIAS
 from jaxsched.sampler import SamplerOutput, sample
+from jaxsched.sampler import needs as sampler_needs
 from jaxsched.scheduler import SchedulerOutput
 from pallas_kernels import backends, tuning
 
@@ -182,7 +185,11 @@ class ModelRunner:
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
-        self._samplers: dict[int, object] = {}  # S -> the sampler's program
+        # S -> the sampler's programs, one per variant: (None,), one program with lax.conds, or the
+        # feature sets of tuning.SAMPLER_VARIANTS, cheapest first (sampler.py)
+        self.sampler_variants: tuple[frozenset[str] | None, ...] = \
+            (None,) if config.sampler_branches == "device" else tuning.SAMPLER_VARIANTS
+        self._samplers: dict[int, tuple] = {}
         self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
         self.warmup_seconds = 0.0
         self.ran: set[tuple[int, int]] = set()  # bucket pairs whose program has run (first runs are slow)
@@ -275,12 +282,12 @@ class ModelRunner:
 
         return numba_matmul.row_limits({S: batch.num_seqs[0], T: batch.query_start_loc[-1]})
 
-    def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int):
-        """The sampler's part of a step, a program of its own per S (the model's is per (T, S)):
-        tables: _table_shapes's arrays. Returns the packed sampler output, and this step's prev_ids
-        (i32[Smax]) for the next."""
+    def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int, features: frozenset[str] | None):
+        """The sampler's part of a step, a program of its own per S and variant (the model's is per
+        (T, S)): tables: _table_shapes's arrays. Returns the packed sampler output, and this step's
+        prev_ids (i32[Smax]) for the next."""
         rows = SamplerRows.from_flat(rows_i32, flat_f32, S, *tables)
-        ints, floats = sample(logits, rows, self.max_logprobs)
+        ints, floats = sample(logits, rows, self.max_logprobs, features)
         # SamplerOutput: the sampled ids come first
         next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:S].set(ints[:S])
         return ints, floats, next_ids
@@ -295,17 +302,18 @@ class ModelRunner:
         return self._compiled(fn.lower(self._state_leaves, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
                                        self._input((n_i32,), jnp.int32), T=T, S=S))
 
-    def compile_sampler(self, S: int):
-        """The sampler's program for S rows: one per sequence bucket, shared by every T."""
+    def compile_sampler(self, S: int, features: frozenset[str] | None = None):
+        """The sampler's program for S rows and one variant (sampler.sample's `features`): shared by
+        every T."""
         # with a mesh: the sampled ids and logprobs replicated (each process of a multi-host engine
         # reads its own copy)
         out = {} if self.mesh is None else {"out_shardings": (self._replicated,) * 3}
-        fn = jax.jit(self._sample, static_argnames=("S",), **out)
+        fn = jax.jit(self._sample, static_argnames=("S", "features"), **out)
         _, n_f32 = flat_sizes(0, S, 0)  # the float32 buffer holds row fields only (as SamplerRows reads it)
         tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
         return self._compiled(fn.lower(self._input((S, self.model_config.vocab_size), jnp.float32),
                                        self._input((len(SAMPLER_I32) * S,), jnp.int32),
-                                       self._input((n_f32,), jnp.float32), tables, S=S))
+                                       self._input((n_f32,), jnp.float32), tables, S=S, features=features))
 
     def _compiled(self, lowered):
         options = tuning.compiler_options(self._platform, self.config.attention_backend) \
@@ -399,7 +407,7 @@ class ModelRunner:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
             if S not in self._samplers:
-                self._samplers[S] = self.compile_sampler(S)
+                self._samplers[S] = tuple(self.compile_sampler(S, f) for f in self.sampler_variants)
         self._compile_swaps()
         V = self.model_config.vocab_size
         for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
@@ -413,11 +421,21 @@ class ModelRunner:
         if run:
             for T, S in pairs:
                 self.run_once(T, S)
+            self._run_sampler_variants()
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s%s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets), compiled,
                     f", ran each once in {self.warmup_seconds - compiled:.1f} s" if run else "")
         return self.warmup_seconds
+
+    def _run_sampler_variants(self) -> None:
+        """Run every sampler variant run_once did not (it runs the cheapest) once, on zeros."""
+        V = self.model_config.vocab_size
+        for S, programs in self._samplers.items():
+            _, n_f32 = flat_sizes(0, S, 0)
+            args = (self._device(np.zeros((S, V), np.float32)), self._device(np.zeros(len(SAMPLER_I32) * S, np.int32)),
+                    self._device(np.zeros(n_f32, np.float32)), self._idle_tables[S])
+            self._fetch(*(p(*args)[0] for p in programs[1:]))
 
     def run_once(self, T: int, S: int) -> None:
         """Run (T, S)'s program on a batch of padding, waiting for it (attention reads nothing and
@@ -478,15 +496,27 @@ class ModelRunner:
         mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
         bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
         tables = (*pen, *mask, *bias)
+        needs = None if len(self.sampler_variants) == 1 else sampler_needs(
+            batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
+            batch.has_penalties or batch.has_mask or batch.has_bias)
         ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
-                                                   self._put(batch.flat_f32), tables)
+                                                   self._put(batch.flat_f32), tables, needs)
         return ints, floats
 
-    def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables):
+    def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables, needs: frozenset[str] | None = None):
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
-        then S's sampler. Updates the pool; returns (ints, floats, next prev_ids), on the device."""
+        then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
+        Updates the pool; returns (ints, floats, next prev_ids), on the device."""
         self.kv, logits, rows_i32 = exe(self._state_leaves, self.kv, prev_ids, flat_i32)
-        return self._samplers[S](logits, rows_i32, flat_f32, tables)
+        return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
+
+    def sampler_for(self, S: int, needs: frozenset[str] | None):
+        """S's sampler program for a step that needs `needs` (None: any step)."""
+        programs = self._samplers[S]
+        for program, features in zip(programs, self.sampler_variants):
+            if features is None or (needs is not None and needs <= features):
+                return program
+        return programs[-1]  # the last variant holds every feature (tuning.SAMPLER_VARIANTS)
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
         """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the

@@ -24,6 +24,15 @@ array leaves the cond (a cond returning the logits copies them in its identity b
 
 Logprobs are of the model's raw distribution (vLLM's default): the sampled token's logprob and
 rank, and the top `max_logprobs` alternatives, before penalties and temperature.
+
+The lax.conds above suit a CPU, where XLA evaluates a predicate where it stands. XLA:GPU reads each
+cond's predicate back to the host and waits for the stream to drain first, so the sampler's call
+would hold the host until the model's program of the same step had finished, and the next step
+could not be scheduled meanwhile (overlapped scheduling, engine.py). There the host, which knows
+from the rows' parameters which parts a step needs (`needs`), picks one of a few programs built
+with a fixed set of FEATURES (`sample(..., features=...)`): the parts in the set always run, those
+outside it never do, and no cond is left. Which sets are built is pallas_kernels.tuning's choice
+(`sampler_variants`). A variant's outputs equal the cond program's for every step it covers.
 """
 
 from __future__ import annotations
@@ -33,6 +42,30 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The parts of the sampler a step may need (`needs`), as the host sees them in the step's rows:
+SAMPLE = "sample"  # some row has temperature > 0
+FILTER = "filter"  # some sampled row has top_k, top_p or min_p
+LOGPROBS = "logprobs"  # some row asks for logprobs
+ADJUST = "adjust"  # some row has penalties (or min_tokens), a logit_bias or a token mask
+FEATURES = frozenset((SAMPLE, FILTER, LOGPROBS, ADJUST))
+
+
+def needs(temperature, top_k, top_p, min_p, num_logprobs, adjusted: bool) -> frozenset[str]:
+    """FEATURES a step's sampler must run, from its S rows' fields (numpy, padding rows neutral) and
+    whether any row has penalties, a logit_bias or a token mask: the host-side twins of the
+    predicates the cond program computes on the device."""
+    sampled = temperature > 0
+    out = set()
+    if sampled.any():
+        out.add(SAMPLE)
+        if (sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))).any():
+            out.add(FILTER)
+    if (num_logprobs >= 0).any():
+        out.add(LOGPROBS)
+    if adjusted:
+        out.add(ADJUST)
+    return frozenset(out)
 
 
 @dataclass
@@ -203,13 +236,17 @@ def draw_rows(x, t, thr, u):
     return (blk * B + col).astype(jnp.int32)
 
 
+def _need_filter(batch, do_sample):
+    return jnp.any(do_sample & ((batch.top_k > 0) | (batch.top_p < 1.0) | (batch.min_p > 0)))
+
+
 def _choose(logits, batch):
     """The token of each row: the argmax for greedy rows, a draw from the filtered softmax for the others."""
     do_sample = batch.temperature > 0
 
     def draw(_):
         t = jnp.where(do_sample, batch.temperature, 1.0)
-        need_filter = jnp.any(do_sample & ((batch.top_k > 0) | (batch.top_p < 1.0) | (batch.min_p > 0)))
+        need_filter = _need_filter(batch, do_sample)
         # the cond gives thresholds, not filtered logits: a branch returning its input unchanged
         # would copy all [S, V] of them every sampled step
         thr = jax.lax.cond(need_filter, _threshold, lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
@@ -222,10 +259,55 @@ def _choose(logits, batch):
     return jax.lax.cond(jnp.any(do_sample), draw, lambda _: argmax_rows(logits), None)
 
 
-def sample(logits, batch, max_logprobs: int):
-    """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each."""
+def _choose_fixed(logits, batch, features: frozenset[str]):
+    """_choose without a cond: the draw (and its filters) only in a variant with SAMPLE (FILTER),
+    computed for every row and kept where the row samples. The thresholds are kept only where
+    _choose would compute them (some row filters), so that the draws are the same."""
+    greedy = argmax_rows(logits)
+    if SAMPLE not in features:
+        return greedy
+    do_sample = batch.temperature > 0
+    t = jnp.where(do_sample, batch.temperature, 1.0)
+    thr = jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)
+    if FILTER in features:
+        thr = jnp.where(_need_filter(batch, do_sample),
+                        _threshold(logits, t, batch.top_k, batch.top_p, batch.min_p), thr)
+    drawn = draw_rows(logits, t, thr, row_uniform(batch.seeds, batch.sample_index))
+    return jnp.where(do_sample, drawn, greedy)
+
+
+def _adjust_fixed(logits, batch):
+    """Penalties, logit_bias and the token masks without a cond, to every row: rows without them have
+    neutral entries (ids V, dropped; masks of all ones, as the packer and the idle tables leave them)."""
+    S = logits.shape[0]
+    ids, x = penalty_updates(logits, batch)
+    logits = logits.at[jnp.arange(S)[:, None], ids].set(x.astype(logits.dtype), mode="drop")
+    logits = apply_logit_bias(logits, batch)
+    if batch.token_mask is not None:
+        logits = apply_token_mask(logits, batch.token_mask)
+    return logits
+
+
+def sample(logits, batch, max_logprobs: int, features: frozenset[str] | None = None):
+    """logits f32[S, V] -> (ints i32[S * (2 + k)], floats f32[S * (1 + k)]), packed for one copy each.
+    features None: one program for every step, its costly parts under lax.cond. A subset of FEATURES:
+    only those parts, without a cond; right for the steps whose `needs` it contains."""
     S, V = logits.shape
     raw = logits
+    k = max_logprobs
+    if features is not None:
+        unknown = set(features) - FEATURES
+        if unknown:
+            raise ValueError(f"unknown sampler features {sorted(unknown)}; known: {sorted(FEATURES)}")
+        adjusted = _adjust_fixed(logits, batch) if ADJUST in features else logits
+        sampled = _choose_fixed(adjusted, batch, features)
+        if LOGPROBS in features:
+            outs = _logprobs(raw, sampled, k)
+            wanted = jnp.any(batch.num_logprobs >= 0)
+            outs = tuple(jnp.where(wanted, x, jnp.zeros_like(x)) for x in outs)
+        else:
+            outs = _no_logprobs(S, k)
+        return _packed(sampled, *outs)
 
     def adjusted(logits):
         logits = apply_logit_bias(apply_penalties(logits, batch), batch)
@@ -243,24 +325,30 @@ def sample(logits, batch, max_logprobs: int):
         plain = plain & jnp.all(batch.bias_ids >= V)
     sampled = jax.lax.cond(plain, lambda lg: _choose(lg, batch), adjusted, logits)
 
-    k = max_logprobs
+    outs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda _: _logprobs(raw, sampled, k),
+                        lambda _: _no_logprobs(S, k), None)
+    return _packed(sampled, *outs)
 
-    def with_logprobs(_):
-        lp = jax.nn.log_softmax(raw, axis=-1)
-        chosen = jnp.take_along_axis(raw, sampled[:, None], axis=-1)
-        rank = (jnp.sum(raw > chosen, axis=-1) + 1).astype(jnp.int32)
-        slp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
-        if k:
-            top_lp, top_ids = jax.lax.top_k(lp, k)
-        else:
-            top_lp, top_ids = jnp.zeros((S, 0), jnp.float32), jnp.zeros((S, 0), jnp.int32)
-        return slp, rank, top_ids.astype(jnp.int32), top_lp
 
-    def without(_):
-        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S,), jnp.int32), jnp.zeros((S, k), jnp.int32),
-                jnp.zeros((S, k), jnp.float32))
+def _logprobs(raw, sampled, k: int):
+    """(sampled token's logprob f32[S], its rank i32[S], top-k ids i32[S, k], their logprobs f32[S, k])
+    of the raw logits f32[S, V]."""
+    S = raw.shape[0]
+    lp = jax.nn.log_softmax(raw, axis=-1)
+    chosen = jnp.take_along_axis(raw, sampled[:, None], axis=-1)
+    rank = (jnp.sum(raw > chosen, axis=-1) + 1).astype(jnp.int32)
+    slp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
+    if k:
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+    else:
+        top_lp, top_ids = jnp.zeros((S, 0), jnp.float32), jnp.zeros((S, 0), jnp.int32)
+    return slp, rank, top_ids.astype(jnp.int32), top_lp
 
-    slp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), with_logprobs, without, None)
-    ints = jnp.concatenate([sampled, rank, top_ids.reshape(-1)])
-    floats = jnp.concatenate([slp, top_lp.reshape(-1)])
-    return ints, floats
+
+def _no_logprobs(S: int, k: int):
+    return (jnp.zeros((S,), jnp.float32), jnp.zeros((S,), jnp.int32), jnp.zeros((S, k), jnp.int32),
+            jnp.zeros((S, k), jnp.float32))
+
+
+def _packed(sampled, slp, rank, top_ids, top_lp):
+    return jnp.concatenate([sampled, rank, top_ids.reshape(-1)]), jnp.concatenate([slp, top_lp.reshape(-1)])

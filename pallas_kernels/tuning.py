@@ -68,6 +68,24 @@ def layer_weights(platform: str) -> str:
     return "per_layer" if platform == "cpu" else "stacked"
 
 
+# How the sampler's optional parts are chosen each step (jaxsched/sampler.py). "device": one
+# program per S, each part under a lax.cond on a predicate the device computes. XLA:CPU evaluates a
+# cond where it stands, and one program per S keeps the warm-up short (docs/PERFORMANCE.md, "Decisions
+# in the code"). XLA:GPU copies a cond's predicate to the host and waits for the stream to drain, so
+# the sampler's call returned only once the same step's model program had run: the host could not
+# schedule the next step meanwhile. "host": a program per S for each feature set below, no cond in
+# any; the host picks the first that holds what the step needs. The cheapest first: all-greedy steps
+# without logprobs (offline benchmarks), then sampled ones without filters (a served default), then
+# everything but penalties, logit_bias and masks, then everything.
+SAMPLER_BRANCHES = ("device", "host")
+SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"sample", "filter", "logprobs"}),
+                    frozenset({"sample", "filter", "logprobs", "adjust"}))
+
+
+def sampler_branches(platform: str) -> str:
+    return "device" if platform == "cpu" else "host"
+
+
 # ---------------------------------------------------------------------------------------------------
 # The "pallas" backend (Triton on NVIDIA GPUs). Every size here is a power of two: Triton tensors
 # must be, and its dot needs at least 16 rows, 16 columns and a reduction of 16.

@@ -135,6 +135,7 @@ def main() -> None:
         "block_size": cc.block_size,
         "attention_backend": engine.config.attention_backend,
         "layer_weights": engine.config.layer_weights,
+        "sampler_branches": engine.config.sampler_branches,
         "kv_cache_dtype": cc.dtype,
     }
     if "cost_model_error" in d:

@@ -41,17 +41,18 @@ import numpy as np
 from bench_offline import make_llm, parser, workload
 
 from jaxsched.batch import BatchDescriptor
+from jaxsched.sampler import needs as sampler_needs
 
 
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
     """Seconds of `reps` runs of one step (the model program `exe`, then S's sampler) on captured
     flat buffers (the KV pool is donated and kept, as in run()), and the sampled ids of the last run."""
-    prev, fi, ff = batch_flat
+    prev, fi, ff, needs = batch_flat
     pen = runner._idle_tables[S]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        ints, _, _ = runner.launch(exe, S, prev, fi, ff, pen)
+        ints, _, _ = runner.launch(exe, S, prev, fi, ff, pen, needs)
         ints = np.asarray(ints)  # waits for the step
         times.append(time.perf_counter() - t0)
     return times, ints[:S]
@@ -129,7 +130,7 @@ def main() -> None:
 
     seconds: dict[tuple, float] = collections.defaultdict(float)
     count: collections.Counter = collections.Counter()
-    # kind -> ((T, S), (prev_ids, flat_i32, flat_f32)) of its largest bucket; prev_ids: the sampled
+    # kind -> ((T, S), (prev_ids, flat_i32, flat_f32, sampler needs)) of its largest bucket; prev_ids: the sampled
     # ids of the step before, where decode rows of an overlapped engine take their input token
     captured: dict[str, tuple] = {}
     execute = runner.run
@@ -140,7 +141,10 @@ def main() -> None:
         kind = "decode" if int(batch.query_start_loc[n]) == n else "prefill"
         wanted = not args.no_row_limits or kind != "decode" or n < T  # with --no-row-limits: padded
         if wanted and (kind not in captured or (T, S) > captured[kind][0]):
-            captured[kind] = ((T, S), (np.asarray(runner._prev_ids), batch.flat_i32.copy(), batch.flat_f32.copy()))
+            needs = sampler_needs(batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
+                                  batch.has_penalties or batch.has_mask or batch.has_bias)
+            captured[kind] = ((T, S), (np.asarray(runner._prev_ids), batch.flat_i32.copy(), batch.flat_f32.copy(),
+                                       needs))
         t0 = time.perf_counter()
         out = jax.block_until_ready(execute(batch))  # run() only dispatches: wait for the step
         seconds[(kind, T, S)] += time.perf_counter() - t0

@@ -21,8 +21,9 @@ of time still leaves the others' figures:
            share of a step with it, and the speedup; then one more run under jax.profiler.trace:
            the device's busy time per step as the device saw it); then, where the machine has
            more than one GPU, "pallas" at tensor_parallel_size=2 (else it says it
-           skipped it). Between the first backend and the others: "pallas" with
-           layer_weights=unrolled (the layers without a loop).
+           skipped it). Between the first backend and the others: "pallas" with overlap on and
+           the sampler's other choice (sampler_branches=device: lax.conds, which XLA:GPU turns
+           into waits for the device), then with layer_weights=unrolled (the layers without a loop).
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -48,6 +49,9 @@ Table to fill in from the JSON (not yet measured on the H200):
   | engine output tokens/s, 1B bf16, pallas, tensor_parallel_size=2: ____ (or "skipped: 1 device")
   | engine output tokens/s, 1B bf16, pallas, layer_weights=unrolled: ____ against the stacked run's
   |   above; its warm-up ____ s (pallas_unrolled.warmup_s)
+  | pallas, overlap on, sampler_branches=device (one sampler program with lax.conds): ____ tokens/s,
+  |   launch ____ ms a step (pallas_sampler_device), against the first run's (sampler_branches
+  |   "host", the GPU default: its sampler_branches field says which ran)
 """
 
 from __future__ import annotations
@@ -362,12 +366,18 @@ def orchestrate(args) -> int:
             # otherwise. It runs before the other backends, whose figures are known, so that a
             # budget cut falls on those: each run may take all the time left (an even split would
             # cut the unrolled run, whose warm-up compiles L layers into every program).
+            # Before it, with overlap on, the sampler as the other platform's choice
+            # (tuning.sampler_branches): on a GPU "device", one program with lax.conds, whose
+            # predicates XLA:GPU reads back to the host, so the call waits for the step's model
+            # program; against the first run's default "host" (cond-free programs the host picks).
+            other = "host" if args.dry_run else "device"  # the dry run's CPU default is "device"
             runs = [(first, first, ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
+                    (f"{first}_sampler_{other}", first, ["--overlap", "on", "--engine-arg", f"sampler_branches={other}"]),
                     (f"{first}_unrolled", first, ["--engine-arg", "layer_weights=unrolled"])]
             runs += [(b, b, []) for b in backends[1:]]
             for key, backend, extra in runs:
-                print(f"== bench: attention_backend={backend}{', layer_weights=unrolled' if 'unrolled' in key else ''}",
-                      flush=True)
+                shown = [x for x in extra if not x.startswith(tmp)]  # not the trace folder
+                print(f"== bench {key}: attention_backend={backend} {' '.join(shown)}", flush=True)
                 r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra, left(), env)
                 report["phases"][f"bench_{key}"] = status
                 report["bench"][key] = r

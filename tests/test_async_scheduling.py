@@ -15,6 +15,7 @@ from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
 from jaxsched.request import Request
 from jaxsched.scheduler import Scheduler
+from pallas_kernels import tuning
 
 # the step-cost model off: it sizes steps from measured times, so batches (and the last bits of
 # logprobs) would differ from run to run; test_cost_model_keeps_the_tokens covers it
@@ -126,6 +127,40 @@ def test_llm_generate_and_stats_with_overlap(llama_dir):
     n_stopped = sum(len(t) < 16 for t in outs[False])
     # each request stopped by a token costs at most one extra scheduled token
     assert stats[True].num_scheduled_tokens - stats[False].num_scheduled_tokens <= n_stopped
+
+
+def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
+    """sampler_branches="host" (a GPU's choice: a sampler program without lax.cond, picked by the host
+    for each step) gives the outputs of "device" (one program with conds), overlap on, with no compile
+    after warm-up; the workload (greedy, sampled with and without filters, logprobs, penalties,
+    min_tokens, a logit_bias, a long sampled request) makes the host pick every variant."""
+    runs, used = {}, {}
+    for mode in ("device", "host"):
+        llm = LLM(llama_dir, **BASE, sampler_branches=mode)
+        runner = llm.llm_engine.runner
+        picked = set()
+        pick = runner.sampler_for
+
+        def counting(S, needs, pick=pick, runner=runner, picked=picked):
+            program = pick(S, needs)
+            picked.add(runner._samplers[S].index(program))
+            return program
+
+        runner.sampler_for = counting
+        reqs = workload(llm)
+        biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0})
+        reqs.append(("r12", reqs[0][1], biased))
+        # sampled without filters, outliving the rest: its last steps need the draw alone
+        reqs.append(("r13", reqs[0][1], SamplingParams(temperature=1.0, seed=3, max_tokens=45, ignore_eos=True)))
+        with no_compilation():
+            runs[mode] = drive(llm, reqs)
+        used[mode] = picked
+    assert used["device"] == {0}
+    assert used["host"] == set(range(len(tuning.SAMPLER_VARIANTS))), used["host"]
+    assert runs["host"]["r12"].outputs[0].token_ids == [7] * 6
+    assert set(runs["device"]) == set(runs["host"])
+    for rid in runs["device"]:
+        assert summary(runs["host"][rid]) == summary(runs["device"][rid]), rid
 
 
 def test_cost_model_keeps_the_tokens(llama_dir):

@@ -58,7 +58,8 @@ def test_the_sampler_is_one_program_per_seq_bucket_shared_by_every_t(llm):
     assert sorted(runner._samplers) == seqs
     for T, S in pairs:  # the compiled HLO names each op's source file
         assert "sampler.py" not in runner._executables[(T, S)].as_text(), (T, S)
-    assert all("sampler.py" in runner._samplers[S].as_text() for S in seqs)
+    assert all(len(runner._samplers[S]) == len(runner.sampler_variants) for S in seqs)
+    assert all("sampler.py" in p.as_text() for S in seqs for p in runner._samplers[S])
 
 
 def test_generate_keeps_input_order_and_string_prompts(llm):
@@ -454,10 +455,12 @@ def test_stats_split_each_step_into_host_and_device_time(llm):
     assert 0 < after.host_share < 1
 
 
-def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir):
+@pytest.mark.parametrize("branches", ["device", "host"])
+def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir, branches):
     """warm_up_runs: each compiled program runs once on padding at warm-up (its one-time costs paid
-    there, not by the first requests), which leaves no trace in the pool: the same greedy tokens."""
-    warm = LLM(llama_dir, **ENGINE, warm_up_runs=True)
+    there, not by the first requests), which leaves no trace in the pool: the same greedy tokens;
+    with every sampler variant (sampler_branches="host") as with one."""
+    warm = LLM(llama_dir, **ENGINE, warm_up_runs=True, sampler_branches=branches)
     runner = warm.llm_engine.runner
     assert runner.ran == set(runner.bucket_pairs())
     assert llm.llm_engine.runner.ran == set()  # off by default in the library
@@ -507,3 +510,13 @@ def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
     assert got == want
     with pytest.raises(ValueError, match="layer_weights must be 'auto' or one of"):
         EngineArgs(layer_weights="scanned")
+
+
+def test_sampler_branches_is_the_platforms_choice_unless_named():
+    """"auto" keeps one sampler program with lax.conds on a CPU and picks cond-free ones elsewhere
+    (tuning.sampler_branches); a bad name says what the choices are."""
+    from pallas_kernels import tuning
+
+    assert tuning.sampler_branches("cpu") == "device" and tuning.sampler_branches("gpu") == "host"
+    with pytest.raises(ValueError, match=r"sampler_branches must be 'auto' or one of \('device', 'host'\)"):
+        EngineArgs(sampler_branches="gpu")
