@@ -57,6 +57,9 @@ class BatchDescriptor:
     num_logprobs: object = _flat("i32", _rows)  # i32[S]  -1 = no logprobs
     penalty_num: object = _flat("i32", _rows)  # i32[S]  valid entries of the row's penalty table; 0 = none
     masked: object = _flat("i32", _rows)  # i32[S]  1: the row's token_mask applies (a constrained request)
+    # i32[S]  j + 1: this penalised row's table lacks the token the previous step sampled for its
+    # row j, which only the device has yet (overlapped scheduling): the sampler folds it in; 0 = none
+    pending_src: object = _flat("i32", _rows)
     # i32[T]  0: the token id is in token_ids; j + 1: it is the token the previous step sampled for
     # its row j, which only the device has yet (overlapped scheduling)
     from_prev: object = _flat("i32", _tokens)
@@ -70,6 +73,9 @@ class BatchDescriptor:
     # (up to max_model_len), so they go to the device only in steps where a request uses them.
     penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
     penalty_counts: object = None  # f32[S, W] output count of each; MASKED (-1) = blocked by min_tokens
+    # i32[S] inside the sampler: the token pending_src names (-1 = none), for the penalty tables;
+    # None on the host and in batches built by hand (nothing to fold in)
+    pending_token: object = None
     has_penalties: bool = False  # host only: whether any row of this step uses them
     # Token constraints and logit_bias (grammar.py), sent like the penalty tables: only in steps
     # where a row uses them (None: the sampler skips that stage, as in tests that build a batch by hand).
@@ -79,7 +85,7 @@ class BatchDescriptor:
     has_mask: bool = False  # host only: whether any row of this step is constrained
     has_bias: bool = False  # host only: whether any row of this step has a logit_bias
     # host only: a constrained row's next mask needs the token this step samples, so the next step
-    # must wait for it (and so must the penalty tables: has_penalties)
+    # must wait for it (penalty tables need not: the device folds the pending token in, pending_src)
     needs_tokens: bool = False
     # host only: request id -> why its row could not be stored; such a row runs with neutral values
     # and the engine fails that request (and only it) after the step
@@ -131,7 +137,7 @@ def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tu
 # sampler is a program of its own, compiled per S alone (runner.py), so it cannot take the int32
 # buffer, whose length depends on T: the model program hands it these as one i32[6 S] array. The
 # float32 buffer holds sampler fields only, each [S], so it goes to the sampler program as it is.
-SAMPLER_I32 = ("top_k", "seeds", "sample_index", "num_logprobs", "penalty_num", "masked")
+SAMPLER_I32 = ("top_k", "seeds", "sample_index", "num_logprobs", "penalty_num", "masked", "pending_token")
 
 
 @dataclass
@@ -145,6 +151,7 @@ class SamplerRows:
     num_logprobs: object
     penalty_num: object
     masked: object
+    pending_token: object
     temperature: object
     top_p: object
     min_p: object
@@ -160,7 +167,7 @@ class SamplerRows:
     @classmethod
     def from_flat(cls, rows_i32, flat_f32, S: int, penalty_ids, penalty_counts, token_mask, bias_ids,
                   bias_values) -> SamplerRows:
-        """rows_i32: i32[6 S], SAMPLER_I32's fields one after the other; flat_f32: the step's float32
+        """rows_i32: i32[7 S], SAMPLER_I32's fields one after the other; flat_f32: the step's float32
         buffer."""
         kw = {name: rows_i32[i * S : (i + 1) * S] for i, name in enumerate(SAMPLER_I32)}
         for name, start, stop, shape in _layout("f32", 0, S, 0):  # row fields only: T and M do not matter
@@ -251,8 +258,8 @@ class BatchPacker:
         # not read yet (a row's only token, then) is taken on the device from the last step's output.
         slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), lens.tolist())]
         prev = [i for i, row in enumerate(sched) if row.from_prev]
+        src: list[int] = []
         if prev:
-            src = []
             for i in prev:
                 j = self._prev_rows.get(reqs[i].request_id)
                 if j is None:  # pragma: no cover - a pending token always comes from the last packed step
@@ -295,20 +302,24 @@ class BatchPacker:
         b.num_logprobs[n:] = -1
 
         self.penalties.forget(out.finished_ids)
+        pending = dict(zip(prev, src))
         for i, sp in enumerate(params):
-            # a prefill chunk that samples nothing needs no table (its logits are dropped), and its
-            # step then need not make the next one wait for tokens (InFlight.needs_tokens)
+            # a prefill chunk that samples nothing needs no table (its logits are dropped)
             if sp.uses_penalties and sched[i].samples:
                 r = reqs[i]
                 b.presence_penalty[i] = sp.presence_penalty
                 b.frequency_penalty[i] = sp.frequency_penalty
                 b.repetition_penalty[i] = sp.repetition_penalty
-                b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i])
+                # The table holds the outputs read so far; a token still pending (a from_prev row) is
+                # folded in on the device (pending_src), so this step need not wait for it. min_tokens
+                # counts it too: output_index is the outputs before this row's sample, read or not.
+                b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i],
+                                                           sched[i].output_index)
+                b.pending_src[i] = pending.get(i, 0)
                 b.has_penalties = True
         self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
         if self.V:
             self._pack_constraints(b, sched, reqs, params, bad)
-        b.needs_tokens = b.needs_tokens or b.has_penalties
         return b
 
     def _pack_constraints(self, b: BatchDescriptor, sched: list[ScheduledRequest], reqs: list[Request],

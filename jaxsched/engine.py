@@ -14,9 +14,11 @@ finishes one. Step N+1 is scheduled as if every running request got its token fr
 decode rows take those tokens on the device (runner.py), and the host reads them one step later.
 A request that step N ends (EOS, a stop token or string) costs one wasted row in step N+1, whose
 token update() drops; one that ends by length is not scheduled again. The outputs are the
-synchronous engine's. Penalty tables are built on the host from the tokens so far, so the step
-after one that sampled a penalised row waits for it (reads its tokens before scheduling). A step
-that swaps a request out waits too: the copy needs the pages of the step in flight.
+synchronous engine's. Penalty tables are built on the host from the tokens read, and the sampler
+folds a row's pending token in on the device (batch.pending_src), so penalties do not wait. A
+constrained row's next token mask needs the token it samples (grammar.py), so the step after one
+with such a row waits for it (reads its tokens before scheduling). A step that swaps a request out
+waits too: the copy needs the pages of the step in flight.
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
 
@@ -328,7 +330,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         device = 0.0
         prev = self._in_flight
-        if prev is not None and prev.needs_tokens:  # its tokens feed this step's penalty tables
+        if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
             self._in_flight = None
             outputs, device = self._complete(prev, [prev])
             prev = None

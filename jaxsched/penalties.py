@@ -143,8 +143,10 @@ class PenaltyTables:
         for rid in request_ids:
             self._hist.pop(rid, None)
 
-    def fill_row(self, req: Request, ids_row: np.ndarray, counts_row: np.ndarray) -> int:
-        """Write req's table into one batch row (already zeroed); returns its number of entries."""
+    def fill_row(self, req: Request, ids_row: np.ndarray, counts_row: np.ndarray, num_outputs: int | None = None) -> int:
+        """Write req's table of the outputs read so far into one batch row (already zeroed); returns its
+        number of entries. num_outputs: the outputs min_tokens counts, pending ones included (the
+        row's output_index); by default those read."""
         params = req.sampling_params
         n_entries = 0
         _, track_outputs = _tracks(params)
@@ -162,7 +164,7 @@ class PenaltyTables:
             index = h.index
         else:
             index = {}
-        if req.num_output_tokens < params.min_tokens:
+        if (req.num_output_tokens if num_outputs is None else num_outputs) < params.min_tokens:
             for t in masked_token_ids(params, req.eos_token_ids):
                 j = index.get(t)
                 if j is None:

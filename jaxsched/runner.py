@@ -81,8 +81,8 @@ class InFlight:
     pack_seconds: float = 0.0  # host time packing its batch
     launch_seconds: float = 0.0  # host time dispatching its programs (they run on after it)
     call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
-    # a row used penalty tables, which are built on the host from the tokens read: the next step
-    # must wait for this one's tokens (Engine.step)
+    # a constrained row's next token mask is built on the host from this step's token: the next
+    # step must wait for it (Engine.step)
     needs_tokens: bool = False
     idle_after: bool = False  # the engine had no requests left after dispatching it (an abort)
 
@@ -260,14 +260,17 @@ class ModelRunner:
     def _forward(self, weights, kv, prev_ids, flat_i32, *, T: int, S: int):
         """The model's part of a step. weights: the state's leaves (the `state` setter). prev_ids:
         i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
-        scheduled before the host read them take them from here (batch.from_prev). Returns the pool, the logits f32[S, V] and the sampler's int32 row
-        fields (batch.SAMPLER_I32, i32[6 S])."""
+        scheduled before the host read them take them from here (batch.from_prev), and so do
+        penalised rows' tables (batch.pending_src). Returns the pool, the logits f32[S, V] and the
+        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S])."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
         _, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
         batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
+        src = batch.pending_src
+        batch.pending_token = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], -1)
         with self._row_limits(batch, T, S):
             logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
         return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32])

@@ -125,16 +125,40 @@ def _threshold(logits, t, top_k, top_p, min_p):
     return jnp.maximum(jnp.maximum(kth, pth), mth)
 
 
+def with_pending(ids, counts, num, pending):
+    """The penalty tables with each row's pending token folded in as the host folds a token it has
+    read: one more output of that token, a new entry if the table lacks it. ids i32[S, W], counts
+    f32[S, W], num i32[S], pending i32[S] (-1: none) -> (ids, counts, num). A MASKED entry stays
+    masked (the host masks after counting)."""
+    W = ids.shape[1]
+    col = jnp.arange(W)[None, :]
+    tok = pending[:, None]
+    hit = (col < num[:, None]) & (ids == tok) & (tok >= 0)
+    counts = jnp.where(hit & (counts >= 0), counts + 1.0, counts)
+    new = (pending >= 0) & ~jnp.any(hit, axis=-1) & (num < W)  # the host refuses what could not fit
+    at = new[:, None] & (col == num[:, None])
+    return jnp.where(at, tok, ids), jnp.where(at, 1.0, counts), num + new.astype(num.dtype)
+
+
+def _penalised(batch):
+    """Whether some row has a penalty table: entries, or a pending token for an empty one (a
+    request whose only output so far is pending)."""
+    some = jnp.any(batch.penalty_num > 0)
+    return some if batch.pending_token is None else some | jnp.any(batch.pending_token >= 0)
+
+
 def penalty_updates(logits, batch):
     """vLLM's repetition, frequency and presence penalties and min_tokens masking, in that order, over
     each row's token table: (ids i32[S, W], new logits f32[S, W]) to scatter; ids V mean no entry."""
     S, V = logits.shape
     W = batch.penalty_ids.shape[1]
-    valid = jnp.arange(W)[None, :] < batch.penalty_num[:, None]
-    ids = jnp.where(valid, batch.penalty_ids, V)  # V is out of range: gathered as 0, never scattered
+    table, count, num = batch.penalty_ids, batch.penalty_counts, batch.penalty_num
+    if batch.pending_token is not None:  # overlapped scheduling: the token the host has not read yet
+        table, count, num = with_pending(table, count, num, batch.pending_token)
+    valid = jnp.arange(W)[None, :] < num[:, None]
+    ids = jnp.where(valid, table, V)  # V is out of range: gathered as 0, never scattered
     rows = jnp.arange(S)[:, None]
     x = logits.at[rows, ids].get(mode="fill", fill_value=0.0)  # [S, W]
-    count = batch.penalty_counts
     rep = jnp.where(batch.repetition_penalty > 0, batch.repetition_penalty, 1.0)[:, None]
     x = jnp.where(x > 0, x / rep, x * rep)
     seen = jnp.maximum(count, 0.0)
@@ -154,7 +178,7 @@ def apply_penalties(logits, batch):
     def none(_logits):
         return jnp.full((S, W), V, jnp.int32), jnp.zeros((S, W), logits.dtype)
 
-    ids, x = jax.lax.cond(jnp.any(batch.penalty_num > 0), lambda lg: penalty_updates(lg, batch), none, logits)
+    ids, x = jax.lax.cond(_penalised(batch), lambda lg: penalty_updates(lg, batch), none, logits)
     return logits.at[jnp.arange(S)[:, None], ids].set(x.astype(logits.dtype), mode="drop")
 
 
@@ -320,7 +344,7 @@ def sample(logits, batch, max_logprobs: int, features: frozenset[str] | None = N
     # Penalties and logit_bias scatter into the logits, and the logprobs below still read the raw
     # ones, so the scatters copy all [S, V] of them: a step where no row needs them skips both
     # (docs/PERFORMANCE.md, "Decisions in the code").
-    plain = jnp.all(batch.penalty_num <= 0) & jnp.all(batch.masked <= 0)
+    plain = ~_penalised(batch) & jnp.all(batch.masked <= 0)
     if batch.bias_ids is not None:
         plain = plain & jnp.all(batch.bias_ids >= V)
     sampled = jax.lax.cond(plain, lambda lg: _choose(lg, batch), adjusted, logits)

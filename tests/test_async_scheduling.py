@@ -129,6 +129,60 @@ def test_llm_generate_and_stats_with_overlap(llama_dir):
     assert stats[True].num_scheduled_tokens - stats[False].num_scheduled_tokens <= n_stopped
 
 
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 3.0}], ids=["presence", "frequency", "repetition"])
+def test_penalised_steps_do_not_wait_and_give_the_synchronous_tokens(llama_dir, penalty):
+    """With overlap, a penalised row's table lacks the token in flight; the sampler folds it in on
+    the device (batch.pending_src), so no step waits for the one before, and the greedy tokens are
+    the synchronous engine's. Strong penalties make every token count: a table without the last
+    token lets it repeat at once."""
+    runs, waited = {}, {}
+    for mode in (False, True):
+        llm = LLM(llama_dir, **BASE, async_scheduling=mode)
+        runner = llm.llm_engine.runner
+        flags = []
+        dispatch = runner.dispatch
+
+        def recording(out, dispatch=dispatch, flags=flags):
+            step = dispatch(out)
+            flags.append(step.needs_tokens)
+            return step
+
+        runner.dispatch = recording
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalty)
+        with no_compilation():
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts(llm, 6)], params, use_tqdm=False)
+        runs[mode] = [o.outputs[0].token_ids for o in res]
+        waited[mode] = sum(flags)
+        assert len(flags) > 24
+    assert runs[True] == runs[False]
+    assert waited[True] == 0
+
+
+def test_min_tokens_counts_the_pending_token(llama_dir):
+    """min_tokens masks a stop token while fewer outputs exist than it asks, the one in flight
+    included: a request whose stop token comes first at output j, with min_tokens j, stops right
+    there with overlap too (a mask that counted only the outputs read would block it one step more)."""
+    llm = LLM(llama_dir, **BASE)
+    ps = prompts(llm, 6)
+    base = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "frequency_penalty": 1.0}
+    free = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**base), use_tqdm=False)
+    cases = []
+    for p, o in zip(ps, free):
+        toks = o.outputs[0].token_ids
+        j = next((j for j in range(2, len(toks)) if toks[j] not in toks[:j]), None)
+        if j is not None:
+            cases.append((p, toks, j))
+    assert len(cases) >= 3, "the fixture's greedy outputs must have fresh tokens to stop on"
+    for mode in (False, True):
+        llm = LLM(llama_dir, **BASE, async_scheduling=mode)
+        params = [SamplingParams(**base, stop_token_ids=[toks[j]], min_tokens=j) for _, toks, j in cases]
+        res = llm.generate([{"prompt_token_ids": p} for p, _, _ in cases], params, use_tqdm=False)
+        for o, (_, toks, j) in zip(res, cases):
+            c = o.outputs[0]
+            assert (c.token_ids, c.finish_reason, c.stop_reason) == (toks[: j + 1], "stop", toks[j]), (mode, j)
+
+
 def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
     """sampler_branches="host" (a GPU's choice: a sampler program without lax.cond, picked by the host
     for each step) gives the outputs of "device" (one program with conds), overlap on, with no compile

@@ -100,6 +100,53 @@ def test_device_penalties_match_vllm_formulas():
     np.testing.assert_allclose(out.logprob, raw_lp[np.arange(S), out.sampled], rtol=1e-4, atol=1e-4)
 
 
+@jax.jit
+def _penalise_pending(logits, fi, ff, pi, pc, pending):
+    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1, pi, pc)
+    b.pending_token = pending
+    return apply_penalties(logits, b)
+
+
+def test_a_pending_token_folded_in_on_the_device_equals_the_host_having_read_it():
+    """Overlapped scheduling: the host's table holds the outputs read, the sampler folds in the one
+    still in flight (sampler.with_pending); the penalties are those of the whole output, and
+    min_tokens counts the pending token (fill_row's num_outputs)."""
+    rng = np.random.default_rng(1)
+    S, V = 8, 97
+    logits = rng.standard_normal((S, V)).astype(np.float32) * 3
+    cases = [  # (prompt, whole output, params): the output's last token is the pending one
+        ([5, 6, 7], [10, 11, 12], {"frequency_penalty": 1.0, "presence_penalty": 0.5}),  # new token
+        ([5, 6, 7], [10, 11, 10], {"frequency_penalty": 1.0}),  # seen before: its count rises
+        ([5, 6, 7], [10, 6], {"repetition_penalty": 2.0}),  # a prompt token, count 0 before
+        ([5, 6, 7], [40], {"frequency_penalty": 2.0}),  # the first output: an empty table before
+        ([5, 6, 7], [10, 11], {"min_tokens": 3, "stop_token_ids": [9], "frequency_penalty": 1.0}),  # 2 < 3
+        ([5, 6, 7], [10, 11, 12], {"min_tokens": 3, "stop_token_ids": [9], "presence_penalty": 1.0}),  # 3: unmasked
+        ([5, 6, 7], [9, 12], {"min_tokens": 5, "stop_token_ids": [11], "ignore_eos": True}),  # min_tokens only
+        ([5, 6, 7], [10, 11], {}),  # no penalties: no table, nothing pending
+    ]
+    reqs = [make_request(f"r{i}", p, o[:-1], **kw) for i, (p, o, kw) in enumerate(cases)]
+    tables = PenaltyTables()
+    b = batch_for([], tables, S)
+    pending = np.full(S, -1, np.int32)
+    for i, (r, (_, o, _)) in enumerate(zip(reqs, cases)):
+        sp = r.sampling_params
+        if sp.uses_penalties:
+            b.presence_penalty[i] = sp.presence_penalty
+            b.frequency_penalty[i] = sp.frequency_penalty
+            b.repetition_penalty[i] = sp.repetition_penalty
+            b.penalty_num[i] = tables.fill_row(r, b.penalty_ids[i], b.penalty_counts[i], len(o))
+            pending[i] = o[-1]
+    assert b.penalty_num[3] == 0, "the first output's row must start from an empty table"
+    got = np.asarray(_penalise_pending(jnp.asarray(logits), b.flat_i32, b.flat_f32, b.penalty_ids,
+                                       b.penalty_counts, jnp.asarray(pending)))
+    for i, (p, o, kw) in enumerate(cases):
+        sp = reqs[i].sampling_params
+        masked = set(sp.stop_token_ids) | ({2} if not sp.ignore_eos else set()) if len(o) < sp.min_tokens else set()
+        want = vllm_penalties(logits[i].astype(np.float64), p, o if sp.uses_penalties else [], sp.presence_penalty,
+                              sp.frequency_penalty, sp.repetition_penalty, masked)
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"case {i}: {kw}")
+
+
 def test_min_tokens_masks_sampled_rows_too():
     logits = np.full((8, 16), -5.0, np.float32)
     logits[:, 2] = 10.0  # EOS would win every draw
