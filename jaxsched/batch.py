@@ -135,8 +135,10 @@ def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tu
 
 # The int32 row fields the sampler reads, in the order the model program passes them on. The
 # sampler is a program of its own, compiled per S alone (runner.py), so it cannot take the int32
-# buffer, whose length depends on T: the model program hands it these as one i32[6 S] array. The
+# buffer, whose length depends on T: the model program hands it these as one i32[7 S] array. The
 # float32 buffer holds sampler fields only, each [S], so it goes to the sampler program as it is.
+# pending_token is no buffer field: the model program takes it from the previous step's sampled ids
+# (pending_src names the row).
 SAMPLER_I32 = ("top_k", "seeds", "sample_index", "num_logprobs", "penalty_num", "masked", "pending_token")
 
 
