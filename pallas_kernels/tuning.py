@@ -75,11 +75,12 @@ def layer_weights(platform: str) -> str:
 # the sampler's call returned only once the same step's model program had run: the host could not
 # schedule the next step meanwhile. "host": a program per S for each feature set below, no cond in
 # any; the host picks the first that holds what the step needs. The cheapest first: all-greedy steps
-# without logprobs (offline benchmarks), then sampled ones without filters (a served default), then
+# without logprobs (offline benchmarks), sampled ones without filters (a served default), greedy
+# ones with logprobs (evaluations; the filters' sort over [S, V] is the costly part left out), then
 # everything but penalties, logit_bias and masks, then everything.
 SAMPLER_BRANCHES = ("device", "host")
-SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"sample", "filter", "logprobs"}),
-                    frozenset({"sample", "filter", "logprobs", "adjust"}))
+SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"logprobs"}),
+                    frozenset({"sample", "filter", "logprobs"}), frozenset({"sample", "filter", "logprobs", "adjust"}))
 
 
 def sampler_branches(platform: str) -> str:

@@ -187,7 +187,8 @@ def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
     """sampler_branches="host" (a GPU's choice: a sampler program without lax.cond, picked by the host
     for each step) gives the outputs of "device" (one program with conds), overlap on, with no compile
     after warm-up; the workload (greedy, sampled with and without filters, logprobs, penalties,
-    min_tokens, a logit_bias, a long sampled request) makes the host pick every variant."""
+    min_tokens, a logit_bias, a long sampled request, then a greedy one with logprobs) makes the host
+    pick every variant."""
     runs, used = {}, {}
     for mode in ("device", "host"):
         llm = LLM(llama_dir, **BASE, sampler_branches=mode)
@@ -206,8 +207,10 @@ def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
         reqs.append(("r12", reqs[0][1], biased))
         # sampled without filters, outliving the rest: its last steps need the draw alone
         reqs.append(("r13", reqs[0][1], SamplingParams(temperature=1.0, seed=3, max_tokens=45, ignore_eos=True)))
+        # then, alone, greedy with logprobs
+        later = [("r14", reqs[0][1], SamplingParams(temperature=0, logprobs=1, max_tokens=12, ignore_eos=True))]
         with no_compilation():
-            runs[mode] = drive(llm, reqs)
+            runs[mode] = drive(llm, reqs) | drive(llm, later)
         used[mode] = picked
     assert used["device"] == {0}
     assert used["host"] == set(range(len(tuning.SAMPLER_VARIANTS))), used["host"]
