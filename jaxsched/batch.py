@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxsched.grammar import fill_rows, mask_words
-from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids
+from jaxsched.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids, tracks_outputs
 from jaxsched.request import INT32_MAX, MAX_LOGIT_BIAS, Request, SamplingParams
 from jaxsched.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -317,8 +317,10 @@ class BatchPacker:
                 # counts it too: output_index is the outputs before this row's sample, read or not.
                 b.penalty_num[i] = self.penalties.fill_row(r, b.penalty_ids[i], b.penalty_counts[i],
                                                            sched[i].output_index)
-                b.pending_src[i] = pending.get(i, 0)
-                b.has_penalties = True
+                if tracks_outputs(sp):
+                    b.pending_src[i] = pending.get(i, 0)
+                # a min_tokens row past its minimum has an empty table: the step runs no penalty stage
+                b.has_penalties |= bool(b.penalty_num[i] or b.pending_src[i])
         self.penalties.prune((r.request_id for r in reqs), 4 * self.max_seqs)
         if self.V:
             self._pack_constraints(b, sched, reqs, params, bad)

@@ -16,8 +16,9 @@ A request that step N ends (EOS, a stop token or string) costs one wasted row in
 token update() drops; one that ends by length is not scheduled again. The outputs are the
 synchronous engine's. Penalty tables are built on the host from the tokens read, and the sampler
 folds a row's pending token in on the device (batch.pending_src), so penalties do not wait. A
-constrained row's next token mask needs the token it samples (grammar.py), so the step after one
-with such a row waits for it (reads its tokens before scheduling). A step that swaps a request out
+grammar's next token mask needs the token its row samples (grammar.py, depends_on_tokens), so the
+step after one with such a row waits for it (reads its tokens before scheduling); a fixed mask
+(allowed_token_ids) does not. A step that swaps a request out
 waits too: the copy needs the pages of the step in flight.
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
@@ -161,7 +162,6 @@ class LLMEngine:
         # the model saw that step (bench_offline.py reports the error distribution)
         self.cost_errors: list[tuple[float, float]] | None = None
         self._last_done = 0.0  # when the last step's results were read (step-time estimates)
-        self._timed_pairs = set(self.runner.ran)  # run once already (first runs are slow)
         logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
                     "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
                     cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
@@ -390,13 +390,12 @@ class LLMEngine:
         """Feed the cost model what the step cost the engine: from the start of the step() call
         that dispatched it, or the read of the step before it if that came later (with overlap, the
         steps' reads are one step's wall time apart: host or device, whichever bounds it), to the
-        read of its results. A program's first run (one-time costs) is not fed."""
+        read of its results. A step that ran a model or sampler program for the first time (one-time
+        costs) is not fed."""
         seconds = res.done - max(step.call_start, self._last_done)
         self._last_done = res.done
         out = step.out
-        pair = (out.token_bucket, out.seq_bucket)
-        if pair not in self._timed_pairs:
-            self._timed_pairs.add(pair)
+        if step.first_run:
             return
         if self.cost_model is not None and self.measure_costs and not step.idle_after:
             self._costs.append((StepShape(out.token_bucket, out.seq_bucket, out.context), seconds))

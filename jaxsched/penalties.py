@@ -46,6 +46,12 @@ def table_capacity(max_model_len: int, vocab_size: int) -> int:
 MASKED = -1.0  # penalty_counts value for a token masked by min_tokens
 
 
+def tracks_outputs(params: SamplingParams) -> bool:
+    """Whether the request's table counts its own outputs (a repetition, presence or frequency
+    penalty); min_tokens alone masks tokens and counts nothing."""
+    return _tracks(params)[1]
+
+
 def _tracks(params: SamplingParams) -> tuple[bool, bool]:
     """(track the prompt, track the outputs) for these params."""
     rep = params.repetition_penalty != 1.0

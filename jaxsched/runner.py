@@ -85,6 +85,7 @@ class InFlight:
     # step must wait for it (Engine.step)
     needs_tokens: bool = False
     idle_after: bool = False  # the engine had no requests left after dispatching it (an abort)
+    first_run: bool = False  # its model or sampler program ran for the first time (one-time costs)
 
 
 def _chunked(pairs: list[tuple[int, int]]):
@@ -193,6 +194,7 @@ class ModelRunner:
         self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
         self.warmup_seconds = 0.0
         self.ran: set[tuple[int, int]] = set()  # bucket pairs whose program has run (first runs are slow)
+        self.sampler_ran: set[tuple[int, int]] = set()  # (S, variant index) of the sampler programs run
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
         nh = sched.num_host_blocks
         self.host_kv = tuple(np.zeros(_with_blocks(x.shape, nh), dt) for x in self.kv) if nh else None
@@ -439,12 +441,12 @@ class ModelRunner:
             args = (self._device(np.zeros((S, V), np.float32)), self._device(np.zeros(len(SAMPLER_I32) * S, np.int32)),
                     self._device(np.zeros(n_f32, np.float32)), self._idle_tables[S])
             self._fetch(*(p(*args)[0] for p in programs[1:]))
+            self.sampler_ran.update((S, k) for k in range(len(programs)))
 
     def run_once(self, T: int, S: int) -> None:
         """Run (T, S)'s program on a batch of padding, waiting for it (attention reads nothing and
         the pool's real blocks are untouched: padding writes the null page)."""
         self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))))
-        self.ran.add((T, S))
 
     def dispatch(self, out: SchedulerOutput) -> InFlight:
         """Start one step: its block moves (even an empty step may have some), then its rows, without
@@ -463,7 +465,11 @@ class ModelRunner:
             batch = self.packer.pack(out)
             t1 = time.perf_counter()
             step.pack_seconds = t1 - t0
+            T = batch.num_tokens_bucket
+            first = (T, batch.num_seqs_bucket) not in self.ran
+            n_sampler = len(self.sampler_ran)
             step.ints, step.floats = self.run(batch)
+            step.first_run = first or len(self.sampler_ran) > n_sampler
             step.launch_seconds = time.perf_counter() - t1
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
             return step
@@ -504,6 +510,8 @@ class ModelRunner:
             batch.has_penalties or batch.has_mask or batch.has_bias)
         ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
                                                    self._put(batch.flat_f32), tables, needs)
+        self.ran.add((T, S))
+        self.sampler_ran.add((S, self._variant(needs)))
         return ints, floats
 
     def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables, needs: frozenset[str] | None = None):
@@ -515,11 +523,14 @@ class ModelRunner:
 
     def sampler_for(self, S: int, needs: frozenset[str] | None):
         """S's sampler program for a step that needs `needs` (None: any step)."""
-        programs = self._samplers[S]
-        for program, features in zip(programs, self.sampler_variants):
+        return self._samplers[S][self._variant(needs)]
+
+    def _variant(self, needs: frozenset[str] | None) -> int:
+        """The index of the first sampler variant that holds `needs` (None: any step)."""
+        for k, features in enumerate(self.sampler_variants):
             if features is None or (needs is not None and needs <= features):
-                return program
-        return programs[-1]  # the last variant holds every feature (tuning.SAMPLER_VARIANTS)
+                return k
+        return len(self.sampler_variants) - 1  # the last variant holds every feature (tuning.SAMPLER_VARIANTS)
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
         """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the

@@ -29,7 +29,7 @@ def rows(S: int, V: int, temperature: float) -> dict:
     """SamplerRows' fields for S plain rows: no filters, penalties, bias entries, masks or logprobs."""
     zi, zf = np.zeros(S, np.int32), np.zeros(S, np.float32)
     fields = {"top_k": zi, "seeds": np.arange(S, dtype=np.int32) * 7919, "sample_index": zi,
-              "num_logprobs": zi - 1, "penalty_num": zi, "masked": zi,
+              "num_logprobs": zi - 1, "penalty_num": zi, "masked": zi, "pending_token": zi - 1,
               "temperature": np.full(S, temperature, np.float32), "top_p": np.ones(S, np.float32), "min_p": zf,
               "presence_penalty": zf, "frequency_penalty": zf, "repetition_penalty": np.ones(S, np.float32),
               "penalty_ids": np.zeros((S, 64), np.int32), "penalty_counts": np.zeros((S, 64), np.float32),

@@ -220,6 +220,57 @@ def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
         assert summary(runs["host"][rid]) == summary(runs["device"][rid]), rid
 
 
+def _counting_picks(runner) -> list[int]:
+    """The index of the sampler variant each step runs, appended as the runner picks it."""
+    picked, pick = [], runner.sampler_for
+
+    def counting(S, needs):
+        program = pick(S, needs)
+        picked.append(runner._samplers[S].index(program))
+        return program
+
+    runner.sampler_for = counting
+    return picked
+
+
+def test_a_min_tokens_row_past_its_minimum_runs_no_penalty_stage(llama_dir):
+    """min_tokens alone counts no outputs: once the minimum is reached the row has an empty table and
+    no token in flight to fold in, so the host picks the greedy variant, without the penalty stage,
+    for its later steps."""
+    llm = LLM(llama_dir, **BASE, sampler_branches="host")
+    picked = _counting_picks(llm.llm_engine.runner)
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=3)  # EOS masked for 3 tokens
+    with no_compilation():
+        out = drive(llm, [("m", prompts(llm, 1)[0], sp)])
+    assert len(out["m"].outputs[0].token_ids) > 3
+    every = len(tuning.SAMPLER_VARIANTS) - 1
+    assert picked[:3] == [every] * 3 and set(picked[3:]) == {0}, picked
+
+
+def test_a_sampler_programs_first_run_is_not_fed_to_the_cost_model(llama_dir):
+    """Without warm-up runs, a step that runs a sampler variant for the first time pays its one-time
+    costs: it is not fed to the step-cost model, even where its (T, S) program ran before."""
+    llm = LLM(llama_dir, **{**BASE, "step_cost_model": True}, sampler_branches="host")
+    eng = llm.llm_engine
+    seen = []
+    observe = eng._observe
+
+    def recording(step, res):
+        n = len(eng._costs)
+        observe(step, res)
+        seen.append(((step.out.token_bucket, step.out.seq_bucket), step.first_run, len(eng._costs) > n))
+
+    eng._observe = recording
+    p = prompts(llm, 1)[0]
+    drive(llm, [("g", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
+    greedy = len(seen)
+    drive(llm, [("s", p, SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))])
+    pairs = {pair for pair, _, _ in seen[:greedy]}
+    first_sampled = seen[greedy]
+    assert first_sampled[0] in pairs and first_sampled[1:] == (True, False), seen  # its prefill: pair ran, variant new
+    assert all(fed == (not first) for _, first, fed in seen[greedy + 1 :]), seen
+
+
 def test_cost_model_keeps_the_tokens(llama_dir):
     """With the step-cost model sizing steps (and deferring decode rows), greedy tokens are those
     of the max_paddings rule; logprobs agree to float rounding (batches differ)."""

@@ -463,7 +463,9 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     warm = LLM(llama_dir, **ENGINE, warm_up_runs=True, sampler_branches=branches)
     runner = warm.llm_engine.runner
     assert runner.ran == set(runner.bucket_pairs())
-    assert llm.llm_engine.runner.ran == set()  # off by default in the library
+    assert runner.sampler_ran == {(S, k) for S, programs in runner._samplers.items() for k in range(len(programs))}
+    assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == (1 if branches == "device" else 5)  # SAMPLER_VARIANTS
+    assert llm.llm_engine.config.warm_up_runs is False  # off by default in the library
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = prompts_of(llm, 10)
     with no_compilation():
