@@ -18,8 +18,8 @@ synchronous engine's. Penalty tables are built on the host from the tokens read,
 folds a row's pending token in on the device (batch.pending_src), so penalties do not wait. A
 grammar's next token mask needs the token its row samples (grammar.py, depends_on_tokens), so the
 step after one with such a row waits for it (reads its tokens before scheduling); a fixed mask
-(allowed_token_ids) does not. A step that swaps a request out
-waits too: the copy needs the pages of the step in flight.
+(allowed_token_ids) does not. A step that swaps a request out waits too: the copy needs the pages
+of the step in flight.
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
 

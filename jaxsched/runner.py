@@ -465,11 +465,9 @@ class ModelRunner:
             batch = self.packer.pack(out)
             t1 = time.perf_counter()
             step.pack_seconds = t1 - t0
-            T = batch.num_tokens_bucket
-            first = (T, batch.num_seqs_bucket) not in self.ran
-            n_sampler = len(self.sampler_ran)
+            seen = len(self.ran) + len(self.sampler_ran)
             step.ints, step.floats = self.run(batch)
-            step.first_run = first or len(self.sampler_ran) > n_sampler
+            step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
             step.launch_seconds = time.perf_counter() - t1
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
             return step
@@ -505,14 +503,17 @@ class ModelRunner:
         mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
         bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
         tables = (*pen, *mask, *bias)
-        needs = None if len(self.sampler_variants) == 1 else sampler_needs(
-            batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
-            batch.has_penalties or batch.has_mask or batch.has_bias)
         ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
-                                                   self._put(batch.flat_f32), tables, needs)
+                                                   self._put(batch.flat_f32), tables, self.step_needs(batch))
         self.ran.add((T, S))
-        self.sampler_ran.add((S, self._variant(needs)))
         return ints, floats
+
+    def step_needs(self, batch: BatchDescriptor) -> frozenset[str] | None:
+        """The sampler features a packed batch needs (sampler.needs); None where S has one program."""
+        if len(self.sampler_variants) == 1:
+            return None
+        return sampler_needs(batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
+                             batch.has_penalties or batch.has_mask or batch.has_bias)
 
     def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables, needs: frozenset[str] | None = None):
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
@@ -522,15 +523,12 @@ class ModelRunner:
         return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
 
     def sampler_for(self, S: int, needs: frozenset[str] | None):
-        """S's sampler program for a step that needs `needs` (None: any step)."""
-        return self._samplers[S][self._variant(needs)]
-
-    def _variant(self, needs: frozenset[str] | None) -> int:
-        """The index of the first sampler variant that holds `needs` (None: any step)."""
-        for k, features in enumerate(self.sampler_variants):
-            if features is None or (needs is not None and needs <= features):
-                return k
-        return len(self.sampler_variants) - 1  # the last variant holds every feature (tuning.SAMPLER_VARIANTS)
+        """S's sampler program for a step that needs `needs` (None: any step): the first variant that
+        holds them, the last (every feature) otherwise. Recorded in sampler_ran, as it is about to run."""
+        k = next((k for k, features in enumerate(self.sampler_variants)
+                  if features is None or (needs is not None and needs <= features)), len(self.sampler_variants) - 1)
+        self.sampler_ran.add((S, k))
+        return self._samplers[S][k]
 
     def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
         """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the

@@ -41,7 +41,6 @@ import numpy as np
 from bench_offline import make_llm, parser, workload
 
 from jaxsched.batch import BatchDescriptor
-from jaxsched.sampler import needs as sampler_needs
 
 
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:
@@ -141,10 +140,8 @@ def main() -> None:
         kind = "decode" if int(batch.query_start_loc[n]) == n else "prefill"
         wanted = not args.no_row_limits or kind != "decode" or n < T  # with --no-row-limits: padded
         if wanted and (kind not in captured or (T, S) > captured[kind][0]):
-            needs = sampler_needs(batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
-                                  batch.has_penalties or batch.has_mask or batch.has_bias)
             captured[kind] = ((T, S), (np.asarray(runner._prev_ids), batch.flat_i32.copy(), batch.flat_f32.copy(),
-                                       needs))
+                                       runner.step_needs(batch)))
         t0 = time.perf_counter()
         out = jax.block_until_ready(execute(batch))  # run() only dispatches: wait for the step
         seconds[(kind, T, S)] += time.perf_counter() - t0
