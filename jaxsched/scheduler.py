@@ -13,13 +13,14 @@ One step, in order:
      (taking prefix-cache hits), in policy order, while the budget, the cap, the pool and
      swap_threshold allow; with a policy that preempts for priority, a candidate that does not
      fit preempts the lowest-ranked running request when that one ranks below it;
-  3. the step's size is chosen: with a step-cost model (step_cost.py), the candidate sizes (the
-     bucket boundaries below the step's tokens, reached by trimming prefill chunks and, for
-     throughput, deferring decode rows one step: any while requests wait, else only rows with
-     slack before the longest ends) are compared by predicted time: the most tokens per
-     predicted second, or with a TPOT target the largest step predicted within it; without
-     one, prefill chunks are trimmed so the step fits its bucket with at most max_paddings padded
-     tokens. Then the blocks that are full after the step are registered in the prefix cache.
+  3. the step's size is chosen: prefill chunks are trimmed so the step fits its bucket with at
+     most max_paddings padded tokens; then, with a step-cost model (step_cost.py), the candidate
+     sizes (the bucket boundaries below the step's tokens, reached for throughput by deferring
+     decode rows one step: any while requests wait, else only rows with slack before the longest
+     ends; with a TPOT target by trimming prefill chunks instead of the max_paddings rule) are
+     compared by predicted time: the most tokens per predicted second, or the largest step
+     predicted within the target. Then the blocks that are full after the step are registered in
+     the prefix cache.
 
 A decision depends only on the queues, the block manager, the config and the step-cost table, so a
 recorded trace of adds, aborts, sampled tokens and cost observations replays to the same decisions.
@@ -281,10 +282,12 @@ class Scheduler:
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
         if sched:
-            if self.cost_model is not None and self.cost_model.known(*self.bucket_pair(total, len(sched))):
-                total = self._choose_by_cost(out, total, was_running)
-            else:
+            model = self.cost_model
+            # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
+            if model is None or self.target_step_seconds is None or not model.known(*self.bucket_pair(total, len(sched))):
                 total = self._fit_bucket(list(sched.values()), total)
+            if model is not None and model.known(*self.bucket_pair(total, len(sched))):
+                total = self._choose_by_cost(out, total, was_running)
             context = 0
             for row in sched.values():
                 self._commit(row)
@@ -486,16 +489,20 @@ class Scheduler:
 
     def _choose_by_cost(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
         """Size the step by predicted cost. Candidates: the step as scheduled, and each token
-        bucket below it that trimming prefill chunks (latest first, each keeps a token) and then
-        deferring decode rows (of requests running before this step, lowest-ranked first, none
-        deferred in the last step, so none waits twice in a row; once nothing waits, only rows
-        that still end no later than the step's longest) can reach. Picks the most tokens per
-        predicted second; with target_step_seconds, the largest candidate predicted within it, or
-        the quickest when none is (prefill trimmed only: a deferred decode row is the latency the
-        target protects). Returns the step's tokens; out.scheduled is trimmed to match."""
+        bucket below it that deferring decode rows (of requests running before this step,
+        lowest-ranked first, none deferred in the last step, so none waits twice in a row; once
+        nothing waits, only rows that still end no later than the step's longest) can reach. Picks
+        the most tokens per predicted second. With target_step_seconds, prefill chunks are trimmed
+        instead (latest first, each keeps a token; a deferred decode row is the latency the target
+        protects): the largest candidate predicted within it, or the quickest when none is. Returns
+        the step's tokens; out.scheduled is trimmed to match."""
         rows = list(out.scheduled.values())
         model, target = self.cost_model, self.target_step_seconds
-        chunk_cut = sum(row.num_new_tokens - 1 for row in rows)
+        # Prefill chunks are trimmed only to keep a TPOT target. For throughput they keep the budget
+        # (max_paddings has trimmed them already): trimming moves prompt tokens to a later step
+        # rather than saving them, and every step with a queue is full, so on a noisy cost table
+        # the trims that looked a few per cent better added steps to the run (docs/PERFORMANCE.md).
+        chunk_cut = 0 if target is None else sum(row.num_new_tokens - 1 for row in rows)
         # While requests wait, any decode row may be deferred. Once the batch drains, only a row
         # with slack: one that, put off a step, still samples its last token no later than the
         # longest row in the step, which is never deferred. Deferring any row then lengthened the
