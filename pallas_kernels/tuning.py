@@ -76,11 +76,15 @@ def layer_weights(platform: str) -> str:
 # schedule the next step meanwhile. "host": a program per S for each feature set below, no cond in
 # any; the host picks the first that holds what the step needs. The cheapest first: all-greedy steps
 # without logprobs (offline benchmarks), sampled ones without filters (a served default), greedy
-# ones with logprobs (evaluations; the filters' sort over [S, V] is the costly part left out), then
-# everything but penalties, logit_bias and masks, then everything.
+# ones with logprobs (evaluations), then everything but the filters (greedy structured output, and
+# any step with penalties, a logit_bias or a mask but no top-k/p/min-p), then everything but
+# penalties, logit_bias and masks, then everything. The filters' sort over [S, V] is the costly part
+# the first four leave out, by far the largest there is (docs/PERFORMANCE.md, "Twenty-seventh
+# pass"); each set is one more program per S to compile.
 SAMPLER_BRANCHES = ("device", "host")
 SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"logprobs"}),
-                    frozenset({"sample", "filter", "logprobs"}), frozenset({"sample", "filter", "logprobs", "adjust"}))
+                    frozenset({"sample", "logprobs", "adjust"}), frozenset({"sample", "filter", "logprobs"}),
+                    frozenset({"sample", "filter", "logprobs", "adjust"}))
 
 
 def sampler_branches(platform: str) -> str:

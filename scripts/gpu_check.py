@@ -24,6 +24,8 @@ of time still leaves the others' figures:
            skipped it). Between the first backend and the others: "pallas" with overlap on and
            the sampler's other choice (sampler_branches=device: lax.conds, which XLA:GPU turns
            into waits for the device), then with layer_weights=unrolled (the layers without a loop).
+  sampler  scripts/bench_sampler.py --variants: each cond-free sampler program alone (greedy rows,
+           V of the 1B model, S = 64 and 256), and the cond program.
 
 Timing: a figure is the median over --runs runs of one jitted fori_loop of --iters calls, each
 call's queries being the previous call's output (so no call can be hoisted or skipped), divided by
@@ -52,6 +54,8 @@ Table to fill in from the JSON (not yet measured on the H200):
   | pallas, overlap on, sampler_branches=device (one sampler program with lax.conds): ____ tokens/s,
   |   launch ____ ms a step (pallas_sampler_device), against the first run's (sampler_branches
   |   "host", the GPU default: its sampler_branches field says which ran)
+  | sampler variants alone, V = 128256, S = 64 / 256, ms per call (sampler_variants.ms): argmax ____,
+  |   with the filters' sort ____, everything but the filters ____, the cond program ____
 """
 
 from __future__ import annotations
@@ -394,6 +398,17 @@ def orchestrate(args) -> int:
                 print(f"== bench: tensor_parallel_size=2 skipped: {devices} device(s) here, it needs 2", flush=True)
                 report["bench"]["pallas_tp2"] = f"skipped: {devices} device(s), tensor parallelism needs 2"
             save()
+    # The sampler's cond-free programs alone (tuning.SAMPLER_VARIANTS, the GPU's choice), greedy rows:
+    # what the filters' sort over [S, V] costs beside the step, and so whether each variant earns its
+    # compile at warm-up. Last: it is the least needed figure when the budget runs short.
+    print("== sampler variants: ms per call", flush=True)
+    sampler = [sys.executable, str(ROOT / "scripts" / "bench_sampler.py"), "--variants", "--json"] + (
+        ["--vocab", "1000", "--seqs", "8", "--reps", "3"] if args.dry_run else
+        ["--vocab", str(LLAMA_1B["vocab_size"]), "--seqs", "64", "256", "--reps", "20"])
+    res, status = run_phase(sampler, min(120, left()), env)
+    report["phases"]["sampler"] = status
+    report["sampler_variants"] = res
+    save()
     ok = all(s == "ok" for s in report["phases"].values()) and all(
         c["ok"] for c in (report.get("kernels") or {}).get("correctness", [{"ok": False}]))
     report["ok"] = ok

@@ -236,15 +236,34 @@ def _counting_picks(runner) -> list[int]:
 def test_a_min_tokens_row_past_its_minimum_runs_no_penalty_stage(llama_dir):
     """min_tokens alone counts no outputs: once the minimum is reached the row has an empty table and
     no token in flight to fold in, so the host picks the greedy variant, without the penalty stage,
-    for its later steps."""
+    for its later steps. Before that, the variant with the penalty stage but without the filters'
+    sort."""
     llm = LLM(llama_dir, **BASE, sampler_branches="host")
     picked = _counting_picks(llm.llm_engine.runner)
     sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=3)  # EOS masked for 3 tokens
     with no_compilation():
         out = drive(llm, [("m", prompts(llm, 1)[0], sp)])
     assert len(out["m"].outputs[0].token_ids) > 3
-    every = len(tuning.SAMPLER_VARIANTS) - 1
-    assert picked[:3] == [every] * 3 and set(picked[3:]) == {0}, picked
+    adjust = next(k for k, v in enumerate(tuning.SAMPLER_VARIANTS) if "adjust" in v)
+    assert "filter" not in tuning.SAMPLER_VARIANTS[adjust]
+    assert picked[:3] == [adjust] * 3 and set(picked[3:]) == {0}, picked
+
+
+def test_a_step_without_top_k_p_or_min_p_runs_no_sort(llama_dir):
+    """The filters' sort over [S, V] is by far the sampler's costliest part: a step that needs no
+    filter (greedy structured output, penalties, a logit_bias, sampled rows with logprobs) gets a
+    variant without it; one that does gets the filters."""
+    runner = LLM(llama_dir, **BASE, sampler_branches="host").llm_engine.runner
+    S = runner.bucket_pairs()[0][1]
+
+    def picked(needs):
+        return tuning.SAMPLER_VARIANTS[runner._samplers[S].index(runner.sampler_for(S, frozenset(needs)))]
+
+    for needs in ({"adjust"}, {"adjust", "logprobs"}, {"sample", "adjust"}, {"sample", "logprobs"},
+                  {"sample", "logprobs", "adjust"}):
+        variant = picked(needs)
+        assert needs <= variant and "filter" not in variant, (sorted(needs), sorted(variant))
+        assert needs | {"filter"} <= picked(needs | {"sample", "filter"})
 
 
 def test_a_sampler_programs_first_run_is_not_fed_to_the_cost_model(llama_dir):

@@ -17,7 +17,7 @@ from tiny import needs_torch
 
 from jaxsched import LLM, EngineArgs, SamplingParams
 from jaxsched.errors import InvalidRequestError, StepFailedError
-from pallas_kernels import backends
+from pallas_kernels import backends, tuning
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 
@@ -464,7 +464,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     runner = warm.llm_engine.runner
     assert runner.ran == set(runner.bucket_pairs())
     assert runner.sampler_ran == {(S, k) for S, programs in runner._samplers.items() for k in range(len(programs))}
-    assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == (1 if branches == "device" else 5)  # SAMPLER_VARIANTS
+    assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == (1 if branches == "device" else len(tuning.SAMPLER_VARIANTS))
     assert llm.llm_engine.config.warm_up_runs is False  # off by default in the library
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = prompts_of(llm, 10)
