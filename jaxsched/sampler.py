@@ -116,13 +116,24 @@ def argmax_rows(x):
     return (blk * B + inner).astype(jnp.int32)
 
 
+def _kept_by_top_k(top_k, V: int):
+    """Tokens each row's top-k keeps: i32[S], V where top-k is off (0 or -1) or wider than V."""
+    return jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+
+
+def _min_p_threshold(mx, t, min_p):
+    """min_p keeps p >= min_p * p_max, i.e. logits / t >= max / t + log(min_p): mx f32[S, 1] the
+    rows' largest logits -> f32[S, 1], -inf where min_p is off."""
+    return jnp.where(min_p[:, None] > 0, mx + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
+
+
 def _threshold(logits, t, top_k, top_p, min_p):
     """The lowest logit each row keeps under its top-k, top-p and min-p at temperature t: logits
     f32[S, V], t f32[S] -> f32[S, 1]. The thresholds are the rows' own logits (min-p's excepted), not
     logits / t, so a filter that keeps one token keeps exactly the argmax."""
     _S, V = logits.shape
     srt = -jnp.sort(-logits, axis=-1)  # descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    k = _kept_by_top_k(top_k, V)
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
     srt_k = jnp.where(jnp.arange(V)[None, :] < k[:, None], srt / t[:, None], -jnp.inf)
     probs = jax.nn.softmax(srt_k, axis=-1)
@@ -130,25 +141,23 @@ def _threshold(logits, t, top_k, top_p, min_p):
     n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
     # top_p = 1 is off: float32's cumulative sum reaches 1.0 before the last kept ranks of a peaked row
     pth = jnp.where((top_p < 1.0)[:, None], jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1), -jnp.inf)
-    # min_p keeps p >= min_p * p_max, i.e. logits / t >= max / t + log(min_p)
-    mth = jnp.where(min_p[:, None] > 0, srt[:, :1] + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
-    return jnp.maximum(jnp.maximum(kth, pth), mth)
+    return jnp.maximum(jnp.maximum(kth, pth), _min_p_threshold(srt[:, :1], t, min_p))
 
 
-def _threshold_top(logits, t, top_k, top_p, min_p, count: int):
-    """_threshold from each row's `count` largest logits (lax.top_k), without sorting the row, and
-    whether that was enough for each row: bool[S]. It is where the row's top-k is at most `count`,
+def _threshold_top(logits, t, top_k, top_p, min_p):
+    """_threshold from each row's FILTER_TOP largest logits (lax.top_k), without sorting the row, and
+    whether that was enough for each row: bool[S]. It is where the row's top-k is at most FILTER_TOP,
     or top-k is off and its nucleus (top-p) ends within them (or top-p is off); min-p needs only the
     maximum. The softmax's normaliser over the kept ranks then comes from the whole row (top-k off)
-    or from the ranks themselves. A row whose top_k is over `count`, or whose nucleus is wider, is
-    not covered."""
+    or from the ranks themselves. A row whose top_k is over FILTER_TOP, or whose nucleus is wider,
+    is not covered."""
     _S, V = logits.shape
-    K = min(count, V)
+    K = min(FILTER_TOP, V)
     # f32[S, K], descending. XLA:CPU runs top_k as its TopK kernel only while the sort it lowers to
     # has the one slice as its user; reading top's first column let the simplifier slice the sort a
     # second time, and the whole row was sorted. The barrier keeps top_k whole.
     top = jax.lax.optimization_barrier(jax.lax.top_k(logits, K)[0])
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    k = _kept_by_top_k(top_k, V)
     ranks = jnp.arange(K)[None, :]
     in_k = ranks < k[:, None]
     kth = jnp.where((k <= K)[:, None], jnp.take_along_axis(top, (jnp.minimum(k, K) - 1)[:, None], axis=-1), -jnp.inf)
@@ -160,9 +169,8 @@ def _threshold_top(logits, t, top_k, top_p, min_p, count: int):
     n_keep = jnp.maximum(jnp.sum(in_k & (mass - probs < top_p[:, None]), axis=-1), 1)
     p_on = top_p < 1.0
     pth = jnp.where(p_on[:, None], jnp.take_along_axis(top, (n_keep - 1)[:, None], axis=-1), -jnp.inf)
-    mth = jnp.where(min_p[:, None] > 0, mx + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
     covered = (k <= K) | ((k >= V) & (~p_on | (mass[:, -1] >= top_p)))
-    return jnp.maximum(jnp.maximum(kth, pth), mth), covered
+    return jnp.maximum(jnp.maximum(kth, pth), _min_p_threshold(mx, t, min_p)), covered
 
 
 def _order_key(x):
@@ -196,20 +204,19 @@ def _threshold_bisect(logits, t, top_k, top_p, min_p):
     keys = _order_key(logits)
     mx = jnp.max(logits, axis=-1, keepdims=True)
     lo, hi = _order_key(jnp.min(logits, axis=-1)) - 1, keys.max(axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    k = _kept_by_top_k(top_k, V)
     kth = _from_key(_least_key(lo, hi, lambda c: jnp.sum(keys > c[:, None], axis=-1) < k))[:, None]
     e = jnp.where(logits >= kth, jnp.exp((logits - mx) / t[:, None]), 0.0)
     z = jnp.sum(e, axis=-1)
     pc = _least_key(lo, hi, lambda c: jnp.sum(jnp.where(keys > c[:, None], e, 0.0), axis=-1) < top_p * z)
     pth = jnp.where((top_p < 1.0)[:, None], _from_key(pc)[:, None], -jnp.inf)
-    mth = jnp.where(min_p[:, None] > 0, mx + (t * jnp.log(jnp.maximum(min_p, 1e-38)))[:, None], -jnp.inf)
-    return jnp.maximum(jnp.maximum(kth, pth), mth)
+    return jnp.maximum(jnp.maximum(kth, pth), _min_p_threshold(mx, t, min_p))
 
 
 def _threshold_cond(logits, t, top_k, top_p, min_p, do_sample):
     """The filters' thresholds for the cond program: _threshold_top's where it covers every sampled
     row, else _threshold_bisect's. Neither sorts a row (docs/PERFORMANCE.md, "Twenty-seventh pass")."""
-    thr, covered = _threshold_top(logits, t, top_k, top_p, min_p, FILTER_TOP)
+    thr, covered = _threshold_top(logits, t, top_k, top_p, min_p)
     return jax.lax.cond(jnp.all(covered | ~do_sample), lambda: thr,
                         lambda: _threshold_bisect(logits, t, top_k, top_p, min_p))
 

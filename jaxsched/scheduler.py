@@ -283,10 +283,14 @@ class Scheduler:
         total = cfg.max_num_batched_tokens - budget
         if sched:
             model = self.cost_model
+            known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
             # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
-            if model is None or self.target_step_seconds is None or not model.known(*self.bucket_pair(total, len(sched))):
-                total = self._fit_bucket(list(sched.values()), total)
-            if model is not None and model.known(*self.bucket_pair(total, len(sched))):
+            if not (known and self.target_step_seconds is not None):
+                fitted = self._fit_bucket(list(sched.values()), total)
+                if fitted != total:
+                    total = fitted
+                    known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
+            if known:
                 total = self._choose_by_cost(out, total, was_running)
             context = 0
             for row in sched.values():
