@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -209,10 +210,18 @@ class BatchPacker:
         self.max_seqs = max_seqs
         self.penalties = PenaltyTables(penalty_capacity)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
+        # the last packed step, when a next step of the same rows each one token further can be
+        # packed from its buffers (_pack_steady); None otherwise
+        self._steady: _Steady | None = None
+        self._views: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}  # _descriptor's
+        self.verify_steady = os.environ.get(VERIFY_ENV, "") not in ("", "0")
+        self._scratch: tuple[np.ndarray, ...] | None = None  # _verify's buffers
+        self.steady_packs = 0  # steps packed by _pack_steady (for tests and benchmarks)
 
     def forget_prev(self) -> None:
         """After a failed step: no pending token will come from the steps packed so far."""
         self._prev_rows = {}
+        self._steady = None
 
     def pack(self, out: SchedulerOutput) -> BatchDescriptor:
         """The step's arrays. A request whose values do not fit them (which make_request's checks
@@ -221,6 +230,15 @@ class BatchPacker:
         `rejected`."""
         rows = list(out.scheduled.values())
         buffers = self._buffers[self._turn]  # both tries fill the same set: the other may be in use
+        if self._steady is not None:
+            b = self._pack_steady(out, rows, buffers)
+            if b is not None:
+                if self.verify_steady:
+                    self._verify(out, rows, b)
+                self._steady.turn, self._steady.seq_lens = self._turn, b.seq_lens[: len(rows)].copy()
+                self._turn ^= 1
+                self.steady_packs += 1
+                return b  # the same rows sampled last step, in the same order: _prev_rows holds
         try:
             b = self._pack(out, rows, {}, buffers)
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
@@ -229,17 +247,83 @@ class BatchPacker:
                 raise
             b = self._pack(out, rows, bad, buffers)
             b.rejected = {rows[i].request.request_id: why for i, why in bad.items()}
+        self._steady = _Steady.after(out, rows, b, self._turn)
         self._turn ^= 1
         self._prev_rows = {row.request.request_id: i for i, row in enumerate(rows) if row.samples}
         return b
 
+    def _pack_steady(self, out: SchedulerOutput, rows: list[ScheduledRequest],
+                     buffers: tuple[np.ndarray, ...]) -> BatchDescriptor | None:
+        """Steady decoding, packed from the last step's buffers: the same requests in the same rows,
+        each with one new token right after the last step's. Only the fields that move per token are
+        written (positions, lengths, slots, output indices, a block table row that grew); None when
+        the step is not such a step (pack() then packs it in full). What it gives equals the full
+        pack's arrays (`verify_steady` compares every step; the tests turn it on)."""
+        st = self._steady
+        n = len(rows)
+        if (out.token_bucket, out.seq_bucket, n) != (st.T, st.S, st.n) or out.has_block_moves:
+            return None
+        reqs = [row.request for row in rows]
+        if any(a is not b for a, b in zip(reqs, st.reqs)):
+            return None
+        if not all(row.num_new_tokens == 1 and row.samples and row.from_prev is st.from_prev for row in rows):
+            return None
+        seq_lens = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
+        if not (seq_lens == st.seq_lens + 1).all():
+            return None
+        T, S, M, P = st.T, st.S, self.M, self.P
+        n_i32, n_f32 = flat_sizes(T, S, M)
+        last = self._buffers[st.turn]
+        i32, f32 = buffers[0][:n_i32], buffers[1][:n_f32]
+        i32[:] = last[0][:n_i32]
+        f32[:] = last[1][:n_f32]
+        b = self._descriptor(buffers, T, S)
+        b.seq_lens[:n] = seq_lens
+        pos = b.positions[:n]
+        pos[:] = seq_lens - 1
+        b.sample_index[:n] = [row.output_index for row in rows]
+        if st.from_prev:  # each row's token is the one the last step sampled in the same row
+            b.from_prev[:n] = np.arange(1, n + 1, dtype=np.int32)
+        else:
+            b.token_ids[:n] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos.tolist())]
+        n_blocks = np.fromiter((len(row.block_ids) for row in rows), np.int32, n)
+        for i in np.flatnonzero(n_blocks != st.n_blocks).tolist():  # a row that entered a new block
+            b.block_tables[i, : n_blocks[i]] = rows[i].block_ids
+        st.n_blocks = n_blocks
+        b.slot_mapping[:n] = b.block_tables[np.arange(n), pos // P] * P + pos % P
+        self.penalties.forget(out.finished_ids)
+        return b
+
+    def _descriptor(self, buffers: tuple[np.ndarray, ...], T: int, S: int) -> BatchDescriptor:
+        """A fresh descriptor over a buffer set's (T, S) views. The views are made once per set and
+        bucket pair (slicing twenty-odd fields is a sizeable share of a small step's packing)."""
+        key = (id(buffers), T, S)
+        kw = self._views.get(key)
+        if kw is None:
+            n_i32, n_f32 = flat_sizes(T, S, self.M)
+            i32, f32, pen_ids, pen_counts, mask, bias_ids, bias_values = buffers
+            tables = (mask[:S], bias_ids[:S], bias_values[:S]) if self.V else (None, None, None)
+            proto = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, self.M, pen_ids[:S], pen_counts[:S], *tables)
+            kw = self._views[key] = {f.name: getattr(proto, f.name) for f in fields(BatchDescriptor)
+                                     if f.metadata.get("flat") or f.name in _VIEWS}
+        return BatchDescriptor(**kw)
+
+    def _verify(self, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor) -> None:
+        """Pack the step in full into a scratch set of buffers and check _pack_steady's arrays equal it."""
+        if self._scratch is None:  # a third set, kept: _descriptor caches views by buffer set
+            self._scratch = tuple(np.zeros_like(x) for x in self._buffers[0])
+        full = self._pack(out, rows, {}, self._scratch)
+        for name in ("flat_i32", "flat_f32"):
+            got, want = getattr(b, name), getattr(full, name)
+            if not np.array_equal(got, want):
+                bad = [f for f, start, stop, _ in _layout(name[-3:], full.num_tokens_bucket, full.num_seqs_bucket, self.M)
+                       if not np.array_equal(got[start:stop], want[start:stop])]
+                raise AssertionError(f"the steady pack differs from the full pack in {bad}")
+
     def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str],
               buffers: tuple[np.ndarray, ...]) -> BatchDescriptor:
-        T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
-        n_i32, n_f32 = flat_sizes(T, S, M)
-        i32, f32, pen_ids, pen_counts, mask, bias_ids, bias_values = buffers
-        tables = (mask[:S], bias_ids[:S], bias_values[:S]) if self.V else (None, None, None)
-        b = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, M, pen_ids[:S], pen_counts[:S], *tables)
+        T, S, P = out.token_bucket, out.seq_bucket, self.P
+        b = self._descriptor(buffers, T, S)
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
@@ -350,6 +434,49 @@ class BatchPacker:
                 b.bias_ids[i, : len(items)] = [t for t, _ in items]
                 b.bias_values[i, : len(items)] = [v for _, v in items]
             b.has_bias = True
+
+
+# the descriptor's fields that view the buffers besides the flat ones (_descriptor)
+_VIEWS = ("penalty_ids", "penalty_counts", "token_mask", "bias_ids", "bias_values", "flat_i32", "flat_f32")
+
+# set (to anything but 0) in the environment: every step packed by BatchPacker._pack_steady is
+# checked against the full pack (tests/conftest.py sets it for the whole suite)
+VERIFY_ENV = "JAXSCHED_VERIFY_PACK"
+
+
+@dataclass
+class _Steady:
+    """What _pack_steady needs of the last packed step: its buckets and rows, which buffer set holds
+    it, its rows' lengths and block counts, and whether its rows took their token from the device."""
+
+    T: int
+    S: int
+    n: int
+    reqs: list[Request]
+    turn: int
+    seq_lens: np.ndarray  # i32[n]
+    n_blocks: np.ndarray  # i32[n]
+    from_prev: bool
+
+    @classmethod
+    def after(cls, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor, turn: int) -> _Steady | None:
+        """The record of a fully packed step, or None when its next step cannot be packed from it:
+        any row not one sampled token (prefill), rows mixing tokens read and pending, or a request
+        whose tables move with every token (penalties, min_tokens, a grammar, a logit_bias)."""
+        n = len(rows)
+        if not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens:
+            return None
+        if not all(row.num_new_tokens == 1 and row.samples for row in rows):
+            return None
+        from_prev = rows[0].from_prev
+        if any(row.from_prev is not from_prev for row in rows):
+            return None
+        reqs = [row.request for row in rows]
+        if any(r.sampling_params.uses_penalties or r.sampling_params.logit_bias or r.constraint is not None
+               for r in reqs):
+            return None
+        return cls(out.token_bucket, out.seq_bucket, n, reqs, turn, b.seq_lens[:n].copy(),
+                   np.fromiter((len(row.block_ids) for row in rows), np.int32, n), from_prev)
 
 
 _NEUTRAL = SamplingParams(temperature=0.0)  # what a rejected row samples with (its token is dropped)

@@ -11,6 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny
 
+# Every step the batch packer builds from the last step's buffers (steady decoding) is checked
+# against packing it in full, in every engine the suite runs (jaxsched/batch.py, VERIFY_ENV); set
+# before any engine exists. Subprocesses the tests start inherit it.
+os.environ.setdefault("JAXSCHED_VERIFY_PACK", "1")
+
 MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma")
 
 

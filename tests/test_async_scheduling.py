@@ -350,3 +350,70 @@ def test_scheduler_runs_one_step_ahead():
     assert o5.scheduled["c"].num_new_tokens == 6 and not o5.scheduled["c"].from_prev
     s.check_invariants()
 
+
+
+def steady_params():
+    """Rows that keep their sampling values from step to step: greedy, seeded draws with top-k,
+    top-p and min-p, logprobs."""
+    return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=4, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, monkeypatch):
+    """Decode steps of the same rows as the last step, one token further, are packed from its
+    buffers (batch.BatchPacker._pack_steady). The suite checks every such step against the full
+    pack (tests/conftest.py); here it must run often, the rows cross into new blocks (8-token
+    blocks, 24 tokens each), and the outputs equal those with it switched off."""
+    from jaxsched.batch import BatchPacker
+
+    def run():
+        llm = LLM(llama_dir, **BASE, async_scheduling=overlap)
+        ps = [{"prompt_token_ids": p} for p in prompts(llm, 8)]
+        params = [steady_params()[i % 4] for i in range(8)]
+        with no_compilation():
+            res = llm.generate(ps, params, use_tqdm=False)
+        packer = llm.llm_engine.runner.packer
+        return [summary(o) for o in res], packer
+
+    got, packer = run()
+    assert packer.verify_steady, "tests/conftest.py turns the check on"
+    assert packer.steady_packs >= 15, packer.steady_packs
+    monkeypatch.setattr(BatchPacker, "_pack_steady", lambda self, out, rows, buffers: None)
+    want, off = run()
+    assert off.steady_packs == 0
+    assert got == want
+
+
+def test_steady_pack_check_catches_a_wrong_field(llama_dir, monkeypatch):
+    """The check the suite runs can fail: a steady pack with one wrong output index stops the step."""
+    from jaxsched.batch import BatchPacker
+
+    steady = BatchPacker._pack_steady
+
+    def off_by_one(self, out, rows, buffers):
+        b = steady(self, out, rows, buffers)
+        if b is not None:
+            b.sample_index[0] += 1
+        return b
+
+    monkeypatch.setattr(BatchPacker, "_pack_steady", off_by_one)
+    llm = LLM(llama_dir, **BASE)
+    with pytest.raises(Exception) as e:
+        llm.generate([{"prompt_token_ids": p} for p in prompts(llm, 4)],
+                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    chain = [e.value, e.value.__cause__, e.value.__context__]
+    assert any("steady pack differs from the full pack in ['sample_index']" in str(x) for x in chain), chain
+
+
+def test_no_steady_pack_for_rows_whose_tables_move(llama_dir):
+    """Penalties (their tables take every token), a logit_bias and min_tokens keep the full pack."""
+    llm = LLM(llama_dir, **BASE)
+    ps = [{"prompt_token_ids": p} for p in prompts(llm, 4)]
+    for sp in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={5: 1.0}),
+               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=18)):
+        llm.generate(ps, sp, use_tqdm=False)
+    assert llm.llm_engine.runner.packer.steady_packs == 0
