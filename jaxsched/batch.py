@@ -231,7 +231,10 @@ class BatchPacker:
         rows = list(out.scheduled.values())
         buffers = self._buffers[self._turn]  # both tries fill the same set: the other may be in use
         if self._steady is not None:
-            b = self._pack_steady(out, rows, buffers)
+            try:
+                b = self._pack_steady(out, rows, buffers)
+            except (OverflowError, ValueError):  # a value that does not fit: the full pack names the row
+                b = None
             if b is not None:
                 if self.verify_steady:
                     self._verify(out, rows, b)
@@ -257,8 +260,10 @@ class BatchPacker:
         """Steady decoding, packed from the last step's buffers: the same requests in the same rows,
         each with one new token right after the last step's. Only the fields that move per token are
         written (positions, lengths, slots, output indices, a block table row that grew); None when
-        the step is not such a step (pack() then packs it in full). What it gives equals the full
-        pack's arrays (`verify_steady` compares every step; the tests turn it on)."""
+        the step is not such a step (pack() then packs it in full). A row's sampling values are the
+        last step's: they are read, and checked to fit, when the row is packed in full (SamplingParams
+        are frozen). What it gives equals the full pack's arrays (`verify_steady` compares every
+        step; the tests turn it on)."""
         st = self._steady
         n = len(rows)
         if (out.token_bucket, out.seq_bucket, n) != (st.T, st.S, st.n) or out.has_block_moves:
@@ -266,7 +271,9 @@ class BatchPacker:
         reqs = [row.request for row in rows]
         if any(a is not b for a, b in zip(reqs, st.reqs)):
             return None
-        if not all(row.num_new_tokens == 1 and row.samples and row.from_prev is st.from_prev for row in rows):
+        # a constraint may be attached to a running request (a grammar compiled late)
+        if not all(row.num_new_tokens == 1 and row.samples and row.from_prev is st.from_prev
+                   and row.request.constraint is None for row in rows):
             return None
         seq_lens = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
         if not (seq_lens == st.seq_lens + 1).all():

@@ -290,7 +290,13 @@ def test_async_stream_of_a_failed_row_raises(server):
     async def main():
         eng = server.engine
         stream = await eng.add_request("one two", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        await eng.call(lambda e: _smuggle(e.scheduler.requests[stream.request_id], top_k=2**40))
+        def smuggle(e):
+            _smuggle(e.scheduler.requests[stream.request_id], top_k=2**40)
+            # a running row's values are read when it is packed in full: steady decode steps reuse
+            # the last step's (batch.BatchPacker._pack_steady; SamplingParams are frozen)
+            e.runner.packer._steady = None
+
+        await eng.call(smuggle)
         with pytest.raises(EngineStepError, match="does not fit"):
             async for _ in stream:
                 pass
