@@ -217,6 +217,7 @@ class BatchPacker:
         self.verify_steady = os.environ.get(VERIFY_ENV, "") not in ("", "0")
         self._scratch: tuple[np.ndarray, ...] | None = None  # _verify's buffers
         self.steady_packs = 0  # steps packed by _pack_steady (for tests and benchmarks)
+        self.steady_gathers = 0  # of those, the ones whose rows were fewer than the last step's
 
     def forget_prev(self) -> None:
         """After a failed step: no pending token will come from the steps packed so far."""
@@ -238,10 +239,11 @@ class BatchPacker:
             if b is not None:
                 if self.verify_steady:
                     self._verify(out, rows, b)
-                self._steady.turn, self._steady.seq_lens = self._turn, b.seq_lens[: len(rows)].copy()
                 self._turn ^= 1
                 self.steady_packs += 1
-                return b  # the same rows sampled last step, in the same order: _prev_rows holds
+                if len(self._prev_rows) != len(rows):  # rows ended since the last step
+                    self._prev_rows = {row.request.request_id: i for i, row in enumerate(rows)}
+                return b
         try:
             b = self._pack(out, rows, {}, buffers)
         except (OverflowError, ValueError):  # numpy: a Python int out of bounds for int32
@@ -257,48 +259,72 @@ class BatchPacker:
 
     def _pack_steady(self, out: SchedulerOutput, rows: list[ScheduledRequest],
                      buffers: tuple[np.ndarray, ...]) -> BatchDescriptor | None:
-        """Steady decoding, packed from the last step's buffers: the same requests in the same rows,
-        each with one new token right after the last step's. Only the fields that move per token are
-        written (positions, lengths, slots, output indices, a block table row that grew); None when
-        the step is not such a step (pack() then packs it in full). A row's sampling values are the
-        last step's: they are read, and checked to fit, when the row is packed in full (SamplingParams
-        are frozen). What it gives equals the full pack's arrays (`verify_steady` compares every
-        step; the tests turn it on)."""
+        """Steady decoding, packed from the last step's buffers: the last step's rows, or those of
+        them still running, in the same order, each with one new token right after the last step's.
+        The rows' fields are copied (or gathered) from the last step's buffers; only those that move
+        per token are written (positions, lengths, slots, output indices, a block table row that
+        grew). None when the step is not such a step (pack() then packs it in full). A row's sampling
+        values are the last step's: they are read, and checked to fit, when the row is packed in full
+        (SamplingParams are frozen). What it gives equals the full pack's arrays (`verify_steady`
+        compares every step; the tests turn it on). Updates the record to this step's rows."""
         st = self._steady
         n = len(rows)
-        if (out.token_bucket, out.seq_bucket, n) != (st.T, st.S, st.n) or out.has_block_moves:
+        if not n or out.has_block_moves:
             return None
         reqs = [row.request for row in rows]
-        if any(a is not b for a, b in zip(reqs, st.reqs)):
-            return None
+        if n == st.n and all(a is b for a, b in zip(reqs, st.reqs)):
+            keep = None  # the same rows
+        else:  # rows ended since: the others keep their order
+            where = {id(r): i for i, r in enumerate(st.reqs)}
+            ks = [where.get(id(r), -1) for r in reqs]
+            if ks[0] < 0 or any(a >= b for a, b in itertools.pairwise(ks)):
+                return None
+            keep = np.array(ks, np.int32)
         # a constraint may be attached to a running request (a grammar compiled late)
         if not all(row.num_new_tokens == 1 and row.samples and row.from_prev is st.from_prev
                    and row.request.constraint is None for row in rows):
             return None
         seq_lens = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
-        if not (seq_lens == st.seq_lens + 1).all():
+        last_lens, last_blocks = (st.seq_lens, st.n_blocks) if keep is None else (st.seq_lens[keep], st.n_blocks[keep])
+        if not (seq_lens == last_lens + 1).all():
             return None
-        T, S, M, P = st.T, st.S, self.M, self.P
-        n_i32, n_f32 = flat_sizes(T, S, M)
-        last = self._buffers[st.turn]
-        i32, f32 = buffers[0][:n_i32], buffers[1][:n_f32]
-        i32[:] = last[0][:n_i32]
-        f32[:] = last[1][:n_f32]
-        b = self._descriptor(buffers, T, S)
+        T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
+        if keep is None and (T, S) == (st.T, st.S):
+            n_i32, n_f32 = flat_sizes(T, S, M)
+            last = self._buffers[st.turn]
+            buffers[0][:n_i32] = last[0][:n_i32]
+            buffers[1][:n_f32] = last[1][:n_f32]
+            b = self._descriptor(buffers, T, S)
+        else:
+            b = self._descriptor(buffers, T, S)
+            old = self._descriptor(self._buffers[st.turn], st.T, st.S)
+            k = np.arange(n) if keep is None else keep
+            b.flat_i32[:] = 0
+            b.flat_f32[:] = 0
+            for name in _ROW_VALUES:
+                getattr(b, name)[:n] = getattr(old, name)[k]
+            b.top_p[n:] = 1.0
+            b.num_logprobs[n:] = -1
+            b.query_start_loc[: n + 1] = np.arange(n + 1, dtype=np.int32)
+            b.query_start_loc[n + 1 :] = n
+            b.logits_indices[:n] = np.arange(n, dtype=np.int32)
+            b.num_seqs[0] = n
+            b.block_tables[:n] = old.block_tables[k]
         b.seq_lens[:n] = seq_lens
         pos = b.positions[:n]
         pos[:] = seq_lens - 1
         b.sample_index[:n] = [row.output_index for row in rows]
-        if st.from_prev:  # each row's token is the one the last step sampled in the same row
-            b.from_prev[:n] = np.arange(1, n + 1, dtype=np.int32)
+        if st.from_prev:  # each row's token is the one the last step sampled in its row there
+            b.from_prev[:n] = np.arange(1, n + 1, dtype=np.int32) if keep is None else keep + 1
         else:
             b.token_ids[:n] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos.tolist())]
         n_blocks = np.fromiter((len(row.block_ids) for row in rows), np.int32, n)
-        for i in np.flatnonzero(n_blocks != st.n_blocks).tolist():  # a row that entered a new block
+        for i in np.flatnonzero(n_blocks != last_blocks).tolist():  # a row that entered a new block
             b.block_tables[i, : n_blocks[i]] = rows[i].block_ids
-        st.n_blocks = n_blocks
         b.slot_mapping[:n] = b.block_tables[np.arange(n), pos // P] * P + pos % P
         self.penalties.forget(out.finished_ids)
+        self._steady = _Steady(T, S, n, reqs, self._turn, seq_lens, n_blocks, st.from_prev)
+        self.steady_gathers += keep is not None
         return b
 
     def _descriptor(self, buffers: tuple[np.ndarray, ...], T: int, S: int) -> BatchDescriptor:
@@ -445,6 +471,10 @@ class BatchPacker:
 
 # the descriptor's fields that view the buffers besides the flat ones (_descriptor)
 _VIEWS = ("penalty_ids", "penalty_counts", "token_mask", "bias_ids", "bias_values", "flat_i32", "flat_f32")
+
+# the row fields a steady step takes from the last step's rows as they are (batch.BatchPacker._pack_steady);
+# the others are the same for every such row (0) or move with each token
+_ROW_VALUES = ("top_k", "seeds", "num_logprobs", "temperature", "top_p", "min_p")
 
 # set (to anything but 0) in the environment: every step packed by BatchPacker._pack_steady is
 # checked against the full pack (tests/conftest.py sets it for the whole suite)

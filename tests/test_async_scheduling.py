@@ -354,19 +354,20 @@ def test_scheduler_runs_one_step_ahead():
 
 def steady_params():
     """Rows that keep their sampling values from step to step: greedy, seeded draws with top-k,
-    top-p and min-p, logprobs."""
+    top-p and min-p, logprobs; of different lengths, so that rows end while the others go on."""
     return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=4, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)]
+            SamplingParams(temperature=0.9, top_k=5, seed=3, max_tokens=17, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=4, max_tokens=21, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=2)]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, monkeypatch):
-    """Decode steps of the same rows as the last step, one token further, are packed from its
-    buffers (batch.BatchPacker._pack_steady). The suite checks every such step against the full
-    pack (tests/conftest.py); here it must run often, the rows cross into new blocks (8-token
-    blocks, 24 tokens each), and the outputs equal those with it switched off."""
+    """Decode steps of the last step's rows (or those of them still running), one token further,
+    are packed from its buffers (batch.BatchPacker._pack_steady). The suite checks every such step
+    against the full pack (tests/conftest.py); here it must run often, also after rows ended, the
+    rows cross into new blocks (8-token blocks, up to 24 tokens each), and the outputs equal those
+    with it switched off."""
     from jaxsched.batch import BatchPacker
 
     def run():
@@ -381,6 +382,7 @@ def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, m
     got, packer = run()
     assert packer.verify_steady, "tests/conftest.py turns the check on"
     assert packer.steady_packs >= 15, packer.steady_packs
+    assert packer.steady_gathers >= 2, "rows that ended must leave steady steps of the others"
     monkeypatch.setattr(BatchPacker, "_pack_steady", lambda self, out, rows, buffers: None)
     want, off = run()
     assert off.steady_packs == 0
