@@ -61,7 +61,8 @@ class EngineArgs:
     layer_weights: str = "auto"
     # how the sampler skips the parts a step does not need (jaxsched/sampler.py): "device" (one
     # program per sequence bucket, with lax.conds), "host" (a few programs without conds, the host
-    # picks one per step); "auto" takes the platform's choice (pallas_kernels.tuning.sampler_branches)
+    # picks one per step), "mixed" (the argmax alone for all-greedy steps, the program with conds for
+    # the others); "auto" takes the platform's choice (pallas_kernels.tuning.sampler_branches)
     sampler_branches: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would
@@ -309,7 +310,7 @@ class EngineConfig:
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
     layer_weights: str  # models/layers.py's layout, never "auto" (tuning.layer_weights decides it)
-    sampler_branches: str = "device"  # "device" or "host" (tuning.sampler_branches decides "auto")
+    sampler_branches: str = "device"  # "device", "host" or "mixed" (tuning.sampler_branches decides "auto")
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None

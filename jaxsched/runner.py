@@ -7,8 +7,8 @@ packed into fixed-shape arrays and two calls dispatched back to back: the model'
 logits stay on the device, then the sampler's. The sampler does not depend on T, so it is compiled
 once per S rather than into every pair's program: it was about half of each pair's compile time
 (docs/PERFORMANCE.md, "Decisions in the code"). Where XLA turns a lax.cond into a wait for the device
-(a GPU), the sampler is a few programs without conds and the host picks one per step
-(tuning.sampler_branches). All compilation happens in warm_up(), ahead of time;
+(a GPU), the sampler is a few programs without conds and the host picks one per step; on a CPU the
+host picks between the argmax alone and the program with conds (tuning.sampler_branches). All compilation happens in warm_up(), ahead of time;
 a step only looks its executables up, so it can never compile. The KV pool is donated to every
 call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
@@ -186,10 +186,9 @@ class ModelRunner:
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
-        # S -> the sampler's programs, one per variant: (None,), one program with lax.conds, or the
-        # feature sets of tuning.SAMPLER_VARIANTS, cheapest first (sampler.py)
-        self.sampler_variants: tuple[frozenset[str] | None, ...] = \
-            (None,) if config.sampler_branches == "device" else tuning.SAMPLER_VARIANTS
+        # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
+        # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
+        self.sampler_variants: tuple[frozenset[str] | None, ...] = tuning.SAMPLER_PROGRAMS[config.sampler_branches]
         self._samplers: dict[int, tuple] = {}
         self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
         self.warmup_seconds = 0.0

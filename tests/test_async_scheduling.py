@@ -185,12 +185,13 @@ def test_min_tokens_counts_the_pending_token(llama_dir):
 
 def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
     """sampler_branches="host" (a GPU's choice: a sampler program without lax.cond, picked by the host
-    for each step) gives the outputs of "device" (one program with conds), overlap on, with no compile
-    after warm-up; the workload (greedy, sampled with and without filters, logprobs, penalties,
+    for each step) and "mixed" (a CPU's: the argmax alone for all-greedy steps, else the program with
+    conds) give the outputs of "device" (one program with conds), overlap on, with no compile after
+    warm-up; the workload (greedy, sampled with and without filters, logprobs, penalties,
     min_tokens, a logit_bias, a long sampled request, then a greedy one with logprobs) makes the host
     pick every variant."""
     runs, used = {}, {}
-    for mode in ("device", "host"):
+    for mode in ("device", "host", "mixed"):
         llm = LLM(llama_dir, **BASE, sampler_branches=mode)
         runner = llm.llm_engine.runner
         picked = set()
@@ -214,10 +215,12 @@ def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
         used[mode] = picked
     assert used["device"] == {0}
     assert used["host"] == set(range(len(tuning.SAMPLER_VARIANTS))), used["host"]
+    assert used["mixed"] == {0, 1}, used["mixed"]
     assert runs["host"]["r12"].outputs[0].token_ids == [7] * 6
-    assert set(runs["device"]) == set(runs["host"])
-    for rid in runs["device"]:
-        assert summary(runs["host"][rid]) == summary(runs["device"][rid]), rid
+    for mode in ("host", "mixed"):
+        assert set(runs["device"]) == set(runs[mode])
+        for rid in runs["device"]:
+            assert summary(runs[mode][rid]) == summary(runs["device"][rid]), (mode, rid)
 
 
 def _counting_picks(runner) -> list[int]:

@@ -455,7 +455,7 @@ def test_stats_split_each_step_into_host_and_device_time(llm):
     assert 0 < after.host_share < 1
 
 
-@pytest.mark.parametrize("branches", ["device", "host"])
+@pytest.mark.parametrize("branches", ["device", "host", "mixed"])
 def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir, branches):
     """warm_up_runs: each compiled program runs once on padding at warm-up (its one-time costs paid
     there, not by the first requests), which leaves no trace in the pool: the same greedy tokens;
@@ -464,7 +464,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     runner = warm.llm_engine.runner
     assert runner.ran == set(runner.bucket_pairs())
     assert runner.sampler_ran == {(S, k) for S, programs in runner._samplers.items() for k in range(len(programs))}
-    assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == (1 if branches == "device" else len(tuning.SAMPLER_VARIANTS))
+    assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == len(tuning.SAMPLER_PROGRAMS[branches])
     assert llm.llm_engine.config.warm_up_runs is False  # off by default in the library
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = prompts_of(llm, 10)
@@ -515,10 +515,10 @@ def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
 
 
 def test_sampler_branches_is_the_platforms_choice_unless_named():
-    """"auto" keeps one sampler program with lax.conds on a CPU and picks cond-free ones elsewhere
-    (tuning.sampler_branches); a bad name says what the choices are."""
+    """"auto" picks between the argmax alone and one sampler program with lax.conds on a CPU, and
+    among cond-free ones elsewhere (tuning.sampler_branches); a bad name says what the choices are."""
     from pallas_kernels import tuning
 
-    assert tuning.sampler_branches("cpu") == "device" and tuning.sampler_branches("gpu") == "host"
-    with pytest.raises(ValueError, match=r"sampler_branches must be 'auto' or one of \('device', 'host'\)"):
+    assert tuning.sampler_branches("cpu") == "mixed" and tuning.sampler_branches("gpu") == "host"
+    with pytest.raises(ValueError, match=r"sampler_branches must be 'auto' or one of \('device', 'host', 'mixed'\)"):
         EngineArgs(sampler_branches="gpu")
