@@ -235,6 +235,8 @@ class BatchPacker:
             try:
                 b = self._pack_steady(out, rows, buffers)
             except (OverflowError, ValueError):  # a value that does not fit: the full pack names the row
+                if self.verify_steady and self._full_pack_fits(out, rows):
+                    raise  # not a value that does not fit: the steady path itself failed
                 b = None
             if b is not None:
                 if self.verify_steady:
@@ -262,8 +264,8 @@ class BatchPacker:
         """Steady decoding, packed from the last step's buffers: the last step's rows, or those of
         them still running, in the same order, each with one new token right after the last step's.
         The rows' fields are copied (or gathered) from the last step's buffers; only those that move
-        per token are written (positions, lengths, slots, output indices, a block table row that
-        grew). None when the step is not such a step (pack() then packs it in full). A row's sampling
+        per token are written (positions, lengths, slots, output indices, the token ids or from_prev,
+        a block table row that grew). None when the step is not such a step (pack() then packs it in full). A row's sampling
         values are the last step's: they are read, and checked to fit, when the row is packed in full
         (SamplingParams are frozen). What it gives equals the full pack's arrays (`verify_steady`
         compares every step; the tests turn it on). Updates the record to this step's rows."""
@@ -280,7 +282,8 @@ class BatchPacker:
             if ks[0] < 0 or any(a >= b for a, b in itertools.pairwise(ks)):
                 return None
             keep = np.array(ks, np.int32)
-        # a constraint may be attached to a running request (a grammar compiled late)
+        # the engine sets a request's constraint before it runs; one attached later (tests/test_hostile.py)
+        # must still get its mask row
         if not all(row.num_new_tokens == 1 and row.samples and row.from_prev is st.from_prev
                    and row.request.constraint is None for row in rows):
             return None
@@ -341,11 +344,23 @@ class BatchPacker:
                                      if f.metadata.get("flat") or f.name in _VIEWS}
         return BatchDescriptor(**kw)
 
-    def _verify(self, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor) -> None:
-        """Pack the step in full into a scratch set of buffers and check _pack_steady's arrays equal it."""
+    def _scratch_buffers(self) -> tuple[np.ndarray, ...]:
         if self._scratch is None:  # a third set, kept: _descriptor caches views by buffer set
             self._scratch = tuple(np.zeros_like(x) for x in self._buffers[0])
-        full = self._pack(out, rows, {}, self._scratch)
+        return self._scratch
+
+    def _full_pack_fits(self, out: SchedulerOutput, rows: list[ScheduledRequest]) -> bool:
+        """Whether the full pack of the step takes every row's values (the check's twin of pack()'s
+        fallback: a steady pack that raises where the full pack does not is a bug of its own)."""
+        try:
+            self._pack(out, rows, {}, self._scratch_buffers())
+        except (OverflowError, ValueError):
+            return False
+        return True
+
+    def _verify(self, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor) -> None:
+        """Pack the step in full into a scratch set of buffers and check _pack_steady's arrays equal it."""
+        full = self._pack(out, rows, {}, self._scratch_buffers())
         for name in ("flat_i32", "flat_f32"):
             got, want = getattr(b, name), getattr(full, name)
             if not np.array_equal(got, want):

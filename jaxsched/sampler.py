@@ -33,7 +33,8 @@ could not be scheduled meanwhile (overlapped scheduling, engine.py). There the h
 from the rows' parameters which parts a step needs (`needs`), picks one of a few programs built
 with a fixed set of FEATURES (`sample(..., features=...)`): the parts in the set always run, those
 outside it never do, and no cond is left. Which sets are built is pallas_kernels.tuning's choice
-(`SAMPLER_VARIANTS`). A variant's outputs equal the cond program's for every step it covers.
+(`SAMPLER_PROGRAMS`: on a CPU, `mixed`, the argmax alone for steps that need nothing more and the
+cond program for the rest). A variant's outputs equal the cond program's for every step it covers.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def layer_weights(platform: str) -> str:
 # penalties, logit_bias and masks, then everything. The filters' sort over [S, V] is the costly part
 # the first four leave out, by far the largest there is (docs/PERFORMANCE.md, "Twenty-seventh
 # pass"); each set is one more program per S to compile.
-# "mixed": the first of those (the argmax alone) for all-greedy steps, the cond program for every
+# "mixed": the first of those (the argmax alone) for all-greedy steps (without logprobs, penalties, a logit_bias or a mask), the cond program for every
 # other step. A CPU's choice: its call costs 23-39 us against 78-114 for the cond program, and the
 # call and its run 0.10-0.20 ms against 0.22-0.37 (32 rows, the tiny and the demo model;
 # docs/PERFORMANCE.md, "Twenty-ninth pass"), which is a share of a small model's step, for one more
