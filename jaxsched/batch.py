@@ -265,10 +265,11 @@ class BatchPacker:
         them still running, in the same order, each with one new token right after the last step's.
         The rows' fields are copied (or gathered) from the last step's buffers; only those that move
         per token are written (positions, lengths, slots, output indices, the token ids or from_prev,
-        a block table row that grew). None when the step is not such a step (pack() then packs it in full). A row's sampling
-        values are the last step's: they are read, and checked to fit, when the row is packed in full
-        (SamplingParams are frozen). What it gives equals the full pack's arrays (`verify_steady`
-        compares every step; the tests turn it on). Updates the record to this step's rows."""
+        a block table row that grew). None when the step is not such a step (pack() then packs it in
+        full). A row's sampling values are the last step's: they are read, and checked to fit, when
+        the row is packed in full (SamplingParams are frozen). What it gives equals the full pack's
+        arrays (`verify_steady` compares every step; the tests turn it on). Updates the record to
+        this step's rows."""
         st = self._steady
         n = len(rows)
         if not n or out.has_block_moves:
@@ -291,15 +292,13 @@ class BatchPacker:
         last_lens, last_blocks = (st.seq_lens, st.n_blocks) if keep is None else (st.seq_lens[keep], st.n_blocks[keep])
         if not (seq_lens == last_lens + 1).all():
             return None
-        T, S, M, P = out.token_bucket, out.seq_bucket, self.M, self.P
-        if keep is None and (T, S) == (st.T, st.S):
-            n_i32, n_f32 = flat_sizes(T, S, M)
-            last = self._buffers[st.turn]
-            buffers[0][:n_i32] = last[0][:n_i32]
-            buffers[1][:n_f32] = last[1][:n_f32]
-            b = self._descriptor(buffers, T, S)
+        T, S, P = out.token_bucket, out.seq_bucket, self.P
+        b = self._descriptor(buffers, T, S)
+        if keep is None and (T, S) == (st.T, st.S):  # the same layout: the last step's buffers as they are
+            last = self._descriptor(self._buffers[st.turn], T, S)
+            b.flat_i32[:] = last.flat_i32
+            b.flat_f32[:] = last.flat_f32
         else:
-            b = self._descriptor(buffers, T, S)
             old = self._descriptor(self._buffers[st.turn], st.T, st.S)
             k = np.arange(n) if keep is None else keep
             b.flat_i32[:] = 0
@@ -339,7 +338,8 @@ class BatchPacker:
             n_i32, n_f32 = flat_sizes(T, S, self.M)
             i32, f32, pen_ids, pen_counts, mask, bias_ids, bias_values = buffers
             tables = (mask[:S], bias_ids[:S], bias_values[:S]) if self.V else (None, None, None)
-            proto = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, self.M, pen_ids[:S], pen_counts[:S], *tables)
+            proto = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, self.M, pen_ids[:S], pen_counts[:S],
+                                              *tables)
             kw = self._views[key] = {f.name: getattr(proto, f.name) for f in fields(BatchDescriptor)
                                      if f.metadata.get("flat") or f.name in _VIEWS}
         return BatchDescriptor(**kw)
@@ -364,8 +364,8 @@ class BatchPacker:
         for name in ("flat_i32", "flat_f32"):
             got, want = getattr(b, name), getattr(full, name)
             if not np.array_equal(got, want):
-                bad = [f for f, start, stop, _ in _layout(name[-3:], full.num_tokens_bucket, full.num_seqs_bucket, self.M)
-                       if not np.array_equal(got[start:stop], want[start:stop])]
+                layout = _layout(name[-3:], full.num_tokens_bucket, full.num_seqs_bucket, self.M)
+                bad = [f for f, start, stop, _ in layout if not np.array_equal(got[start:stop], want[start:stop])]
                 raise AssertionError(f"the steady pack differs from the full pack in {bad}")
 
     def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str],
@@ -514,7 +514,8 @@ class _Steady:
     def after(cls, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor, turn: int) -> _Steady | None:
         """The record of a fully packed step, or None when its next step cannot be packed from it:
         any row not one sampled token (prefill), rows mixing tokens read and pending, or a request
-        whose tables move with every token (penalties, min_tokens, a grammar, a logit_bias)."""
+        whose tables move with every token (penalties, min_tokens, a logit_bias; a grammar's rows are
+        checked at every steady step)."""
         n = len(rows)
         if not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens:
             return None
@@ -524,8 +525,7 @@ class _Steady:
         if any(row.from_prev is not from_prev for row in rows):
             return None
         reqs = [row.request for row in rows]
-        if any(r.sampling_params.uses_penalties or r.sampling_params.logit_bias or r.constraint is not None
-               for r in reqs):
+        if any(r.sampling_params.uses_penalties or r.sampling_params.logit_bias for r in reqs):
             return None
         return cls(out.token_bucket, out.seq_bucket, n, reqs, turn, b.seq_lens[:n].copy(),
                    np.fromiter((len(row.block_ids) for row in rows), np.int32, n), from_prev)

@@ -61,8 +61,9 @@ class EngineArgs:
     layer_weights: str = "auto"
     # how the sampler skips the parts a step does not need (jaxsched/sampler.py): "device" (one
     # program per sequence bucket, with lax.conds), "host" (a few programs without conds, the host
-    # picks one per step), "mixed" (the argmax alone for all-greedy steps (without logprobs, penalties, a logit_bias or a mask), the program with conds for
-    # the others); "auto" takes the platform's choice (pallas_kernels.tuning.sampler_branches)
+    # picks one per step), "mixed" (the argmax alone for all-greedy steps without logprobs,
+    # penalties, a logit_bias or a mask, the program with conds for the others); "auto" takes the
+    # platform's choice (pallas_kernels.tuning.sampler_branches)
     sampler_branches: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would

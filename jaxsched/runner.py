@@ -8,7 +8,8 @@ logits stay on the device, then the sampler's. The sampler does not depend on T,
 once per S rather than into every pair's program: it was about half of each pair's compile time
 (docs/PERFORMANCE.md, "Decisions in the code"). Where XLA turns a lax.cond into a wait for the device
 (a GPU), the sampler is a few programs without conds and the host picks one per step; on a CPU the
-host picks between the argmax alone and the program with conds (tuning.sampler_branches). All compilation happens in warm_up(), ahead of time;
+host picks between the argmax alone and the program with conds (tuning.sampler_branches). All
+compilation happens in warm_up(), ahead of time;
 a step only looks its executables up, so it can never compile. The KV pool is donated to every
 call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies

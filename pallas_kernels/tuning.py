@@ -81,18 +81,18 @@ def layer_weights(platform: str) -> str:
 # penalties, logit_bias and masks, then everything. The filters' sort over [S, V] is the costly part
 # the first four leave out, by far the largest there is (docs/PERFORMANCE.md, "Twenty-seventh
 # pass"); each set is one more program per S to compile.
-# "mixed": the first of those (the argmax alone) for all-greedy steps (without logprobs, penalties, a logit_bias or a mask), the cond program for every
-# other step. A CPU's choice: its call costs 23-39 us against 78-114 for the cond program, and the
-# call and its run 0.10-0.20 ms against 0.22-0.37 (32 rows, the tiny and the demo model;
-# docs/PERFORMANCE.md, "Twenty-ninth pass"), which is a share of a small model's step, for one more
-# small program per S.
-SAMPLER_BRANCHES = ("device", "host", "mixed")
+# "mixed": the first of those (the argmax alone) for all-greedy steps without logprobs, penalties,
+# a logit_bias or a mask, the cond program for every other step. A CPU's choice: its call costs
+# 23-39 us against 78-114 for the cond program, and the call and its run 0.10-0.20 ms against
+# 0.22-0.37 (32 rows, the tiny and the demo model; docs/PERFORMANCE.md, "Twenty-ninth pass"), a
+# share of a small model's step, for one more small program per S.
 SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"logprobs"}),
                     frozenset({"sample", "logprobs", "adjust"}), frozenset({"sample", "filter", "logprobs"}),
                     frozenset({"sample", "filter", "logprobs", "adjust"}))
 # the programs per S of each choice: a feature set (the programs without conds), or None for the
 # cond program (every feature)
 SAMPLER_PROGRAMS = {"device": (None,), "host": SAMPLER_VARIANTS, "mixed": (frozenset(), None)}
+SAMPLER_BRANCHES = tuple(SAMPLER_PROGRAMS)
 
 
 def sampler_branches(platform: str) -> str:
