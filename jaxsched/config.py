@@ -102,6 +102,12 @@ class EngineArgs:
     # on for `jaxsched serve`, where a burst of first requests would meet them, off for the library
     # (an offline run amortises them over its own steps and would wait longer to start)
     warm_up_runs: bool | None = None
+    # on the CPU platform: cores kept for the host's Python threads (the engine loop, the server),
+    # the model's threads (XLA's, numba's) on the others, as vLLM's CPU build reserves cores for
+    # its front end (VLLM_CPU_NUM_OF_RESERVED_CPU). Pays for small models, whose steps are too short
+    # for a second device thread to gain what the host's core costs (jaxsched/cpu_affinity.py);
+    # 0: every thread on every core
+    cpu_reserved_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -132,6 +138,9 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not isinstance(self.cpu_reserved_cores, int) or isinstance(self.cpu_reserved_cores, bool) \
+                or self.cpu_reserved_cores < 0:
+            raise ValueError(f"cpu_reserved_cores must be a whole number >= 0, got {self.cpu_reserved_cores!r}")
         if self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend != "auto":
@@ -316,6 +325,19 @@ class EngineConfig:
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
     warm_up_runs: bool = False  # every program run once at warm-up (runner.warm_up)
+    cpu_reserved_cores: int = 0  # cores for the host's Python threads (cpu_affinity.py); CPU only
+
+
+def reserved_cores(n: int, platform: str) -> int:
+    """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores."""
+    if n and platform != "cpu":
+        raise ValueError(f"cpu_reserved_cores={n} applies to the CPU platform only (on {platform} the model does not "
+                         "run on the host's cores); leave it at 0 here")
+    if n:
+        from jaxsched.cpu_affinity import check
+
+        check(n)
+    return n
 
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
@@ -397,5 +419,6 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
+        cpu_reserved_cores=reserved_cores(args.cpu_reserved_cores, platform),
         layer_weights=tuning.layer_weights(platform) if args.layer_weights == "auto" else args.layer_weights,
         sampler_branches=tuning.sampler_branches(platform) if args.sampler_branches == "auto" else args.sampler_branches)

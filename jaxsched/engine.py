@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxsched.config import EngineArgs, EngineConfig, resolve
+from jaxsched.cpu_affinity import reserve
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -141,6 +142,8 @@ class LLMEngine:
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
+        if cfg.cpu_reserved_cores:  # before warm-up, so that the cost model's seeds are timed as the steps run
+            reserve(cfg.cpu_reserved_cores)
         self.runner.warm_up(run=cfg.warm_up_runs)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
         self.cost_seeds: list[tuple[int, int, float]] = []
@@ -153,6 +156,8 @@ class LLMEngine:
                 self.cost_model.seed(T, S, seconds)
         # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
         # them to the other hosts, whose models must stay identical: distributed.py)
+        if cfg.cpu_reserved_cores:  # again: threads started during warm-up
+            reserve(cfg.cpu_reserved_cores)
         self.cost_feed: list[tuple[int, int, int, float]] | None = None
         self.measure_costs = True  # False: the model is fed from elsewhere (a multi-host follower)
         # step times measured, applied to the model at the start of the next step() (a fixed point:

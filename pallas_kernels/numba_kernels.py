@@ -31,7 +31,7 @@ from numba import carray, cfunc, config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from pallas_kernels import cpu_ffi, numba_parallel
+from pallas_kernels import cpu_ffi, numba_parallel, numba_threads
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_tile import AVX512, NR, TO_L1, TO_L2, make_tile
 
@@ -692,6 +692,7 @@ def _pool_shapes(frame):
 def _handler_f32(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
         k_shape, v_shape = _pool_shapes(frame)
         _run(frame, carray(pointer(buffer(frame, ARGS, 1)[0]), k_shape, dtype=np.float32),
              carray(pointer(buffer(frame, ARGS, 2)[0]), v_shape, dtype=np.float32))
@@ -701,6 +702,7 @@ def _handler_f32(frame_ptr):
 def _handler_u16(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
         k_shape, v_shape = _pool_shapes(frame)
         _run(frame, carray(pointer(buffer(frame, ARGS, 1)[0]), k_shape, dtype=np.uint16),
              carray(pointer(buffer(frame, ARGS, 2)[0]), v_shape, dtype=np.uint16))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, prange
 
-from pallas_kernels import cpu_ffi, numba_parallel
+from pallas_kernels import cpu_ffi, numba_parallel, numba_threads
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _prefetch_write
 
@@ -108,6 +108,7 @@ def rope_write_serial(q, k, v, cos, sin, layer, slots, kc, vc, q_out):
 def handler(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
         q_p, q_d = buffer(frame, ARGS, 0)
         k_p, k_d = buffer(frame, ARGS, 1)
         _, kc_d = buffer(frame, ARGS, 7)

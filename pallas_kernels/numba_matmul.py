@@ -39,7 +39,7 @@ from numba import carray, cfunc, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pallas_kernels import cpu_ffi, numba_parallel
+from pallas_kernels import cpu_ffi, numba_parallel, numba_threads
 from pallas_kernels.cpu_ffi import ARGS, RETS, buffer, dim, pointer
 from pallas_kernels.numba_kernels import _CACHE_HANDLERS, _THREADS, _ir_exp, _scalar
 from pallas_kernels.numba_tile import AVX512, NR, make_tile  # NR: columns per panel
@@ -276,6 +276,7 @@ def packed_matmul_silu_mul(x, w, out, rows):
 def handler(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
     if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
         x_p, x_d = buffer(frame, ARGS, 0)
         w_p, w_d = buffer(frame, ARGS, 1)
         a_p, a_d = buffer(frame, RETS, 0)
