@@ -184,6 +184,8 @@ class LLMEngine:
         self._next_id = 0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
+        self._busy_seconds = 0.0  # stats().device_busy_seconds / _steps
+        self._busy_steps = 0
         self._phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)  # host work by phase
         self.async_scheduling = cfg.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
@@ -323,7 +325,8 @@ class LLMEngine:
         """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names),
         and the steps' wall and device-wait seconds."""
         return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
-                                   device_seconds=self._device_seconds,
+                                   device_seconds=self._device_seconds, device_busy_seconds=self._busy_seconds,
+                                   device_busy_steps=self._busy_steps,
                                    **{f"{k}_seconds": v for k, v in self._phase_seconds.items()})
 
     # -- the step ------------------------------------------------------------------------------
@@ -342,6 +345,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         out = self.scheduler.schedule()
         self._phase_seconds["schedule"] += time.perf_counter() - t1
+        alone = prev is None  # nothing in flight: the device starts on this step at once
         try:
             try:
                 step = self.runner.dispatch(out)
@@ -363,7 +367,7 @@ class LLMEngine:
             if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
                 self._in_flight = step
             else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
-                more, d = self._complete(step, [step])
+                more, d = self._complete(step, [step], alone=alone)
                 outputs += more
                 device += d
         except StepFailedError as e:  # outputs already built (a previous step's final ones) go out too
@@ -373,13 +377,18 @@ class LLMEngine:
         self._device_seconds += device
         return outputs
 
-    def _complete(self, step: InFlight, in_flight: list[InFlight]) -> tuple[list[RequestOutput], float]:
+    def _complete(self, step: InFlight, in_flight: list[InFlight],
+                  alone: bool = False) -> tuple[list[RequestOutput], float]:
         """Read a dispatched step's tokens and apply them: (outputs, seconds waited on the device).
-        in_flight: every step dispatched and not yet applied, which a failure spoils too."""
+        in_flight: every step dispatched and not yet applied, which a failure spoils too. alone:
+        read right after its dispatch, with nothing before it in flight (its device time is timed)."""
         try:
             res = self.runner.collect(step)
         except Exception as e:
             raise self._failed([s.out for s in in_flight], e) from e
+        if alone and res.done and not step.first_run:
+            self._busy_seconds += res.done - step.device_start
+            self._busy_steps += 1
         if res.done:
             self._observe(step, res)
         t0 = time.perf_counter()

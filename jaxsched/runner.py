@@ -81,6 +81,7 @@ class InFlight:
     device_seconds: float = 0.0  # block moves waited for at dispatch
     pack_seconds: float = 0.0  # host time packing its batch
     launch_seconds: float = 0.0  # host time dispatching its programs (they run on after it)
+    device_start: float = 0.0  # time.perf_counter() when its model program's call returned (the device had it)
     call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
     # a constrained row's next token mask is built on the host from this step's token: the next
     # step must wait for it (Engine.step)
@@ -194,6 +195,7 @@ class ModelRunner:
         self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
         self.warmup_seconds = 0.0
         self.ran: set[tuple[int, int]] = set()  # bucket pairs whose program has run (first runs are slow)
+        self.model_dispatched = 0.0  # time.perf_counter() when the last model program's call returned
         self.sampler_ran: set[tuple[int, int]] = set()  # (S, variant index) of the sampler programs run
         # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
         nh = sched.num_host_blocks
@@ -469,6 +471,7 @@ class ModelRunner:
             step.ints, step.floats = self.run(batch)
             step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
             step.launch_seconds = time.perf_counter() - t1
+            step.device_start = self.model_dispatched
             step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
             return step
         except Exception:
@@ -520,6 +523,7 @@ class ModelRunner:
         then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
         Updates the pool; returns (ints, floats, next prev_ids), on the device."""
         self.kv, logits, rows_i32 = exe(self._state_leaves, self.kv, prev_ids, flat_i32)
+        self.model_dispatched = time.perf_counter()
         return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
 
     def sampler_for(self, S: int, needs: frozenset[str] | None):

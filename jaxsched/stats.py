@@ -31,6 +31,13 @@ class EngineStats:
     last_step_padded_tokens: int = 0
     step_seconds: float = 0.0  # wall time of every step (LLMEngine.step), since start
     device_seconds: float = 0.0  # of which the host waited on the device (jitted calls, block moves)
+    # the device's own time on the steps it ran with nothing else in flight (the synchronous engine,
+    # or the last step of the work), each from its model program's dispatch to its results being
+    # read, and those steps' count (first runs of a program left out): the device-only time of a
+    # step, which device_seconds undercounts by the part that ran while the host was still
+    # dispatching
+    device_busy_seconds: float = 0.0
+    device_busy_steps: int = 0
     # the host's work in the steps, by phase, since start: scheduling, packing the batch into its
     # fixed-shape arrays, applying the sampled tokens to the scheduler, and building the outputs
     # (detokenizing, stop strings, logprobs); launch: dispatching the step's programs to the device

@@ -168,6 +168,8 @@ def main() -> None:
         res["overlap_speedup"] = ratios["overlap_speedup"]
         res["off_wall_ms_per_step"] = off["wall_ms_per_step"]
         res["off_device_ms_per_step"] = off["device_wait_ms_per_step"]
+        res["off_device_busy_ms_per_step"] = off.get("device_busy_ms_per_step")
+        res["host_share_with_overlap_by_wait"] = ratios["host_share_with_overlap_by_wait"]
         res["off_host_ms_per_step_by_phase"] = off.get("host_ms_per_step_by_phase", {})
         res["host_share_with_overlap"] = ratios["host_share_with_overlap"]
     print(f"requests            {n} ({n_out} output tokens, {n_total} total tokens) in {elapsed:.1f} s "
@@ -189,9 +191,11 @@ def main() -> None:
               f"{e['within_15_percent'] * 100:.0f} % within 15 %; {res['deferred_decode_rows']} decode rows deferred")
     if "overlap_speedup" in res:
         print(f"overlap off         {res['off_output_tokens_per_s']} output tokens/s, {res['off_wall_ms_per_step']} ms "
-              f"per step of which {res['off_device_ms_per_step']} ms device")
+              f"per step of which {res['off_device_ms_per_step']} ms waiting for the device, which was busy "
+              f"{res['off_device_busy_ms_per_step']} ms (the device-only time)")
         print(f"overlap on / off    {res['overlap_speedup']}x; with overlap the host's share of the step is "
-              f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time)")
+              f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time; "
+              f"{res['host_share_with_overlap_by_wait'] * 100:.1f} % against the wait alone)")
     if "trace" in res:
         t = res["trace"]
         if t["device_busy_ms_per_step"] is None:

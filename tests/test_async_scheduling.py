@@ -127,6 +127,11 @@ def test_llm_generate_and_stats_with_overlap(llama_dir):
     n_stopped = sum(len(t) < 16 for t in outs[False])
     # each request stopped by a token costs at most one extra scheduled token
     assert stats[True].num_scheduled_tokens - stats[False].num_scheduled_tokens <= n_stopped
+    # the device-only time is timed on the steps that ran with nothing else in flight: without
+    # overlap every step but a program's first run, with overlap (almost) none
+    sync, over = stats[False], stats[True]
+    assert 0 < sync.device_busy_steps <= sync.num_steps and sync.device_busy_seconds > 0
+    assert over.device_busy_steps < sync.device_busy_steps // 2
 
 
 @pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},

@@ -149,6 +149,10 @@ def test_bench_offline_overlap_both_reports_the_idle_share(llama_dir, monkeypatc
     assert 0 <= res["device_idle_share"] < 1 and 0 <= res["host_share_with_overlap"] < 1
     assert res["overlap_speedup"] > 0 and res["off_output_tokens_per_s"] > 0
     assert "without overlap the device idles" in out and "with overlap the host's share" in out
+    # the device-only time (the device's busy time per step without overlap, first runs of a
+    # program left out) and the host's share measured against it and against the host's wait alone
+    assert res["off_device_busy_ms_per_step"] > 0 and "(the device-only time)" in out
+    assert 0 <= res["host_share_with_overlap_by_wait"] < 1
     # where the host's time goes, for both runs (on a GPU, the launch phase bounds the step)
     for key in ("host_ms_per_step_by_phase", "off_host_ms_per_step_by_phase"):
         assert set(res[key]) == {"schedule", "pack", "launch", "update", "output"} and res[key]["launch"] > 0

@@ -136,12 +136,18 @@ def run_fields(r: Run) -> dict[str, Any]:
         "host_ms_per_step": round((step_s - device_s) / steps * 1e3, 3),
         "device_wait_ms_per_step": round(device_s / steps * 1e3, 3),
     }
+    if c.get("device_busy_steps", 0) > 0:
+        # the device's own time per step, from the model program's dispatch to the results read, on
+        # the steps it ran with nothing else in flight (every step without overlap): the host's
+        # wait alone leaves out what the device did while the host was still dispatching
+        d["device_busy_ms_per_step"] = round(c["device_busy_seconds"] / c["device_busy_steps"] * 1e3, 3)
     if not r.overlap:
-        d["device_idle_share"] = round(1 - device_s / max(step_s, 1e-9), 4)
+        busy_ms = d.get("device_busy_ms_per_step", d["device_wait_ms_per_step"])
+        d["device_idle_share"] = round(max(0.0, 1 - busy_ms / max(d["wall_ms_per_step"], 1e-9)), 4)
     # the host's time per step by phase (schedule, pack, update, detokenize...), where the engine
     # counts it: any *_seconds counter beyond the step's wall and device-wait time
     phases = {k.removesuffix("_seconds"): round(v / steps * 1e3, 3) for k, v in c.items()
-              if k.endswith("_seconds") and k not in ("step_seconds", "device_seconds")}
+              if k.endswith("_seconds") and k not in ("step_seconds", "device_seconds", "device_busy_seconds")}
     if phases:
         d["host_ms_per_step_by_phase"] = phases
         d["scheduling_share"] = round(c.get("schedule_seconds", 0.0) / max(step_s, 1e-9), 5)
@@ -199,10 +205,14 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
     off = by.get((p["batching"], "off"))
     if p["overlap"] == "on" and off is not None:
-        # the device's time per step without overlap is what a step costs with no host work around it
-        device_only = off["device_wait_ms_per_step"]
+        # the device's time per step without overlap is what a step costs with no host work around it:
+        # its busy time where measured, else (older counters) the host's wait for it, which leaves
+        # out the part of the step that ran while the host dispatched the sampler
         out["overlap_speedup"] = round(off["elapsed_time"] / p["elapsed_time"], 3)
-        out["host_share_with_overlap"] = round(max(0.0, 1 - device_only / max(p["wall_ms_per_step"], 1e-9)), 3)
+        wall = max(p["wall_ms_per_step"], 1e-9)
+        device_only = off.get("device_busy_ms_per_step", off["device_wait_ms_per_step"])
+        out["host_share_with_overlap"] = round(max(0.0, 1 - device_only / wall), 3)
+        out["host_share_with_overlap_by_wait"] = round(max(0.0, 1 - off["device_wait_ms_per_step"] / wall), 3)
     return out
 
 
