@@ -64,9 +64,12 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
             moved += 1
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             continue
-    from pallas_kernels import numba_threads
-
-    numba_threads.set_limit(len(device))
+    try:
+        from pallas_kernels import numba_threads
+    except ImportError:  # no numba here: the engine runs the XLA kernels, which need no limit
+        pass
+    else:
+        numba_threads.set_limit(len(device))
     logger.info("cpu_reserved_cores=%d: %d Python thread(s) on core(s) %s, the other threads (XLA, numba) on %s; "
                 "%d thread(s) placed", n, len(python), list(host), list(device), moved)
     return host, device
