@@ -47,14 +47,15 @@ def check(n: int) -> None:
 def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Python threads on the last n cores, every other thread on the rest; numba's regions limited
     to the rest's count. Returns (host cores, device cores). Safe to call again (an engine built
-    later sweeps the threads started since)."""
+    later sweeps the threads started since); n = 0 after a reserve puts every thread back on every
+    core and lifts the limit."""
     global _cores
+    if n == 0 and _cores is None:  # nothing was ever reserved: nothing to undo (any platform)
+        return (), ()
     check(n)
-    if n == 0:
-        return (), available_cores()
     cores = available_cores()
     _cores = cores
-    host, device = cores[-n:], cores[:-n]
+    host, device = (cores[-n:], cores[:-n]) if n else (cores, cores)  # 0 after a reserve: every thread everywhere
     python = {t.native_id for t in threading.enumerate()}
     moved = 0
     for name in os.listdir("/proc/self/task"):
@@ -69,7 +70,7 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     except ImportError:  # no numba here: the engine runs the XLA kernels, which need no limit
         pass
     else:
-        numba_threads.set_limit(len(device))
+        numba_threads.set_limit(len(device) if n else 0)
     logger.info("cpu_reserved_cores=%d: %d Python thread(s) on core(s) %s, the other threads (XLA, numba) on %s; "
                 "%d thread(s) placed", n, len(python), list(host), list(device), moved)
     return host, device

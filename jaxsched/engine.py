@@ -142,8 +142,9 @@ class LLMEngine:
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
-        if cfg.cpu_reserved_cores:  # before warm-up, so that the cost model's seeds are timed as the steps run
-            reserve(cfg.cpu_reserved_cores)
+        # before warm-up, so that the cost model's seeds are timed as the steps will run; 0 undoes an
+        # earlier engine's reserve in this process (and does nothing otherwise, or on a GPU)
+        reserve(cfg.cpu_reserved_cores)
         self.runner.warm_up(run=cfg.warm_up_runs)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
         self.cost_seeds: list[tuple[int, int, float]] = []
@@ -154,10 +155,10 @@ class LLMEngine:
                  for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
             for T, S, seconds in self.cost_seeds:
                 self.cost_model.seed(T, S, seconds)
-        # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
-        # them to the other hosts, whose models must stay identical: distributed.py)
         if cfg.cpu_reserved_cores:  # again: threads started during warm-up
             reserve(cfg.cpu_reserved_cores)
+        # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
+        # them to the other hosts, whose models must stay identical: distributed.py)
         self.cost_feed: list[tuple[int, int, int, float]] | None = None
         self.measure_costs = True  # False: the model is fed from elsewhere (a multi-host follower)
         # step times measured, applied to the model at the start of the next step() (a fixed point:
@@ -386,7 +387,8 @@ class LLMEngine:
             res = self.runner.collect(step)
         except Exception as e:
             raise self._failed([s.out for s in in_flight], e) from e
-        if alone and res.done and not step.first_run:
+        # (a step with block moves is left out: its copies were queued before the model's program)
+        if alone and res.done and not step.first_run and not step.out.has_block_moves:
             self._busy_seconds += res.done - step.device_start
             self._busy_steps += 1
         if res.done:

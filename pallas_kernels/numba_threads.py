@@ -28,11 +28,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _SYMBOL = "jaxsched_numba_thread_limit"
-_limit = ctypes.c_int(0)  # 0: numba's own count (the pool's size)
+_limit = ctypes.c_int(0)  # 0: never set (the handlers leave numba's count alone); else the count
+_requested = 0  # what set_limit() was last given (0: the whole pool)
 
 
 def _define() -> None:
     ll.add_symbol(_SYMBOL, ctypes.addressof(_limit))
+    # apply_limit() calls numba's set_num_threads by symbol, which exists once the pool has started:
+    # compiling or loading it from the cache before that would abort the process
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()
 
 
 _define()
@@ -40,16 +46,22 @@ _define()
 
 def set_limit(n: int) -> None:
     """Threads per parallel region from now on, for every kernel call in this process (0: the
-    whole pool). More than the pool holds runs the pool."""
+    whole pool again). More than the pool holds runs the pool."""
+    global _requested
     from numba import config
 
     if n < 0:
         raise ValueError(f"a thread limit must be 0 (none) or positive, got {n}")
-    _limit.value = min(n, int(config.NUMBA_NUM_THREADS))  # the C entry point does not check
+    pool = int(config.NUMBA_NUM_THREADS)
+    _requested = min(n, pool)
+    # 0 stores the pool's size, so that the handlers set it back on threads an earlier limit lowered
+    # (the C entry point does not check the count against the pool)
+    _limit.value = _requested or pool
 
 
 def limit() -> int:
-    return _limit.value
+    """The limit in force (0: none, the whole pool)."""
+    return _requested
 
 
 @intrinsic
@@ -78,7 +90,7 @@ def _set_num_threads(typingctx, n):
 @njit(cache=True)
 def apply_limit():
     """In a kernel's handler, before its parallel region: the calling thread's region size is the
-    limit, when one is set."""
+    limit, once one has been set (set_limit(0) sets the pool's size back)."""
     n = _read_limit()
     if n > 0:
         _set_num_threads(n)

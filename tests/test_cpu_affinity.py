@@ -55,6 +55,11 @@ SCRIPT = textwrap.dedent('''
     t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0))))
     t.start(); t.join()
     res["late_python_thread"] = late[0]
+    # an engine without reserved cores after one with: every thread back on every core, no limit
+    c = LLM(model, cpu_reserved_cores=0, **kw)
+    res["after_zero"] = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+    res["limit_after_zero"] = numba_threads.limit()
+    res["after_zero_tokens"] = run(c)
     try:
         LLM(model, cpu_reserved_cores=len(cores), **kw)
         res["too_many"] = None
@@ -89,6 +94,12 @@ def test_python_threads_on_the_reserved_core_and_the_rest_elsewhere(result):
     assert result["others"] == [device]  # XLA's and numba's threads: on the model's cores only
     assert result["limit_before"] == 0  # an engine without reserved cores leaves numba alone
     assert result["limit"] == min(len(device), os.cpu_count() or 1)
+
+
+def test_zero_after_a_reserve_puts_every_thread_back(result):
+    assert result["after_zero"] == [result["cores"]]
+    assert result["limit_after_zero"] == 0
+    assert result["after_zero_tokens"] == result["base"]
 
 
 def test_reserving_every_core_is_refused(result):
@@ -138,6 +149,9 @@ def test_the_numba_limit_sets_the_calling_thread_count():
         assert probe() == before  # no limit: the thread's count is left alone
         numba_threads.set_limit(1)
         assert probe() == 1
+        numba_threads.set_limit(0)  # lifted: the handlers set the pool's size back
+        assert probe() == pool and numba_threads.limit() == 0
+        numba_threads.set_limit(1)
         numba_threads.set_limit(pool + 5)  # clamped to the pool
         assert numba_threads.limit() == pool and probe() == pool
         with pytest.raises(ValueError, match="0 \\(none\\) or positive"):

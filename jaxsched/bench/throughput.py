@@ -136,7 +136,7 @@ def run_fields(r: Run) -> dict[str, Any]:
         "host_ms_per_step": round((step_s - device_s) / steps * 1e3, 3),
         "device_wait_ms_per_step": round(device_s / steps * 1e3, 3),
     }
-    if c.get("device_busy_steps", 0) > 0:
+    if not r.overlap and c.get("device_busy_steps", 0) > 0:
         # the device's own time per step, from the model program's dispatch to the results read, on
         # the steps it ran with nothing else in flight (every step without overlap): the host's
         # wait alone leaves out what the device did while the host was still dispatching
