@@ -330,13 +330,14 @@ class EngineConfig:
 
 def reserved_cores(n: int, platform: str) -> int:
     """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores."""
-    if n and platform != "cpu":
+    if not n:
+        return 0
+    if platform != "cpu":
         raise ValueError(f"cpu_reserved_cores={n} applies to the CPU platform only (on {platform} the model does not "
                          "run on the host's cores); leave it at 0 here")
-    if n:
-        from jaxsched.cpu_affinity import check
+    from jaxsched.cpu_affinity import check
 
-        check(n)
+    check(n)
     return n
 
 

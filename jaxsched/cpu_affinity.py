@@ -35,9 +35,8 @@ def available_cores() -> tuple[int, ...]:
 
 
 def check(n: int) -> None:
-    """Raise ValueError, saying what to change, when n cores cannot be reserved here."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"cpu_reserved_cores must be a whole number >= 0, got {n!r}")
+    """Raise ValueError, saying what to change, when n cores (a count EngineArgs checked) cannot be
+    reserved here."""
     cores = available_cores()
     if n >= len(cores):
         raise ValueError(f"cpu_reserved_cores={n} leaves no core for the model: this process may use {len(cores)} "

@@ -136,12 +136,12 @@ def run_fields(r: Run) -> dict[str, Any]:
         "host_ms_per_step": round((step_s - device_s) / steps * 1e3, 3),
         "device_wait_ms_per_step": round(device_s / steps * 1e3, 3),
     }
-    if not r.overlap and c.get("device_busy_steps", 0) > 0:
-        # the device's own time per step, from the model program's dispatch to the results read, on
-        # the steps it ran with nothing else in flight (every step without overlap): the host's
-        # wait alone leaves out what the device did while the host was still dispatching
-        d["device_busy_ms_per_step"] = round(c["device_busy_seconds"] / c["device_busy_steps"] * 1e3, 3)
     if not r.overlap:
+        if c.get("device_busy_steps", 0) > 0:
+            # the device's own time per step, from the model program's dispatch to the results read
+            # (every step but first runs and block moves): the host's wait alone leaves out what the
+            # device did while the host was still dispatching
+            d["device_busy_ms_per_step"] = round(c["device_busy_seconds"] / c["device_busy_steps"] * 1e3, 3)
         busy_ms = d.get("device_busy_ms_per_step", d["device_wait_ms_per_step"])
         d["device_idle_share"] = round(max(0.0, 1 - busy_ms / max(d["wall_ms_per_step"], 1e-9)), 4)
     # the host's time per step by phase (schedule, pack, update, detokenize...), where the engine
@@ -211,6 +211,7 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["overlap_speedup"] = round(off["elapsed_time"] / p["elapsed_time"], 3)
         wall = max(p["wall_ms_per_step"], 1e-9)
         device_only = off.get("device_busy_ms_per_step", off["device_wait_ms_per_step"])
+        out["device_only_ms_per_step"] = device_only
         out["host_share_with_overlap"] = round(max(0.0, 1 - device_only / wall), 3)
         out["host_share_with_overlap_by_wait"] = round(max(0.0, 1 - off["device_wait_ms_per_step"] / wall), 3)
     return out
