@@ -12,6 +12,14 @@ other thread on the rest, and limits the numba kernels' parallel regions to as m
 those cores (pallas_kernels/numba_threads.py). Threads started later inherit their creator's
 cores: a Python thread the host's, a pool thread of XLA's the device's.
 
+XLA's CPU client sizes its thread pools (the intra-op "XLAEigen" pool that runs a program's
+parallel loops, and the client's own) once, from the cores the process may use when jax first
+starts its backends. Two pool threads sharing the one device core split every loop in two, and
+the halves take turns on that core (each waits, spinning, for the other), so a reserve made after
+that start leaves the device's step slower than it need be. `size_xla_pools(n)`, called before
+anything starts jax's backends, makes the pools as large as the device's cores instead
+(docs/PERFORMANCE.md, "Thirty-first pass").
+
 It pays when the device's step is short (a small model, a few rows), where a second device thread
 gains less than the host's core costs; a larger model's matmuls want every core
 (docs/PERFORMANCE.md, "Thirtieth pass"). It is process-wide: every engine in the process shares
@@ -43,6 +51,56 @@ def check(n: int) -> None:
                          f"core(s) ({', '.join(map(str, cores))}); reserve at most {len(cores) - 1}")
 
 
+_POOL_THREAD = "tf_XLAEigen"  # the name XLA's CPU client gives its intra-op pool's threads (Linux)
+_POOL_ENV = ("PJRT_NPROC", "NPROC")  # what that client reads, in this order, for its pools' size
+
+
+def _gpu_plugin_installed() -> bool:
+    """Whether jax may start a GPU backend here (where the CPU pools are not the device's)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
+                                                                  "jax_rocm60_plugin", "jax_rocm7_plugin"))
+
+
+def size_xla_pools(n: int) -> bool:
+    """When n cores are to be reserved and jax has not started its backends yet: start them with
+    XLA's CPU thread pools sized to the cores left for the device. Returns whether it did.
+
+    Leaves the pools as they are where jax already started (reserve() then warns), where the
+    user set their size (PJRT_NPROC / NPROC), and where a GPU plugin is installed (the engine
+    refuses a reserve on a GPU, and the process's CPU client must not shrink for that)."""
+    if not n:
+        return False
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized() or any(v in os.environ for v in _POOL_ENV) or _gpu_plugin_installed():
+        return False
+    check(n)
+    import jax
+
+    # the client reads the cores from the calling thread's affinity; the threads it starts inherit it
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, available_cores()[:-n])
+    try:
+        jax.devices()  # starts every backend, the CPU client's pools sized to the device's cores
+    finally:
+        os.sched_setaffinity(0, own)
+    return True
+
+
+def pool_threads() -> int:
+    """How many threads XLA's CPU intra-op pool has in this process (0 before jax starts it)."""
+    count = 0
+    for name in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{name}/comm") as f:
+                count += f.read().strip() == _POOL_THREAD
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return count
+
+
 def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Python threads on the last n cores, every other thread on the rest; numba's regions limited
     to the rest's count. Returns (host cores, device cores). Safe to call again (an engine built
@@ -70,6 +128,13 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         pass
     else:
         numba_threads.set_limit(len(device) if n else 0)
+    pool = pool_threads()
+    if n and pool > len(device):
+        logger.warning("cpu_reserved_cores=%d: XLA's CPU thread pool has %d threads for %d device core(s): jax started "
+                       "its backends before the engine was built, sized to every core, and the threads will take "
+                       "turns on the device's cores (a slower step). Build the engine before using jax in this "
+                       "process, or set PJRT_NPROC=%d in the environment before jax starts", n, pool, len(device),
+                       len(device))
     logger.info("cpu_reserved_cores=%d: %d Python thread(s) on core(s) %s, the other threads (XLA, numba) on %s; "
                 "%d thread(s) placed", n, len(python), list(host), list(device), moved)
     return host, device

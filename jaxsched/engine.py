@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxsched.config import EngineArgs, EngineConfig, resolve
-from jaxsched.cpu_affinity import reserve
+from jaxsched import host_malloc
+from jaxsched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, EngineConfig, resolve
+from jaxsched.cpu_affinity import reserve, size_xla_pools
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -96,7 +97,13 @@ class LLMEngine:
         from jaxsched.buckets import bucket_pairs
         from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
         from jaxsched.parallel import engine_devices, make_mesh
-        from jaxsched.runner import ModelRunner, device_memory, weights_bytes
+        from jaxsched.runner import (
+            ModelRunner,
+            device_memory,
+            largest_temporary_bytes,
+            temporary_bytes_bound,
+            weights_bytes,
+        )
         from jaxsched.scheduler import Scheduler
         from jaxsched.step_cost import StepCostModel
         from jaxsched.tokenizer import load_tokenizer
@@ -109,10 +116,18 @@ class LLMEngine:
         else:
             path = args.model
         t0 = time.perf_counter()
+        model_cfg, getter, _kind = load_model_source(path)
+        # before anything starts jax's backends, whose threads take their malloc arena when they first
+        # allocate, and whose CPU pools are sized then (host_malloc.py, cpu_affinity.py)
+        self.temporary_bound = temporary_bytes_bound(
+            model_cfg, args.max_num_seqs, args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                               args.max_num_seqs, args.max_model_len or 0),
+            args.max_model_len or model_cfg.max_position_embeddings)
+        host_malloc.allow_thread_arenas(self.temporary_bound)
+        size_xla_pools(args.cpu_reserved_cores)
         devices = engine_devices(args.tensor_parallel_size, devices)
         tp = len(devices)
         mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
-        model_cfg, getter, _kind = load_model_source(path)
         platform = devices[0].platform
         # this process's devices of the engine (all of them on one host): memory is sized from them
         local = [d for d in devices if d.process_index == jax.process_index()]
@@ -146,6 +161,15 @@ class LLMEngine:
         # earlier engine's reserve in this process (and does nothing otherwise, or on a GPU)
         reserve(cfg.cpu_reserved_cores)
         self.runner.warm_up(run=cfg.warm_up_runs)
+        if host_malloc.thread_arenas:
+            largest = largest_temporary_bytes(self.runner.step_programs())
+            if largest > host_malloc.THREAD_HEAP_BYTES // 2:  # the bound fell short: say so, and how to avoid it
+                logger.warning("a program's temporary buffer is %.1f MiB, over the %.1f MiB bound that let threads "
+                               "allocate from arenas of their own; its host memory is mapped afresh at every run. "
+                               "Set JAXSCHED_HOST_MALLOC=keep to keep one arena", largest / 2**20,
+                               self.temporary_bound / 2**20)
+            logger.info("host malloc: threads allocate from arenas of their own (%d arenas; the largest program "
+                        "temporary buffer %.1f MiB)", host_malloc.arena_count(), largest / 2**20)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
         self.cost_seeds: list[tuple[int, int, float]] = []
         if self.cost_model is not None:

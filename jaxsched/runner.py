@@ -139,6 +139,33 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int
     return total
 
 
+def temporary_bytes_bound(model_config: ModelConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                          max_model_len: int) -> int:
+    """An upper bound of the temporary buffer (all intermediates, one host block per run on a CPU)
+    of the largest program an engine of these sizes compiles, from shapes alone, before jax starts
+    (host_malloc.allow_thread_arenas). The sampled sampler holds five [S, V] float32 arrays (six
+    counted here); a model program ~(2F + 4D) floats per token (6D counted) and its [S, V] logits;
+    XLA's attention, where it runs (the numba kernels keep theirs out of the buffer, counted anyway:
+    "auto" is not resolved yet), four [T, N, max_model_len] arrays of scores and a [S, max_model_len,
+    K, H] chunk of each pool at most. Checked against compiled programs' own figures in
+    tests/test_host_malloc.py."""
+    S, T, V = max_num_seqs, max_num_batched_tokens, model_config.vocab_size
+    sampler = 6 * S * V
+    attention = 4 * T * model_config.num_heads * max_model_len \
+        + 2 * S * max_model_len * model_config.num_kv_heads * model_config.head_dim
+    model = T * (2 * model_config.intermediate_size + 6 * model_config.hidden_size) + 2 * S * V + attention
+    return 4 * max(sampler, model)
+
+
+def largest_temporary_bytes(executables) -> int:
+    """The largest temporary buffer of these compiled programs, as XLA reports it (0 where it does not)."""
+    largest = 0
+    for exe in executables:
+        analysis = exe.memory_analysis()
+        largest = max(largest, getattr(analysis, "temp_size_in_bytes", 0) if analysis is not None else 0)
+    return largest
+
+
 # Programs that compile faster than this are not written to the persistent cache. jax's default
 # (1 s) left out the model's programs of small buckets (0.4-1.3 s each once the sampler is a program
 # of its own); the block-copy programs (~0.1 s) compile about as fast as they would load.
@@ -399,6 +426,10 @@ class ModelRunner:
             v[:, : len(host)] = self.host_kv[1][:, host]
             self.kv = self._swap_in_exe[C](self.kv, self._put(dev), self._put(k, self._pool_sharding),
                                            self._put(v, self._pool_sharding))
+
+    def step_programs(self) -> list:
+        """The compiled programs of a step: the model's of every bucket pair and every sampler variant."""
+        return list(self._executables.values()) + [p for programs in self._samplers.values() for p in programs]
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
         sc = self.scheduler_config

@@ -21,12 +21,17 @@ from jaxsched.cpu_affinity import available_cores, check
 ROOT = pathlib.Path(__file__).parents[1]
 
 SCRIPT = textwrap.dedent('''
-    import json, os, sys, threading
+    import json, logging, os, sys, threading
     from jaxsched import LLM, SamplingParams
-    from jaxsched.cpu_affinity import available_cores
+    from jaxsched.cpu_affinity import available_cores, pool_threads
     from pallas_kernels import numba_threads
 
     model = sys.argv[1]
+    first = sys.argv[2] == "reserved-first"  # the reserving engine starts jax (else one without does)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("jaxsched.cpu_affinity").addHandler(handler)
     cores = available_cores()
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=12,
               block_size=16)
@@ -39,6 +44,11 @@ SCRIPT = textwrap.dedent('''
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     res = {"cores": list(cores)}
+    if first:
+        b = LLM(model, cpu_reserved_cores=1, **kw)
+        res.update(pool=pool_threads(), reserved=run(b), warnings=warnings)
+        print("RESULT " + json.dumps(res))
+        sys.exit(0)
     a = LLM(model, cpu_reserved_cores=0, **kw)
     res["limit_before"] = numba_threads.limit()
     res["base"] = run(a)
@@ -46,6 +56,8 @@ SCRIPT = textwrap.dedent('''
     del a
     b = LLM(model, cpu_reserved_cores=1, **kw)
     res["reserved"] = run(b)
+    res["pool"] = pool_threads()
+    res["warnings"] = list(warnings)
     res["limit"] = numba_threads.limit()
     python = {t.native_id for t in threading.enumerate()}
     placed = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
@@ -69,15 +81,33 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def result(llama_dir):
+def _run(llama_dir: str, order: str) -> dict:
     if len(available_cores()) < 2:
         pytest.skip("reserving a core for the host needs a process with 2 cores or more")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, llama_dir], capture_output=True, text=True, timeout=600,
-                          check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, llama_dir, order], capture_output=True, text=True,
+                          timeout=600, check=False, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def result(llama_dir):
+    return _run(llama_dir, "unreserved-first")
+
+
+def test_xla_pools_sized_to_the_device_cores_when_the_engine_starts_jax(llama_dir, result):
+    """A reserving engine built before anything starts jax sizes XLA's CPU pools to the cores left
+    for the device (two pool threads on one core take turns at every loop); built after, it leaves
+    them and warns, saying what to do."""
+    first = _run(llama_dir, "reserved-first")
+    device = len(first["cores"]) - 1
+    assert first["pool"] == device and not first["warnings"]
+    assert first["reserved"] == result["base"]  # the same greedy tokens as every thread on every core
+    assert result["pool"] >= len(result["cores"])  # jax was started by the unreserved engine, sized to every core
+    assert any(f"PJRT_NPROC={device}" in w and "Build the engine before using jax" in w
+               for w in result["warnings"]), result["warnings"]
 
 
 def test_outputs_equal_with_a_reserved_core(result):

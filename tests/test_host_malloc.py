@@ -3,6 +3,7 @@ with a large temporary buffer does not fault its pages in again at every run."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -62,3 +63,62 @@ def test_system_leaves_malloc_alone_and_a_bad_choice_says_what_to_write():
     assert host_malloc.keep_freed_memory({host_malloc.ENV: "auto", "JAX_PLATFORMS": "cuda"}) is False
     with pytest.raises(ValueError, match="JAXSCHED_HOST_MALLOC='tcmalloc' is not one of auto, keep, system"):
         host_malloc.keep_freed_memory({host_malloc.ENV: "tcmalloc"})
+
+
+_ENGINE_PROBE = """
+import json, sys
+from jaxsched import LLM, SamplingParams, host_malloc
+from jaxsched.runner import largest_temporary_bytes
+kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+res = {"arenas_before": host_malloc.arena_count()}
+bounds, largest = [], []
+for backend in ("numba", "xla"):  # XLA's attention keeps its scores in the temporary buffer
+    llm = LLM(sys.argv[1], attention_backend=backend, **kw)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=1.0, seed=3),
+                       use_tqdm=False)
+    bounds.append(llm.llm_engine.temporary_bound)
+    largest.append(largest_temporary_bytes(llm.llm_engine.runner.step_programs()))
+res.update(thread_arenas=host_malloc.thread_arenas, arenas=host_malloc.arena_count(), bounds=bounds, largest=largest,
+           tokens=list(out[0].outputs[0].token_ids))
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _engine_probe(llama_dir: str, choice: str) -> dict:
+    env = {**os.environ, host_malloc.ENV: choice, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _ENGINE_PROBE, llama_dir], check=False, env=env, capture_output=True,
+                         text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt's switches are glibc's")
+def test_an_engine_with_small_programs_gives_threads_their_own_arenas(llama_dir):
+    """Built before jax starts, a small model's engine lets jax's threads allocate from arenas of
+    their own (the device's and the host's allocations no longer share one lock); `keep` keeps one
+    arena; the bound the choice is made from is not below any program's own temporary buffer."""
+    auto = _engine_probe(llama_dir, "auto")
+    keep = _engine_probe(llama_dir, "keep")
+    assert auto["arenas_before"] == 1 and keep["arenas_before"] == 1  # `import jaxsched` set one arena
+    assert auto["thread_arenas"] and auto["arenas"] > 1
+    assert not keep["thread_arenas"] and keep["arenas"] == 1
+    assert all(0 < got <= bound for got, bound in zip(auto["largest"], auto["bounds"], strict=True)), auto
+    assert auto["largest"][1] > auto["largest"][0]  # the XLA attention's scores are counted: the check can fail
+    assert auto["tokens"] == keep["tokens"]  # same seed, same draws, whichever arenas
+
+
+def test_a_program_too_large_for_a_thread_heap_keeps_one_arena():
+    """The demo model's default run (V = 49152, 128 rows): its sampled sampler's temporary buffer
+    does not fit a thread arena's heap, so the one arena stays (the page faults of "Tenth pass")."""
+    from jaxsched.config import ModelConfig
+    from jaxsched.runner import temporary_bytes_bound
+
+    demo = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True)
+    bound = temporary_bytes_bound(demo, 128, 2048, 1024)
+    assert bound > 5 * 128 * 49152 * 4  # at least the five [S, V] float32 arrays the sampled sampler holds
+    assert bound > host_malloc.THREAD_HEAP_BYTES // 2
+    assert host_malloc.allow_thread_arenas(bound) is False and not host_malloc.thread_arenas
