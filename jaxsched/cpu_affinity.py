@@ -55,26 +55,20 @@ _POOL_THREAD = "tf_XLAEigen"  # the name XLA's CPU client gives its intra-op poo
 _POOL_ENV = ("PJRT_NPROC", "NPROC")  # what that client reads, in this order, for its pools' size
 
 
-def _gpu_plugin_installed() -> bool:
-    """Whether jax may start a GPU backend here (where the CPU pools are not the device's)."""
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
-                                                                  "jax_rocm60_plugin", "jax_rocm7_plugin"))
-
-
 def size_xla_pools(n: int) -> bool:
     """When n cores are to be reserved and jax has not started its backends yet: start them with
     XLA's CPU thread pools sized to the cores left for the device. Returns whether it did.
 
     Leaves the pools as they are where jax already started (reserve() then warns), where the
-    user set their size (PJRT_NPROC / NPROC), and where a GPU plugin is installed (the engine
-    refuses a reserve on a GPU, and the process's CPU client must not shrink for that)."""
+    user set their size (PJRT_NPROC / NPROC), and where jax may start on a GPU (the engine refuses
+    a reserve there, and the process's CPU client must not shrink for that)."""
     if not n:
         return False
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized() or any(v in os.environ for v in _POOL_ENV) or _gpu_plugin_installed():
+    from jaxsched.host_malloc import cpu_backend_expected
+
+    if xla_bridge.backends_are_initialized() or any(v in os.environ for v in _POOL_ENV) or not cpu_backend_expected():
         return False
     check(n)
     import jax
