@@ -328,6 +328,13 @@ class EngineConfig:
     cpu_reserved_cores: int = 0  # cores for the host's Python threads (cpu_affinity.py); CPU only
 
 
+def token_budget(args: EngineArgs, max_len: int) -> int:
+    """max_num_batched_tokens as resolve() decides it, for a max_model_len of max_len."""
+    if args.enable_chunked_prefill:
+        return args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+    return args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
+
+
 def reserved_cores(n: int, platform: str) -> int:
     """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores."""
     if not n:
@@ -382,15 +389,12 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
             f"the model uses sliding-window attention (window {model.sliding_window}), which this engine "
             f"does not implement; set max_model_len <= {model.sliding_window}"
         )
-    if args.enable_chunked_prefill:
-        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
-    else:
-        budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
-        if budget < max_len:
-            raise ValueError(
-                f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
-                f"max_model_len ({max_len}) so that any prompt fits in one step"
-            )
+    budget = token_budget(args, max_len)
+    if not args.enable_chunked_prefill and budget < max_len:
+        raise ValueError(
+            f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
+            f"max_model_len ({max_len}) so that any prompt fits in one step"
+        )
     max_seqs = min(args.max_num_seqs, budget)
 
     M = -(-max_len // P)

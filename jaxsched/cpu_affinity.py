@@ -53,6 +53,9 @@ def check(n: int) -> None:
 
 _POOL_THREAD = "tf_XLAEigen"  # the name XLA's CPU client gives its intra-op pool's threads (Linux)
 _POOL_ENV = ("PJRT_NPROC", "NPROC")  # what that client reads, in this order, for its pools' size
+# why size_xla_pools left the pools as they were, for reserve()'s warning (None: no reason to warn)
+_pools_skipped: str | None = "jax started its backends before the engine was built"
+_pool_warned = False
 
 
 def size_xla_pools(n: int) -> bool:
@@ -68,7 +71,15 @@ def size_xla_pools(n: int) -> bool:
 
     from jaxsched.host_malloc import cpu_backend_expected
 
-    if xla_bridge.backends_are_initialized() or any(v in os.environ for v in _POOL_ENV) or not cpu_backend_expected():
+    global _pools_skipped
+    if xla_bridge.backends_are_initialized():
+        _pools_skipped = "jax started its backends before the engine was built"
+        return False
+    if any(v in os.environ for v in _POOL_ENV):  # the user's size: no warning either
+        _pools_skipped = None
+        return False
+    if not cpu_backend_expected():
+        _pools_skipped = "a GPU plugin is installed, so the engine did not start jax itself (set JAX_PLATFORMS=cpu)"
         return False
     check(n)
     import jax
@@ -122,13 +133,14 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         pass
     else:
         numba_threads.set_limit(len(device) if n else 0)
+    global _pool_warned
     pool = pool_threads()
-    if n and pool > len(device):
-        logger.warning("cpu_reserved_cores=%d: XLA's CPU thread pool has %d threads for %d device core(s): jax started "
-                       "its backends before the engine was built, sized to every core, and the threads will take "
-                       "turns on the device's cores (a slower step). Build the engine before using jax in this "
-                       "process, or set PJRT_NPROC=%d in the environment before jax starts", n, pool, len(device),
-                       len(device))
+    if n and pool > len(device) and _pools_skipped and not _pool_warned and not any(v in os.environ for v in _POOL_ENV):
+        _pool_warned = True  # once a process: the pools do not change
+        logger.warning("cpu_reserved_cores=%d: XLA's CPU thread pool has %d threads for %d device core(s): %s, "
+                       "sized to every core, and the threads will take turns on the device's cores (a slower "
+                       "step). Build the engine before using jax in this process, or set PJRT_NPROC=%d in the "
+                       "environment before jax starts", n, pool, len(device), _pools_skipped, len(device))
     logger.info("cpu_reserved_cores=%d: %d Python thread(s) on core(s) %s, the other threads (XLA, numba) on %s; "
                 "%d thread(s) placed", n, len(python), list(host), list(device), moved)
     return host, device

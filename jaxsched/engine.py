@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxsched import host_malloc
-from jaxsched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, EngineConfig, resolve
+from jaxsched.config import EngineArgs, EngineConfig, resolve, token_budget
 from jaxsched.cpu_affinity import reserve, size_xla_pools
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
@@ -119,10 +119,8 @@ class LLMEngine:
         model_cfg, getter, _kind = load_model_source(path)
         # before anything starts jax's backends, whose threads take their malloc arena when they first
         # allocate, and whose CPU pools are sized then (host_malloc.py, cpu_affinity.py)
-        self.temporary_bound = temporary_bytes_bound(
-            model_cfg, args.max_num_seqs, args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                                                               args.max_num_seqs, args.max_model_len or 0),
-            args.max_model_len or model_cfg.max_position_embeddings)
+        max_len = args.max_model_len or model_cfg.max_position_embeddings
+        self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
         host_malloc.allow_thread_arenas(self.temporary_bound)
         size_xla_pools(args.cpu_reserved_cores)
         devices = engine_devices(args.tensor_parallel_size, devices)
@@ -164,10 +162,11 @@ class LLMEngine:
         if host_malloc.thread_arenas:
             largest = largest_temporary_bytes(self.runner.step_programs())
             if largest > host_malloc.THREAD_HEAP_BYTES // 2:  # the bound fell short: say so, and how to avoid it
-                logger.warning("a program's temporary buffer is %.1f MiB, over the %.1f MiB bound that let threads "
-                               "allocate from arenas of their own; its host memory is mapped afresh at every run. "
-                               "Set JAXSCHED_HOST_MALLOC=keep to keep one arena", largest / 2**20,
-                               self.temporary_bound / 2**20)
+                logger.warning("a program's temporary buffer is %.1f MiB, over the %.0f MiB a thread arena holds, "
+                               "and threads allocate from arenas of their own (an engine of this process with "
+                               "smaller programs chose them, or the bound fell short): its host memory is mapped "
+                               "afresh at every run. Set JAXSCHED_HOST_MALLOC=keep to keep one arena",
+                               largest / 2**20, host_malloc.THREAD_HEAP_BYTES // 2 / 2**20)
             logger.info("host malloc: threads allocate from arenas of their own (%d arenas; the largest program "
                         "temporary buffer %.1f MiB)", host_malloc.arena_count(), largest / 2**20)
         # the cost model's cold start: a full decode step of each decode-sized token bucket, timed

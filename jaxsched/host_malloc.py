@@ -106,9 +106,18 @@ def allow_thread_arenas(largest_block: int) -> bool:
     Threads keep the arena they first allocated from, and glibc fixes its arena limit when a thread
     other than the main one first allocates: called before jax starts its threads (the engine does
     it before anything else touches jax), it moves jax's; called later, only threads started after
-    it, if any, and none where the limit was already fixed. Process-wide: the first engine decides."""
+    it, if any, and none where the limit was already fixed: so it does nothing once jax has started.
+    Process-wide: the first engine decides."""
     global thread_arenas
     if not applied or choice_made != "auto" or largest_block > THREAD_HEAP_BYTES // 2:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a jax without it: assume started (the one arena stays)
+        started = True
+    if started:  # jax's threads have taken the one arena, and glibc has fixed its limit
         return False
     libc = ctypes.CDLL("libc.so.6")
     # glibc's default limit (NARENAS_FROM_NCORES); mallopt takes no 0 for "the default"

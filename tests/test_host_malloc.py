@@ -121,4 +121,20 @@ def test_a_program_too_large_for_a_thread_heap_keeps_one_arena():
     bound = temporary_bytes_bound(demo, 128, 2048, 1024)
     assert bound > 5 * 128 * 49152 * 4  # at least the five [S, V] float32 arrays the sampled sampler holds
     assert bound > host_malloc.THREAD_HEAP_BYTES // 2
-    assert host_malloc.allow_thread_arenas(bound) is False
+
+
+def test_thread_arenas_only_under_auto_with_small_programs_before_jax_starts(monkeypatch):
+    """The gate in front of mallopt: the choice must be `auto` and applied, the block small enough,
+    and jax not started (its threads would already hold the one arena). Each case returns before
+    mallopt, so this process's malloc is left as it is."""
+    monkeypatch.setattr(host_malloc, "applied", True)
+    monkeypatch.setattr(host_malloc, "choice_made", "keep")
+    assert host_malloc.allow_thread_arenas(1 << 20) is False  # keep: one arena whatever the engine
+    monkeypatch.setattr(host_malloc, "choice_made", "auto")
+    assert host_malloc.allow_thread_arenas(host_malloc.THREAD_HEAP_BYTES // 2 + 1) is False  # too large
+    import jax
+
+    jax.devices()  # started: the threads have their arena
+    assert host_malloc.allow_thread_arenas(1 << 20) is False
+    monkeypatch.setattr(host_malloc, "applied", False)
+    assert host_malloc.allow_thread_arenas(1 << 20) is False  # nothing was set at import
