@@ -91,6 +91,7 @@ def size_xla_pools(n: int) -> bool:
         jax.devices()  # starts every backend, the CPU client's pools sized to the device's cores
     finally:
         os.sched_setaffinity(0, own)
+    _pools_skipped = None  # sized: nothing to warn about
     return True
 
 

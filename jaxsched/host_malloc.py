@@ -63,6 +63,13 @@ choice_made = "system"  # the JAXSCHED_HOST_MALLOC choice keep_freed_memory() ap
 thread_arenas = False  # whether allow_thread_arenas() gave threads their own arenas back
 
 
+def _glibc():
+    """This process's C library when it is glibc on Linux (whose switches this module sets), else None."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6")
+
+
 def cpu_backend_expected(environ=os.environ) -> bool:
     """Whether jax will run on the CPU, decided without starting jax."""
     platforms = environ.get("JAX_PLATFORMS", environ.get("JAX_PLATFORM_NAME", "")).strip().lower()
@@ -81,12 +88,12 @@ def keep_freed_memory(environ=os.environ) -> bool:
                          "the CPU and lets an engine with small programs give threads arenas of their own")
     if choice == "system" or (choice == "auto" and not cpu_backend_expected(environ)):
         return False
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         if choice == "keep":
             logger.warning("%s=keep needs Linux with glibc; this is %s with %s: left as it is", ENV, sys.platform,
                            platform.libc_ver()[0] or "another C library")
         return False
-    libc = ctypes.CDLL("libc.so.6")
     # the arena count first: glibc fixes it when a second thread first allocates
     ok = all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
                                                   (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
@@ -119,7 +126,7 @@ def allow_thread_arenas(largest_block: int) -> bool:
         started = True
     if started:  # jax's threads have taken the one arena, and glibc has fixed its limit
         return False
-    libc = ctypes.CDLL("libc.so.6")
+    libc = _glibc()  # not None: applied
     # glibc's default limit (NARENAS_FROM_NCORES); mallopt takes no 0 for "the default"
     thread_arenas = libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) == 1
     return thread_arenas
@@ -127,11 +134,11 @@ def allow_thread_arenas(largest_block: int) -> bool:
 
 def arena_count() -> int:
     """How many malloc arenas this process has (glibc's malloc_info); 0 where that cannot be read."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return 0
     import tempfile
 
-    libc = ctypes.CDLL("libc.so.6")
     libc.fopen.restype = ctypes.c_void_p
     libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
     libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
