@@ -14,7 +14,7 @@ import difflib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from jaxsched.parallel import HeadLayout
@@ -106,8 +106,11 @@ class EngineArgs:
     # the model's threads (XLA's, numba's) on the others, as vLLM's CPU build reserves cores for
     # its front end (VLLM_CPU_NUM_OF_RESERVED_CPU). Pays for small models, whose steps are too short
     # for a second device thread to gain what the host's core costs (jaxsched/cpu_affinity.py);
-    # 0: every thread on every core
-    cpu_reserved_cores: int = 0
+    # 0: every thread on every core; "auto": one core where the model's work per token is small for
+    # this machine's cores (cpu_affinity.auto_reserved_cores), else 0; None: "auto" for the
+    # `jaxsched` commands, whose process is the engine's, 0 for the library (a reserve pins every
+    # Python thread of the process to the host's cores: an imported engine does not do that unasked)
+    cpu_reserved_cores: int | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -138,9 +141,9 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if not isinstance(self.cpu_reserved_cores, int) or isinstance(self.cpu_reserved_cores, bool) \
-                or self.cpu_reserved_cores < 0:
-            raise ValueError(f"cpu_reserved_cores must be a whole number >= 0, got {self.cpu_reserved_cores!r}")
+        n = self.cpu_reserved_cores
+        if n is not None and n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"cpu_reserved_cores must be a whole number >= 0 or 'auto', got {n!r}")
         if self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend != "auto":
@@ -255,6 +258,14 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral / Qwen2 option; only allowed when >= max_model_len
     dtype: str = "float32"  # the checkpoint's dtype
 
+    @property
+    def layer_params(self) -> int:
+        """Weights every token goes through in the decoder layers (the q, k, v, o projections and the
+        MLP's three matrices; norms and biases left out): a token costs twice that in FLOPs, plus the
+        lm_head's vocab_size * hidden_size for each token sampled."""
+        D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        return self.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * self.intermediate_size)
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -335,10 +346,14 @@ def token_budget(args: EngineArgs, max_len: int) -> int:
     return args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
 
 
-def reserved_cores(n: int, platform: str) -> int:
-    """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores."""
+def reserved_cores(n: int | str | None, platform: str) -> int:
+    """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores ("auto"
+    is the engine's to decide before jax starts: engine.reserve_count; None is 0)."""
     if not n:
         return 0
+    if n == "auto":
+        raise ValueError("cpu_reserved_cores='auto' is decided by the engine before jax starts; resolve() takes a "
+                         "count (engine.reserve_count)")
     if platform != "cpu":
         raise ValueError(f"cpu_reserved_cores={n} applies to the CPU platform only (on {platform} the model does not "
                          "run on the host's cores); leave it at 0 here")

@@ -22,8 +22,9 @@ anything starts jax's backends, makes the pools as large as the device's cores i
 
 It pays when the device's step is short (a small model, a few rows), where a second device thread
 gains less than the host's core costs; a larger model's matmuls want every core
-(docs/PERFORMANCE.md, "Thirtieth pass"). It is process-wide: every engine in the process shares
-the split.
+(docs/PERFORMANCE.md, "Thirtieth pass"). `auto_reserved_cores` draws that line from the model's
+FLOPs a token per core ("Thirty-second pass"). It is process-wide: every engine in the process
+shares the split.
 """
 
 from __future__ import annotations
@@ -93,6 +94,44 @@ def size_xla_pools(n: int) -> bool:
         os.sched_setaffinity(0, own)
     _pools_skipped = None  # sized: nothing to warn about
     return True
+
+
+# the model's FLOPs a token (ModelConfig.layer_params and the lm_head, twice) per core of this
+# process, below which "auto" reserves a core: on 2 cores a model of 8.9 MFLOP a token (4.5 a
+# core) ran 4 % faster with one reserved, one of 17.9 (8.9 a core) 15 % slower; the gain,
+# interpolated between them, ends near 5.2 (docs/PERFORMANCE.md, "Thirty-second pass")
+AUTO_MAX_FLOPS_PER_CORE = 5e6
+
+
+def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devices: bool,
+                        async_scheduling: bool) -> tuple[int, str]:
+    """EngineArgs.cpu_reserved_cores="auto", decided before jax starts: (cores to reserve, why).
+
+    One core, for the host, where the model's work per token is small for this machine: the
+    device's step is then short beside the host's work per step, which a second device thread
+    cannot hide (it shares the host's core) but a core of the host's own can. Otherwise 0; and 0
+    where a reserve is not this engine's to make or would not pay: off the CPU platform, where
+    jax started before the engine (its pools have a thread for every core: size_xla_pools), for
+    an engine given its devices (a data-parallel replica: the reserve is process-wide) or split
+    over several, and without overlapped scheduling (the host's work is then not beside the
+    device's)."""
+    if not cpu:
+        return 0, "the model does not run on the host's cores"
+    if jax_started:
+        return 0, "jax started before the engine, with a CPU thread pool for every core"
+    if not own_devices:
+        return 0, "the engine shares this process's cores with other replicas or hosts"
+    if not async_scheduling:
+        return 0, "without overlapped scheduling the host does not work beside the device"
+    cores = len(available_cores())
+    if cores < 2:
+        return 0, "this process may use one core"
+    per_core = 2 * (model_config.layer_params + model_config.vocab_size * model_config.hidden_size) / cores
+    if per_core >= AUTO_MAX_FLOPS_PER_CORE:
+        return 0, (f"the model's {per_core / 1e6:.1f} MFLOP a token per core (of {cores}) wants every core "
+                   f"(reserving pays below {AUTO_MAX_FLOPS_PER_CORE / 1e6:.0f})")
+    return 1, (f"the model's {per_core / 1e6:.2f} MFLOP a token per core (of {cores}) is below "
+               f"{AUTO_MAX_FLOPS_PER_CORE / 1e6:.0f}: its steps are short beside the host's work")
 
 
 def pool_threads() -> int:

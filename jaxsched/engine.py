@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxsched import host_malloc
-from jaxsched.config import EngineArgs, EngineConfig, resolve, token_budget
-from jaxsched.cpu_affinity import reserve, size_xla_pools
+from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
+from jaxsched.cpu_affinity import auto_reserved_cores, reserve, size_xla_pools
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -122,6 +122,7 @@ class LLMEngine:
         max_len = args.max_model_len or model_cfg.max_position_embeddings
         self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
         host_malloc.allow_thread_arenas(self.temporary_bound)
+        args = dataclasses.replace(args, cpu_reserved_cores=reserve_count(args, model_cfg, devices))
         size_xla_pools(args.cpu_reserved_cores)
         devices = engine_devices(args.tensor_parallel_size, devices)
         tp = len(devices)
@@ -462,6 +463,27 @@ class LLMEngine:
     def next_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id - 1)
+
+
+def reserve_count(args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[Any] | None) -> int:
+    """EngineArgs.cpu_reserved_cores as a count, "auto" decided (and logged) before jax starts; None
+    is the library's default, 0."""
+    n = args.cpu_reserved_cores
+    if n != "auto":
+        return n or 0
+    import jax
+    from jax._src import xla_bridge
+
+    started = xla_bridge.backends_are_initialized()
+    if devices:
+        cpu = devices[0].platform == "cpu"
+    else:
+        cpu = jax.default_backend() == "cpu" if started else host_malloc.cpu_backend_expected()
+    own = devices is None and args.tensor_parallel_size == 1 and args.distributed_coordinator is None
+    n, why = auto_reserved_cores(model_cfg, cpu=cpu, jax_started=started, own_devices=own,
+                                 async_scheduling=args.async_scheduling is not False)
+    logger.info("cpu_reserved_cores=auto: %d (%s)", n, why)
+    return n
 
 
 def create_engine(args: EngineArgs) -> Any:

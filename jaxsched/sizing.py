@@ -56,10 +56,8 @@ def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
     per-platform figures; the decision only needs their order of magnitude.
     """
     flops, link_bw, overhead_s = (2e14, 2e10, 2e-3) if platform == "gpu" else (1e11, 5e9, 2e-3)
-    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    qkvo = D * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim * 2
-    params = L * (qkvo + 3 * D * F) + V * D
-    recompute = 2 * params / flops
+    L = cfg.num_layers
+    recompute = 2 * (cfg.layer_params + cfg.vocab_size * cfg.hidden_size) / flops
     copy = 2 * 2 * L * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] / link_bw
     if recompute <= copy:
         return 1 << 30  # never worth it: always recompute

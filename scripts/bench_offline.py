@@ -38,6 +38,7 @@ def make_llm(args):
             extra[k] = json.loads(v)
         except json.JSONDecodeError:
             extra[k] = v
+    extra.setdefault("cpu_reserved_cores", "auto")  # as the jaxsched commands (serve, bench) have it
     return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
 

@@ -42,6 +42,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
         base = next((a for a in typing.get_args(t) if a is not type(None)), t)
         if base is typing.Any:  # e.g. scheduling_policy: a name on the command line
             base = str
+        elif base is int and any(typing.get_origin(a) is typing.Literal for a in typing.get_args(t)):
+            base = _count_or_name  # e.g. cpu_reserved_cores: 2 or auto
         if base is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
         else:
@@ -49,9 +51,20 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                                 help=f"default: {f.default}")
 
 
+def _count_or_name(value: str) -> int | str:
+    """A flag that takes a whole number or a name ("auto"); EngineArgs checks which names."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
+    if args.cpu_reserved_cores is None:  # these commands' process is the engine's: it may place its threads
+        args = dataclasses.replace(args, cpu_reserved_cores="auto")
+    return args
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

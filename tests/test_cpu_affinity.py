@@ -7,6 +7,7 @@ Placing threads is process-wide, so the engines run in a subprocess; it prints o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -15,7 +16,8 @@ import textwrap
 
 import pytest
 
-from jaxsched.config import EngineArgs, reserved_cores
+from jaxsched import cpu_affinity
+from jaxsched.config import EngineArgs, ModelConfig, reserved_cores
 from jaxsched.cpu_affinity import available_cores, check
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -28,10 +30,14 @@ SCRIPT = textwrap.dedent('''
 
     model = sys.argv[1]
     first = sys.argv[2] == "reserved-first"  # the reserving engine starts jax (else one without does)
-    warnings = []
+    warnings, decisions = [], []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("jaxsched.cpu_affinity").addHandler(handler)
+    info = logging.Handler(logging.INFO)
+    info.emit = lambda record: decisions.append(record.getMessage())
+    logging.getLogger("jaxsched.engine").addHandler(info)
+    logging.getLogger("jaxsched.engine").setLevel(logging.INFO)
     cores = available_cores()
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=12,
               block_size=16)
@@ -44,12 +50,21 @@ SCRIPT = textwrap.dedent('''
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     res = {"cores": list(cores)}
-    if first:
-        b = LLM(model, cpu_reserved_cores=1, **kw)
-        res.update(pool=pool_threads(), reserved=run(b), warnings=warnings)
+    def placement():
+        python = {t.native_id for t in threading.enumerate()}
+        placed = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        return (sorted({tuple(c) for t, c in placed.items() if t in python}),
+                sorted({tuple(c) for t, c in placed.items() if t not in python}))
+
+    if first:  # the library default, then "auto": neither starts jax before the reserve is decided
+        b = LLM(model, cpu_reserved_cores="auto", **kw)
+        res.update(pool=pool_threads(), reserved=run(b), warnings=warnings,
+                   auto=[d for d in decisions if d.startswith("cpu_reserved_cores=auto")])
+        res["python"], res["others"] = placement()
         print("RESULT " + json.dumps(res))
         sys.exit(0)
-    a = LLM(model, cpu_reserved_cores=0, **kw)
+    a = LLM(model, **kw)  # the library's default: no reserve
+    res["default_placement"] = placement()
     res["limit_before"] = numba_threads.limit()
     res["base"] = run(a)
     res["preemptions_base"] = a.llm_engine.stats().num_preemptions
@@ -59,10 +74,7 @@ SCRIPT = textwrap.dedent('''
     res["pool"] = pool_threads()
     res["warnings"] = list(warnings)
     res["limit"] = numba_threads.limit()
-    python = {t.native_id for t in threading.enumerate()}
-    placed = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-    res["python"] = sorted({tuple(c) for t, c in placed.items() if t in python})
-    res["others"] = sorted({tuple(c) for t, c in placed.items() if t not in python})
+    res["python"], res["others"] = placement()
     late = []
     t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0))))
     t.start(); t.join()
@@ -97,12 +109,15 @@ def result(llama_dir):
     return _run(llama_dir, "unreserved-first")
 
 
-def test_xla_pools_sized_to_the_device_cores_when_the_engine_starts_jax(llama_dir, result):
-    """A reserving engine built before anything starts jax sizes XLA's CPU pools to the cores left
-    for the device (two pool threads on one core take turns at every loop); built after, it leaves
-    them and warns, saying what to do."""
+def test_auto_reserves_a_core_for_a_small_model_and_sizes_xla_pools(llama_dir, result):
+    """cpu_reserved_cores="auto" reserves one core for the tiny model (a step far below the FLOPs
+    that want every core), and, built before anything starts jax, sizes XLA's CPU pools to the
+    cores left for the device (two pool threads on one core take turns at every loop); a reserving
+    engine built after leaves them and warns, saying what to do."""
     first = _run(llama_dir, "reserved-first")
     device = len(first["cores"]) - 1
+    assert len(first["auto"]) == 1 and first["auto"][0].startswith("cpu_reserved_cores=auto: 1 ("), first["auto"]
+    assert first["python"] == [first["cores"][-1:]] and first["others"] == [first["cores"][:-1]]
     assert first["pool"] == device and not first["warnings"]
     assert first["reserved"] == result["base"]  # the same greedy tokens as every thread on every core
     assert result["pool"] >= len(result["cores"])  # jax was started by the unreserved engine, sized to every core
@@ -118,6 +133,7 @@ def test_outputs_equal_with_a_reserved_core(result):
 
 def test_python_threads_on_the_reserved_core_and_the_rest_elsewhere(result):
     cores = result["cores"]
+    assert result["default_placement"] == [[cores], [cores]]  # the library's default placed nothing
     host, device = cores[-1:], cores[:-1]
     assert result["python"] == [host]  # the main thread and any other Python thread
     assert result["late_python_thread"] == host  # a thread started later inherits its creator's core
@@ -137,10 +153,92 @@ def test_reserving_every_core_is_refused(result):
     assert msg is not None and "leaves no core for the model" in msg and f"at most {len(result['cores']) - 1}" in msg
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, "1"])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "1", "Auto"])
 def test_bad_values_are_refused(bad):
-    with pytest.raises(ValueError, match="cpu_reserved_cores must be a whole number >= 0"):
+    with pytest.raises(ValueError, match="cpu_reserved_cores must be a whole number >= 0 or 'auto'"):
         EngineArgs(cpu_reserved_cores=bad)
+
+
+def _llama(D: int, F: int, L: int, N: int, K: int, V: int) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L,
+                       num_heads=N, num_kv_heads=K, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                       rope_scaling=None, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+TINY = _llama(64, 128, 2, 4, 4, 300)
+DEMO = _llama(576, 1536, 30, 9, 3, 49152)  # SmolLM2-135M's shapes
+# the ladder of docs/PERFORMANCE.md's "Thirty-second pass": 8.9 MFLOP a token gained from a
+# reserved core on 2 cores, 17.9 lost
+GAINED, LOST = _llama(256, 512, 6, 4, 4, 2048), _llama(320, 896, 6, 5, 5, 4096)
+CLEAR = {"cpu": True, "jax_started": False, "own_devices": True, "async_scheduling": True}
+
+
+def test_model_flops_per_token_from_layer_params():
+    """layer_params counts q, k, v, o and the MLP's three matrices, as the ladder's figures do."""
+    assert 2 * (GAINED.layer_params + GAINED.vocab_size * GAINED.hidden_size) == pytest.approx(8.91e6, rel=1e-3)
+    assert 2 * (LOST.layer_params + LOST.vocab_size * LOST.hidden_size) == pytest.approx(17.86e6, rel=1e-3)
+
+
+@pytest.mark.parametrize("cores", [(0, 1), (0, 1, 2, 3)])
+def test_auto_reserves_one_core_for_small_models_only(monkeypatch, cores):
+    monkeypatch.setattr(cpu_affinity, "available_cores", lambda: cores)
+    assert cpu_affinity.auto_reserved_cores(TINY, **CLEAR)[0] == 1
+    n, why = cpu_affinity.auto_reserved_cores(DEMO, **CLEAR)
+    assert n == 0 and "wants every core" in why
+    # the ladder's two models either side of the line, on the 2 cores they were measured on
+    if len(cores) == 2:
+        assert cpu_affinity.auto_reserved_cores(GAINED, **CLEAR)[0] == 1
+        assert cpu_affinity.auto_reserved_cores(LOST, **CLEAR)[0] == 0
+    else:  # twice the cores: the larger model's step is as short per core as the smaller's on 2
+        assert cpu_affinity.auto_reserved_cores(LOST, **CLEAR)[0] == 1
+
+
+@pytest.mark.parametrize("case, reason", [
+    ({"cpu": False}, "does not run on the host's cores"),
+    ({"jax_started": True}, "jax started before the engine"),
+    ({"own_devices": False}, "other replicas or hosts"),
+    ({"async_scheduling": False}, "without overlapped scheduling"),
+])
+def test_auto_reserves_nothing_where_it_is_not_the_engines_to_make_or_would_not_pay(monkeypatch, case, reason):
+    monkeypatch.setattr(cpu_affinity, "available_cores", lambda: (0, 1))
+    n, why = cpu_affinity.auto_reserved_cores(TINY, **{**CLEAR, **case})
+    assert n == 0 and reason in why
+    monkeypatch.setattr(cpu_affinity, "available_cores", lambda: (0,))
+    assert cpu_affinity.auto_reserved_cores(TINY, **CLEAR) == (0, "this process may use one core")
+
+
+def test_reserve_count_in_a_process_where_jax_started(caplog):
+    """The library's default (None) is 0; "auto" after jax started (as in this test process) is 0,
+    logged with why; a count passes through; resolve() refuses an undecided "auto"."""
+    import jax
+
+    from jaxsched.engine import reserve_count
+
+    jax.devices()
+    assert reserve_count(EngineArgs(), TINY, None) == 0
+    assert reserve_count(EngineArgs(cpu_reserved_cores=1), TINY, None) == 1
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
+        assert reserve_count(EngineArgs(cpu_reserved_cores="auto"), TINY, None) == 0
+    assert "cpu_reserved_cores=auto: 0 (jax started before the engine" in caplog.text
+    with pytest.raises(ValueError, match="decided by the engine before jax starts"):
+        reserved_cores("auto", "cpu")
+
+
+def test_the_commands_default_to_auto_and_take_a_count_or_auto():
+    """`jaxsched serve` / generate / run-batch / bench own their process: no flag means "auto";
+    the flag takes a count or "auto", and anything else gets EngineArgs' message."""
+    import argparse
+
+    from serving.cli import add_engine_flags, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_args_from(p.parse_args([])).cpu_reserved_cores == "auto"
+    assert engine_args_from(p.parse_args(["--cpu-reserved-cores", "0"])).cpu_reserved_cores == 0
+    assert engine_args_from(p.parse_args(["--cpu-reserved-cores", "2"])).cpu_reserved_cores == 2
+    assert engine_args_from(p.parse_args(["--cpu-reserved-cores", "auto"])).cpu_reserved_cores == "auto"
+    with pytest.raises(ValueError, match="whole number >= 0 or 'auto', got 'two'"):
+        engine_args_from(p.parse_args(["--cpu-reserved-cores", "two"]))
 
 
 def test_only_on_the_cpu_platform():

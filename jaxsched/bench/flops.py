@@ -30,11 +30,9 @@ def matmul_peak_gflops(dtype: str = "float32", n: int = 2048, repeats: int = 10)
 def model_flops(cfg, prompt_lens: np.ndarray, output_lens: np.ndarray) -> dict[str, float]:
     """Useful FLOPs of the workload: every token fed through the weights once (prompt + output - 1),
     causal attention over each token's context, and the lm_head once per sampled token."""
-    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    N, K, H, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-    weights = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+    D, L, N, H, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size
     fed = prompt_lens + output_lens - 1
-    matmul = 2.0 * weights * fed.sum()
+    matmul = 2.0 * cfg.layer_params * fed.sum()
     # token at position i attends to i + 1 keys: QK^T and PV, 2 FLOPs per MAC, N heads of H dims
     ctx_sum = (fed * (fed + 1) / 2).sum()
     attention = 4.0 * N * H * L * ctx_sum
