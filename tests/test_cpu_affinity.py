@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent('''
         return (sorted({tuple(c) for t, c in placed.items() if t in python}),
                 sorted({tuple(c) for t, c in placed.items() if t not in python}))
 
-    if first:  # the library default, then "auto": neither starts jax before the reserve is decided
+    if first:  # an engine with "auto" first: it decides, and reserves, before anything starts jax
         b = LLM(model, cpu_reserved_cores="auto", **kw)
         res.update(pool=pool_threads(), reserved=run(b), warnings=warnings,
                    auto=[d for d in decisions if d.startswith("cpu_reserved_cores=auto")])
