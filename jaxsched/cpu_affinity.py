@@ -36,6 +36,7 @@ import threading
 logger = logging.getLogger(__name__)
 
 _cores: tuple[int, ...] | None = None  # the process's cores before the first reserve()
+_reserved = 0  # the cores the last reserve() kept for the host (0: none, or put back)
 
 
 def available_cores() -> tuple[int, ...]:
@@ -103,8 +104,13 @@ def size_xla_pools(n: int) -> bool:
 AUTO_MAX_FLOPS_PER_CORE = 5e6
 
 
+def reserved_now() -> int:
+    """How many cores the process's threads are split off for the host now (0: none)."""
+    return _reserved
+
+
 def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devices: bool,
-                        async_scheduling: bool) -> tuple[int, str]:
+                        async_scheduling: bool, reserved: int = 0) -> tuple[int, str]:
     """EngineArgs.cpu_reserved_cores="auto", decided before jax starts: (cores to reserve, why).
 
     One core, for the host, where the model's work per token is small for this machine: the
@@ -114,9 +120,12 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
     jax started before the engine (its pools have a thread for every core: size_xla_pools), for
     an engine given its devices (a data-parallel replica: the reserve is process-wide) or split
     over several, and without overlapped scheduling (the host's work is then not beside the
-    device's)."""
+    device's). `reserved`: the split an earlier engine of this process made, which a later one
+    keeps (the pools were sized for it; 0 would put every thread back on every core)."""
     if not cpu:
         return 0, "the model does not run on the host's cores"
+    if reserved:
+        return reserved, f"an earlier engine of this process reserved {reserved} (the split is process-wide)"
     if jax_started:
         return 0, "jax started before the engine, with a CPU thread pool for every core"
     if not own_devices:
@@ -151,12 +160,13 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     to the rest's count. Returns (host cores, device cores). Safe to call again (an engine built
     later sweeps the threads started since); n = 0 after a reserve puts every thread back on every
     core and lifts the limit."""
-    global _cores
+    global _cores, _reserved
     if n == 0 and _cores is None:  # nothing was ever reserved: nothing to undo (any platform)
         return (), ()
     check(n)
     cores = available_cores()
     _cores = cores
+    _reserved = n
     host, device = (cores[-n:], cores[:-n]) if n else (cores, cores)  # 0 after a reserve: every thread everywhere
     python = {t.native_id for t in threading.enumerate()}
     moved = 0

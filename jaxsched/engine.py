@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxsched import host_malloc
 from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
-from jaxsched.cpu_affinity import auto_reserved_cores, reserve, size_xla_pools
+from jaxsched.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -122,12 +122,16 @@ class LLMEngine:
         max_len = args.max_model_len or model_cfg.max_position_embeddings
         self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
         host_malloc.allow_thread_arenas(self.temporary_bound)
+        auto = args.cpu_reserved_cores == "auto"
         args = dataclasses.replace(args, cpu_reserved_cores=reserve_count(args, model_cfg, devices))
         size_xla_pools(args.cpu_reserved_cores)
         devices = engine_devices(args.tensor_parallel_size, devices)
         tp = len(devices)
         mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
         platform = devices[0].platform
+        if auto and args.cpu_reserved_cores and platform != "cpu":  # jax found an accelerator after all
+            logger.info("cpu_reserved_cores=auto: 0 after all (jax runs the model on %s, not the host's cores)", platform)
+            args = dataclasses.replace(args, cpu_reserved_cores=0)
         # this process's devices of the engine (all of them on one host): memory is sized from them
         local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, platform,
@@ -475,13 +479,13 @@ def reserve_count(args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[An
     from jax._src import xla_bridge
 
     started = xla_bridge.backends_are_initialized()
-    if devices:
-        cpu = devices[0].platform == "cpu"
+    if devices is not None:  # any sequence of devices (a list, a numpy array of them)
+        cpu = next(iter(devices)).platform == "cpu"
     else:
         cpu = jax.default_backend() == "cpu" if started else host_malloc.cpu_backend_expected()
     own = devices is None and args.tensor_parallel_size == 1 and args.distributed_coordinator is None
     n, why = auto_reserved_cores(model_cfg, cpu=cpu, jax_started=started, own_devices=own,
-                                 async_scheduling=args.async_scheduling is not False)
+                                 async_scheduling=args.async_scheduling is not False, reserved=reserved_now())
     logger.info("cpu_reserved_cores=auto: %d (%s)", n, why)
     return n
 

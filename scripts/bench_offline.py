@@ -39,6 +39,8 @@ def make_llm(args):
         except json.JSONDecodeError:
             extra[k] = v
     extra.setdefault("cpu_reserved_cores", "auto")  # as the jaxsched commands (serve, bench) have it
+    if getattr(args, "overlap", "on") == "off":  # built as it is measured: "auto" decides for a synchronous engine
+        extra.setdefault("async_scheduling", False)
     return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
 

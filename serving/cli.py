@@ -48,7 +48,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=base, default=f.default,
-                                help=f"default: {f.default}")
+                                help=_COMMAND_DEFAULTS.get(f.name, f"default: {f.default}"))
+
+
+# what engine_args_from makes of a flag left out, where that is not EngineArgs' default
+_COMMAND_DEFAULTS = {"cpu_reserved_cores": "a count or auto (default: auto, which reserves one core for the host "
+                                           "where the model is small for this machine's cores)"}
 
 
 def _count_or_name(value: str) -> int | str:

@@ -124,7 +124,19 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
     prompts, params, plens, olens = bench_offline.workload(args, 300)
     assert [len(p["prompt_token_ids"]) for p in prompts] == plens.tolist()
     assert [p.max_tokens for p in params] == olens.tolist() and all(p.ignore_eos for p in params)
-    assert callable(bench_offline.make_llm)
+    # the engine as the jaxsched commands build it (cpu_reserved_cores "auto"), and built without
+    # overlap when it is measured only without ("auto" then decides for a synchronous engine)
+    made = []
+    monkeypatch.setattr("jaxsched.LLM", lambda model, **kw: made.append(kw))
+    for overlap in ("on", "off", "both", None):  # None: bench_steps.py's and bench_vs_vllm.py's, without the flag
+        ns = bench_offline.parser("x").parse_args([])
+        if overlap is not None:
+            ns.overlap = overlap
+        bench_offline.make_llm(ns)
+    assert [(kw["cpu_reserved_cores"], kw.get("async_scheduling")) for kw in made] == [
+        ("auto", None), ("auto", False), ("auto", None), ("auto", None)]
+    bench_offline.make_llm(bench_offline.parser("x").parse_args(["--engine-arg", "cpu_reserved_cores=0"]))
+    assert made[-1]["cpu_reserved_cores"] == 0
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--R", "8", "--prompt-len", "8", "--max-tokens", "4"])
     bench_scheduler.main()
     line = json.loads(capsys.readouterr().out.splitlines()[-1])

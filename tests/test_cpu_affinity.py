@@ -79,6 +79,12 @@ SCRIPT = textwrap.dedent('''
     t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0))))
     t.start(); t.join()
     res["late_python_thread"] = late[0]
+    del b
+    decisions.clear()
+    d = LLM(model, cpu_reserved_cores="auto", **kw)  # a later engine keeps the process's split
+    res["auto_after_reserve"] = [x for x in decisions if x.startswith("cpu_reserved_cores=auto")]
+    res["auto_after_reserve_placement"] = placement()
+    del d
     # an engine without reserved cores after one with: every thread back on every core, no limit
     c = LLM(model, cpu_reserved_cores=0, **kw)
     res["after_zero"] = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
@@ -142,6 +148,13 @@ def test_python_threads_on_the_reserved_core_and_the_rest_elsewhere(result):
     assert result["limit"] == min(len(device), os.cpu_count() or 1)
 
 
+def test_auto_after_a_reserve_keeps_the_split(result):
+    cores = result["cores"]
+    assert len(result["auto_after_reserve"]) == 1, result["auto_after_reserve"]
+    assert result["auto_after_reserve"][0].startswith("cpu_reserved_cores=auto: 1 (an earlier engine")
+    assert result["auto_after_reserve_placement"] == [[cores[-1:]], [cores[:-1]]]
+
+
 def test_zero_after_a_reserve_puts_every_thread_back(result):
     assert result["after_zero"] == [result["cores"]]
     assert result["limit_after_zero"] == 0
@@ -161,7 +174,7 @@ def test_bad_values_are_refused(bad):
 
 def _llama(D: int, F: int, L: int, N: int, K: int, V: int) -> ModelConfig:
     return ModelConfig("LlamaForCausalLM", vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L,
-                       num_heads=N, num_kv_heads=K, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                       num_heads=N, num_kv_heads=K, head_dim=D // N, rms_norm_eps=1e-5, rope_theta=1e4,
                        rope_scaling=None, max_position_embeddings=1024, tie_word_embeddings=False)
 
 
@@ -175,6 +188,7 @@ CLEAR = {"cpu": True, "jax_started": False, "own_devices": True, "async_scheduli
 
 def test_model_flops_per_token_from_layer_params():
     """layer_params counts q, k, v, o and the MLP's three matrices, as the ladder's figures do."""
+    assert 2 * (TINY.layer_params + TINY.vocab_size * TINY.hidden_size) == pytest.approx(0.20e6, rel=0.02)
     assert 2 * (GAINED.layer_params + GAINED.vocab_size * GAINED.hidden_size) == pytest.approx(8.91e6, rel=1e-3)
     assert 2 * (LOST.layer_params + LOST.vocab_size * LOST.hidden_size) == pytest.approx(17.86e6, rel=1e-3)
 
@@ -207,10 +221,20 @@ def test_auto_reserves_nothing_where_it_is_not_the_engines_to_make_or_would_not_
     assert cpu_affinity.auto_reserved_cores(TINY, **CLEAR) == (0, "this process may use one core")
 
 
+def test_auto_keeps_an_earlier_engines_reserve():
+    """A later engine of the process keeps the split an earlier one made (the pools were sized for
+    it), whatever its own model or jax's state; off the CPU it reserves nothing."""
+    for model in (TINY, DEMO):
+        n, why = cpu_affinity.auto_reserved_cores(model, **{**CLEAR, "jax_started": True}, reserved=1)
+        assert n == 1 and "an earlier engine of this process reserved 1" in why
+    assert cpu_affinity.auto_reserved_cores(TINY, **{**CLEAR, "cpu": False}, reserved=1)[0] == 0
+
+
 def test_reserve_count_in_a_process_where_jax_started(caplog):
     """The library's default (None) is 0; "auto" after jax started (as in this test process) is 0,
     logged with why; a count passes through; resolve() refuses an undecided "auto"."""
     import jax
+    import numpy as np
 
     from jaxsched.engine import reserve_count
 
@@ -219,7 +243,12 @@ def test_reserve_count_in_a_process_where_jax_started(caplog):
     assert reserve_count(EngineArgs(cpu_reserved_cores=1), TINY, None) == 1
     with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
         assert reserve_count(EngineArgs(cpu_reserved_cores="auto"), TINY, None) == 0
-    assert "cpu_reserved_cores=auto: 0 (jax started before the engine" in caplog.text
+        # given its devices (a data-parallel replica's group, as a list or a numpy array of them)
+        for given in (jax.devices()[:1], np.array(jax.devices()[:1])):
+            assert reserve_count(EngineArgs(cpu_reserved_cores="auto"), TINY, given) == 0
+    why = ("jax started before the engine" if jax.default_backend() == "cpu"
+           else "does not run on the host's cores")
+    assert f"cpu_reserved_cores=auto: 0 ({why}" in caplog.text
     with pytest.raises(ValueError, match="decided by the engine before jax starts"):
         reserved_cores("auto", "cpu")
 
@@ -233,6 +262,7 @@ def test_the_commands_default_to_auto_and_take_a_count_or_auto():
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)
+    assert "default: auto" in next(a.help for a in p._actions if a.dest == "cpu_reserved_cores")
     assert engine_args_from(p.parse_args([])).cpu_reserved_cores == "auto"
     assert engine_args_from(p.parse_args(["--cpu-reserved-cores", "0"])).cpu_reserved_cores == 0
     assert engine_args_from(p.parse_args(["--cpu-reserved-cores", "2"])).cpu_reserved_cores == 2
