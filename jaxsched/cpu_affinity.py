@@ -102,6 +102,10 @@ def size_xla_pools(n: int) -> bool:
 # core) ran 4 % faster with one reserved, one of 17.9 (8.9 a core) 15 % slower; the gain,
 # interpolated between them, ends near 5.2 (docs/PERFORMANCE.md, "Thirty-second pass")
 AUTO_MAX_FLOPS_PER_CORE = 5e6
+# the same line for a synchronous engine (async_scheduling=False), whose host does not work beside
+# the device but still takes turns with it on the cores: 2.85 MFLOP a token a core gained 3-10 %,
+# 4.45 lost 6 %; interpolated, the gain ends near 3.6
+AUTO_MAX_FLOPS_PER_CORE_SYNC = 3.5e6
 
 
 def reserved_now() -> int:
@@ -116,11 +120,11 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
     One core, for the host, where the model's work per token is small for this machine: the
     device's step is then short beside the host's work per step, which a second device thread
     cannot hide (it shares the host's core) but a core of the host's own can. Otherwise 0; and 0
-    where a reserve is not this engine's to make or would not pay: off the CPU platform, where
-    jax started before the engine (its pools have a thread for every core: size_xla_pools), for
-    an engine given its devices (a data-parallel replica: the reserve is process-wide) or split
-    over several, and without overlapped scheduling (the host's work is then not beside the
-    device's). `reserved`: the split an earlier engine of this process made, which a later one
+    where a reserve is not this engine's to make: off the CPU platform, where jax started before
+    the engine (its pools have a thread for every core: size_xla_pools), for an engine given its
+    devices (a data-parallel replica: the reserve is process-wide) or split over several. Without
+    overlapped scheduling the line is lower (the host's work is not beside the device's; the
+    reserve still spares the device's threads the host's turns). `reserved`: the split an earlier engine of this process made, which a later one
     keeps (the pools were sized for it; 0 would put every thread back on every core)."""
     if not cpu:
         return 0, "the model does not run on the host's cores"
@@ -130,17 +134,17 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
         return 0, "jax started before the engine, with a CPU thread pool for every core"
     if not own_devices:
         return 0, "the engine shares this process's cores with other replicas or hosts"
-    if not async_scheduling:
-        return 0, "without overlapped scheduling the host does not work beside the device"
     cores = len(available_cores())
     if cores < 2:
         return 0, "this process may use one core"
     per_core = 2 * (model_config.layer_params + model_config.vocab_size * model_config.hidden_size) / cores
-    if per_core >= AUTO_MAX_FLOPS_PER_CORE:
+    line = AUTO_MAX_FLOPS_PER_CORE if async_scheduling else AUTO_MAX_FLOPS_PER_CORE_SYNC
+    mode = "" if async_scheduling else ", without overlapped scheduling"
+    if per_core >= line:
         return 0, (f"the model's {per_core / 1e6:.1f} MFLOP a token per core (of {cores}) wants every core "
-                   f"(reserving pays below {AUTO_MAX_FLOPS_PER_CORE / 1e6:.0f})")
+                   f"(reserving pays below {line / 1e6:g}{mode})")
     return 1, (f"the model's {per_core / 1e6:.2f} MFLOP a token per core (of {cores}) is below "
-               f"{AUTO_MAX_FLOPS_PER_CORE / 1e6:.0f}: its steps are short beside the host's work")
+               f"{line / 1e6:g}{mode}: its steps are short beside the host's work")
 
 
 def pool_threads() -> int:
