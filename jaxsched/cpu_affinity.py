@@ -124,8 +124,9 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
     the engine (its pools have a thread for every core: size_xla_pools), for an engine given its
     devices (a data-parallel replica: the reserve is process-wide) or split over several. Without
     overlapped scheduling the line is lower (the host's work is not beside the device's; the
-    reserve still spares the device's threads the host's turns). `reserved`: the split an earlier engine of this process made, which a later one
-    keeps (the pools were sized for it; 0 would put every thread back on every core)."""
+    reserve still spares the device's threads the host's turns). `reserved`: the split an earlier
+    engine of this process made, which a later one keeps (the pools were sized for it; 0 would put
+    every thread back on every core)."""
     if not cpu:
         return 0, "the model does not run on the host's cores"
     if reserved:
