@@ -266,6 +266,12 @@ class ModelConfig:
         D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         return self.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * self.intermediate_size)
 
+    @property
+    def token_flops(self) -> int:
+        """FLOPs of one token through the weights, the lm_head included (attention over the context
+        left out): what recomputing a token, or sampling one, costs in matmuls."""
+        return 2 * (self.layer_params + self.vocab_size * self.hidden_size)
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -97,7 +97,7 @@ def size_xla_pools(n: int) -> bool:
     return True
 
 
-# the model's FLOPs a token (ModelConfig.layer_params and the lm_head, twice) per core of this
+# the model's FLOPs a token (ModelConfig.token_flops) per core of this
 # process, below which "auto" reserves a core: on 2 cores a model of 8.9 MFLOP a token (4.5 a
 # core) ran 4 % faster with one reserved, one of 17.9 (8.9 a core) 15 % slower; the gain,
 # interpolated between them, ends near 5.2 (docs/PERFORMANCE.md, "Thirty-second pass")
@@ -138,7 +138,7 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
     cores = len(available_cores())
     if cores < 2:
         return 0, "this process may use one core"
-    per_core = 2 * (model_config.layer_params + model_config.vocab_size * model_config.hidden_size) / cores
+    per_core = model_config.token_flops / cores
     line = AUTO_MAX_FLOPS_PER_CORE if async_scheduling else AUTO_MAX_FLOPS_PER_CORE_SYNC
     mode = "" if async_scheduling else ", without overlapped scheduling"
     if per_core >= line:

@@ -57,7 +57,7 @@ def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
     """
     flops, link_bw, overhead_s = (2e14, 2e10, 2e-3) if platform == "gpu" else (1e11, 5e9, 2e-3)
     L = cfg.num_layers
-    recompute = 2 * (cfg.layer_params + cfg.vocab_size * cfg.hidden_size) / flops
+    recompute = cfg.token_flops / flops
     copy = 2 * 2 * L * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] / link_bw
     if recompute <= copy:
         return 1 << 30  # never worth it: always recompute

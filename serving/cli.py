@@ -47,13 +47,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
         if base is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, type=base, default=f.default,
-                                help=_COMMAND_DEFAULTS.get(f.name, f"default: {f.default}"))
+            default = _COMMAND_DEFAULTS.get(f.name, f.default)
+            parser.add_argument(_flag(f.name), dest=f.name, type=base, default=default, help=f"default: {default}")
 
 
-# what engine_args_from makes of a flag left out, where that is not EngineArgs' default
-_COMMAND_DEFAULTS = {"cpu_reserved_cores": "a count or auto (default: auto, which reserves one core for the host "
-                                           "where the model is small for this machine's cores)"}
+# the commands' own defaults where they differ from EngineArgs' (the library's): their process is the
+# engine's, so it may place its threads ("auto" reserves one core where the model is small for the cores)
+_COMMAND_DEFAULTS = {"cpu_reserved_cores": "auto"}
 
 
 def _count_or_name(value: str) -> int | str:
@@ -66,10 +66,7 @@ def _count_or_name(value: str) -> int | str:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
-    if args.cpu_reserved_cores is None:  # these commands' process is the engine's: it may place its threads
-        args = dataclasses.replace(args, cpu_reserved_cores="auto")
-    return args
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
