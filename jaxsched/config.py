@@ -88,7 +88,8 @@ class EngineArgs:
     num_processes: int | None = None
     process_id: int | None = None
     # overlapped scheduling: schedule and pack step N+1 while the device runs step N (engine.py);
-    # None: on (False runs the host and the device in turns)
+    # None: on, except on a CPU where the host has no core of its own and the model keeps every core
+    # busy (cpu_affinity.auto_async_scheduling, decided by the engine); False runs them in turns
     async_scheduling: bool | None = None
     # size each step by its predicted cost (a step-cost model fitted online from the engine's own
     # step times: step_cost.py): the most tokens per second, or with target_tpot_ms the largest

@@ -25,6 +25,10 @@ gains less than the host's core costs; a larger model's matmuls want every core
 (docs/PERFORMANCE.md, "Thirtieth pass"). `auto_reserved_cores` draws that line from the model's
 FLOPs a token per core ("Thirty-second pass"). It is process-wide: every engine in the process
 shares the split.
+
+The same contention decides whether overlapped scheduling pays on a CPU at all:
+`auto_async_scheduling` turns it off where no core is reserved and the model keeps every core
+busy ("Thirty-third pass").
 """
 
 from __future__ import annotations
@@ -146,6 +150,39 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
                    f"(reserving pays below {line / 1e6:g}{mode})")
     return 1, (f"the model's {per_core / 1e6:.2f} MFLOP a token per core (of {cores}) is below "
                f"{line / 1e6:g}{mode}: its steps are short beside the host's work")
+
+
+# the model's FLOPs a token per core below which an engine with no core reserved for the host
+# still overlaps its steps on a CPU: the device's step is then short and leaves the cores idle at
+# its joins, which the host's work fills. Above it the host's work preempts the device's threads
+# (a parallel loop waits for its slowest thread) and hides nothing: on 2 cores without a reserve,
+# a model of 1.4 MFLOP a token (0.7 a core) ran 6-16 % faster overlapped, one of 5.7 (2.85 a
+# core) level to 13 % slower, the larger ones (up to the demo model's 269) level to 9 % slower
+# (docs/PERFORMANCE.md, "Thirty-third pass")
+AUTO_OVERLAP_MAX_FLOPS_PER_CORE = 1.5e6
+
+
+def auto_async_scheduling(model_config, *, cpu: bool, reserved: int, multi_host: bool) -> tuple[bool, str]:
+    """EngineArgs.async_scheduling=None on this platform: (overlap the host's work with the
+    device's step, why). On beside an accelerator, and on a CPU where the host has a core of its
+    own (cpu_reserved_cores) or the model's steps are short; off on a CPU where the host's work
+    would take turns with the device's threads on every core. Always on for an engine spread over
+    several hosts, which must all decide the same whatever their cores."""
+    if not cpu:
+        return True, "the host works beside an accelerator"
+    if multi_host:
+        return True, "an engine over several hosts overlaps on every host"
+    if reserved:
+        return True, f"the host has {reserved} core(s) of its own"
+    cores = len(available_cores())
+    per_core = model_config.token_flops / cores
+    line = AUTO_OVERLAP_MAX_FLOPS_PER_CORE
+    if per_core < line:
+        return True, (f"the model's {per_core / 1e6:.2f} MFLOP a token per core (of {cores}) is below "
+                      f"{line / 1e6:g}: its steps leave cores idle for the host's work")
+    return False, (f"the model's {per_core / 1e6:.1f} MFLOP a token per core (of {cores}) keeps every core busy, "
+                   f"and no core is reserved for the host: its work would only delay the device's threads "
+                   f"(overlap pays below {line / 1e6:g}, or with cpu_reserved_cores)")
 
 
 def pool_threads() -> int:

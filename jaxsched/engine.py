@@ -19,7 +19,9 @@ folds a row's pending token in on the device (batch.pending_src), so penalties d
 grammar's next token mask needs the token its row samples (grammar.py, depends_on_tokens), so the
 step after one with such a row waits for it (reads its tokens before scheduling); a fixed mask
 (allowed_token_ids) does not. A step that swaps a request out waits too: the copy needs the pages
-of the step in flight.
+of the step in flight. The default (None) is on, except on a CPU where no core is reserved for the
+host and the model keeps every core busy: there the host's work only delays the device's threads
+(cpu_affinity.auto_async_scheduling).
 Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
 """
 
@@ -39,7 +41,7 @@ import numpy as np
 
 from jaxsched import host_malloc
 from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
-from jaxsched.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
+from jaxsched.cpu_affinity import auto_async_scheduling, auto_reserved_cores, reserve, reserved_now, size_xla_pools
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -132,6 +134,11 @@ class LLMEngine:
         if auto and args.cpu_reserved_cores and platform != "cpu":  # jax found an accelerator after all
             logger.info("cpu_reserved_cores=auto: 0 after all (jax runs the model on %s, not the host's cores)", platform)
             args = dataclasses.replace(args, cpu_reserved_cores=0)
+        if args.async_scheduling is None:
+            on, why = auto_async_scheduling(model_cfg, cpu=platform == "cpu", reserved=args.cpu_reserved_cores or 0,
+                                            multi_host=args.distributed_coordinator is not None)
+            (logger.info if platform == "cpu" else logger.debug)("async_scheduling: %s (%s)", "on" if on else "off", why)
+            args = dataclasses.replace(args, async_scheduling=on)
         # this process's devices of the engine (all of them on one host): memory is sized from them
         local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, platform,

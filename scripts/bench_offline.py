@@ -39,8 +39,12 @@ def make_llm(args):
         except json.JSONDecodeError:
             extra[k] = v
     extra.setdefault("cpu_reserved_cores", "auto")  # as the jaxsched commands (serve, bench) have it
-    if getattr(args, "overlap", "on") == "off":  # built as it is measured: "auto" decides for a synchronous engine
-        extra.setdefault("async_scheduling", False)
+    # built as it is measured, so that cpu_reserved_cores="auto" decides for that engine; "both" runs
+    # one engine built overlapped, then switched; "auto" (and a script without --overlap) keeps the
+    # engine's own choice (cpu_affinity.auto_async_scheduling)
+    overlap = {"on": True, "off": False, "both": True}.get(getattr(args, "overlap", "auto"))
+    if overlap is not None:
+        extra.setdefault("async_scheduling", overlap)
     return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **extra)
 
@@ -85,8 +89,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
     ap.add_argument("--penalized", type=float, default=0.0, metavar="SHARE",
                     help="share of the requests with a repetition penalty (0 to 1)")
-    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
-                    help="overlapped scheduling; 'both' runs the workload without, then with it, on one engine")
+    ap.add_argument("--overlap", choices=("auto", "on", "off", "both"), default="auto",
+                    help="overlapped scheduling; 'auto' (the default) as the engine chooses it "
+                         "(async_scheduling's default), 'both' runs the workload without, then with it, on one engine")
     ap.add_argument("--trace-dir", metavar="DIR",
                     help="after the measured runs, run the workload once more (last overlap setting) under "
                          "jax.profiler.trace into DIR and report the device's busy time per step from it; the "
@@ -105,7 +110,7 @@ def main() -> None:
     prompt_lens = np.array([r.prompt_len for r in reqs])
     output_lens = np.array([r.output_len for r in reqs])
 
-    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    overlaps = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.overlap]
     measured = throughput.measure(engine, reqs, params, ["continuous"], overlaps)
     runs = {"on" if r.overlap else "off": r for r in measured}
     mode = "on" if "on" in runs else "off"

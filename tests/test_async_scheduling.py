@@ -112,6 +112,39 @@ def test_outputs_equal_the_synchronous_engine(llama_dir, extra):
         assert len(sync[rid].outputs[0].token_ids) == 3 and not sync[rid].finished
 
 
+def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
+    """async_scheduling=None is decided when the engine starts (cpu_affinity.auto_async_scheduling):
+    on for the tiny model; on a CPU, off (logged, with why) once the model counts as keeping every
+    core busy, here by moving the line to 0; an explicit True is kept. Either way the tokens are the
+    overlapped engine's."""
+    import logging
+
+    import jax
+
+    from jaxsched import cpu_affinity
+    from jaxsched.bench.driver import set_overlap
+
+    cpu = jax.default_backend() == "cpu"
+    monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 0.0)
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
+        llm = LLM(llama_dir, **BASE)
+    eng = llm.llm_engine
+    assert eng.async_scheduling is not cpu and eng.config.async_scheduling is not cpu
+    if cpu:
+        assert "async_scheduling: off (the model's" in caplog.text and "no core is reserved" in caplog.text
+    ps = [{"prompt_token_ids": p} for p in prompts(llm, 6)]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    outs = {}
+    for mode in (eng.async_scheduling, not eng.async_scheduling):
+        set_overlap(eng, mode)
+        with no_compilation():
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert outs[True] == outs[False]
+    monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 1.5e6)
+    assert LLM(llama_dir, **BASE).llm_engine.async_scheduling  # the tiny model: short steps
+    assert LLM(llama_dir, **BASE, async_scheduling=True).llm_engine.async_scheduling is True
+
+
 def test_llm_generate_and_stats_with_overlap(llama_dir):
     """LLM.generate with overlap on equals off; a finished request's wasted row is the only extra
     work (stops end requests that overlap had scheduled once more), and no step compiles."""

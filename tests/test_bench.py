@@ -124,17 +124,17 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
     prompts, params, plens, olens = bench_offline.workload(args, 300)
     assert [len(p["prompt_token_ids"]) for p in prompts] == plens.tolist()
     assert [p.max_tokens for p in params] == olens.tolist() and all(p.ignore_eos for p in params)
-    # the engine as the jaxsched commands build it (cpu_reserved_cores "auto"), and built without
-    # overlap when it is measured only without ("auto" then decides for a synchronous engine)
+    # the engine as the jaxsched commands build it (cpu_reserved_cores "auto"), built as it is
+    # measured (so that "auto" decides for that engine); "auto" leaves overlap to the engine
     made = []
     monkeypatch.setattr("jaxsched.LLM", lambda model, **kw: made.append(kw))
-    for overlap in ("on", "off", "both", None):  # None: bench_steps.py's and bench_vs_vllm.py's, without the flag
+    for overlap in ("auto", "on", "off", "both", None):  # None: bench_steps.py's and bench_vs_vllm.py's, no flag
         ns = bench_offline.parser("x").parse_args([])
         if overlap is not None:
             ns.overlap = overlap
         bench_offline.make_llm(ns)
     assert [(kw["cpu_reserved_cores"], kw.get("async_scheduling")) for kw in made] == [
-        ("auto", None), ("auto", False), ("auto", None), ("auto", None)]
+        ("auto", None), ("auto", True), ("auto", False), ("auto", True), ("auto", None)]
     bench_offline.make_llm(bench_offline.parser("x").parse_args(["--engine-arg", "cpu_reserved_cores=0"]))
     assert made[-1]["cpu_reserved_cores"] == 0
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--R", "8", "--prompt-len", "8", "--max-tokens", "4"])

@@ -234,6 +234,27 @@ def test_auto_draws_a_lower_line_without_overlap(monkeypatch):
     assert cpu_affinity.auto_reserved_cores(GAINED, **CLEAR)[0] == 1  # the same model with overlap
 
 
+@pytest.mark.parametrize("cores", [(0, 1), (0, 1, 2, 3)])
+def test_auto_overlap_on_a_cpu_only_where_the_host_has_a_core_or_the_steps_are_short(monkeypatch, cores):
+    """async_scheduling=None: on 2 cores without a reserve, 0.7 MFLOP a token per core (m128) ran
+    faster overlapped, 2.85 (m192) level to slower, and larger models slower; a reserved core, an
+    accelerator or several hosts keep it on."""
+    monkeypatch.setattr(cpu_affinity, "available_cores", lambda: cores)
+    m128, m192 = _llama(128, 256, 4, 2, 2, 300), _llama(192, 512, 6, 3, 3, 1024)
+    clear = {"cpu": True, "reserved": 0, "multi_host": False}
+    assert cpu_affinity.auto_async_scheduling(TINY, **clear)[0]
+    assert cpu_affinity.auto_async_scheduling(m128, **clear)[0]
+    for model in (GAINED, LOST, DEMO):
+        on, why = cpu_affinity.auto_async_scheduling(model, **clear)
+        assert not on and "no core is reserved for the host" in why and f"(of {len(cores)})" in why
+    # twice the cores: m192's step is as short per core as m128's on 2
+    assert cpu_affinity.auto_async_scheduling(m192, **clear)[0] is (len(cores) == 4)
+    assert cpu_affinity.auto_async_scheduling(DEMO, **{**clear, "reserved": 1}) == (
+        True, "the host has 1 core(s) of its own")
+    assert cpu_affinity.auto_async_scheduling(DEMO, **{**clear, "cpu": False})[0]
+    assert cpu_affinity.auto_async_scheduling(DEMO, **{**clear, "multi_host": True})[0]
+
+
 def test_auto_keeps_an_earlier_engines_reserve():
     """A later engine of the process keeps the split an earlier one made (the pools were sized for
     it), whatever its own model or jax's state; off the CPU it reserves nothing."""

@@ -300,8 +300,8 @@ def main(ns: argparse.Namespace) -> int:
         from jaxsched.bench.plots import require_matplotlib
 
         require_matplotlib()
-    if ns.overlap == "off" and ns.async_scheduling is None:  # built as it is measured (cpu_reserved_cores=auto)
-        ns.async_scheduling = False
+    if ns.overlap is not None and ns.async_scheduling is None:  # built as it is measured (cpu_reserved_cores=auto)
+        ns.async_scheduling = ns.overlap != "off"  # "both": built overlapped, then switched
     engine, init_s = build_engine(ns)
     res = benchmark(engine, ns, init_s)
     print_summary(res)
