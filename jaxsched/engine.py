@@ -41,7 +41,13 @@ import numpy as np
 
 from jaxsched import host_malloc
 from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
-from jaxsched.cpu_affinity import auto_async_scheduling, auto_reserved_cores, reserve, reserved_now, size_xla_pools
+from jaxsched.cpu_affinity import (
+    auto_async_scheduling,
+    auto_reserved_cores,
+    reserve,
+    reserved_now,
+    size_xla_pools,
+)
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
