@@ -443,6 +443,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
+        # the engine decides a None first (cpu_affinity.auto_async_scheduling); None here is on
         heads=heads, async_scheduling=args.async_scheduling is not False,
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),

@@ -22,7 +22,9 @@ step after one with such a row waits for it (reads its tokens before scheduling)
 of the step in flight. The default (None) is on, except on a CPU where no core is reserved for the
 host and the model keeps every core busy: there the host's work only delays the device's threads
 (cpu_affinity.auto_async_scheduling).
-Everything is decided once, up front, by config.resolve(); __init__ only builds the pieces.
+Everything is decided once, up front: cpu_reserved_cores' and async_scheduling's defaults by
+__init__ (they need the model, the platform and the process's cores), the rest by config.resolve();
+__init__ then only builds the pieces.
 """
 
 from __future__ import annotations

@@ -113,21 +113,26 @@ def test_outputs_equal_the_synchronous_engine(llama_dir, extra):
 
 
 def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
-    """async_scheduling=None is decided when the engine starts (cpu_affinity.auto_async_scheduling):
-    on for the tiny model; on a CPU, off (logged, with why) once the model counts as keeping every
-    core busy, here by moving the line to 0; an explicit True is kept. Either way the tokens are the
-    overlapped engine's."""
+    """async_scheduling=None is decided when the engine starts (cpu_affinity.auto_async_scheduling,
+    asked with this engine's platform, reserve and hosts): on a CPU, off (logged, with why) once the
+    model counts as keeping every core busy, here by moving the line to 0, and the tokens are the
+    overlapped engine's; an explicit True is kept all the same. (The tiny model's default, on, is
+    test_engine.py's `llm`.)"""
     import logging
 
     import jax
 
-    from jaxsched import cpu_affinity
+    from jaxsched import cpu_affinity, engine
     from jaxsched.bench.driver import set_overlap
 
     cpu = jax.default_backend() == "cpu"
     monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 0.0)
+    asked = []
+    decide = engine.auto_async_scheduling
+    monkeypatch.setattr(engine, "auto_async_scheduling", lambda *a, **kw: asked.append(kw) or decide(*a, **kw))
     with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
         llm = LLM(llama_dir, **BASE)
+    assert asked == [{"cpu": cpu, "reserved": 0, "multi_host": False}]
     eng = llm.llm_engine
     assert eng.async_scheduling is not cpu and eng.config.async_scheduling is not cpu
     if cpu:
@@ -140,9 +145,17 @@ def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
         with no_compilation():
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
     assert outs[True] == outs[False]
-    monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 1.5e6)
-    assert LLM(llama_dir, **BASE).llm_engine.async_scheduling  # the tiny model: short steps
     assert LLM(llama_dir, **BASE, async_scheduling=True).llm_engine.async_scheduling is True
+    assert len(asked) == 1  # a given value is not the rule's to decide
+
+
+def test_the_auto_lines_nest():
+    """reserve_count decides cpu_reserved_cores="auto" before async_scheduling is decided, taking an
+    undecided overlap as on. That is consistent only while the overlap line lies below both reserve
+    lines: a model that gets no core with overlap then runs synchronous, and gets none there either."""
+    from jaxsched import cpu_affinity as c
+
+    assert c.AUTO_OVERLAP_MAX_FLOPS_PER_CORE <= c.AUTO_MAX_FLOPS_PER_CORE_SYNC <= c.AUTO_MAX_FLOPS_PER_CORE
 
 
 def test_llm_generate_and_stats_with_overlap(llama_dir):

@@ -137,6 +137,26 @@ def test_bench_scripts_stay_wrappers(monkeypatch, capsys):
         ("auto", None), ("auto", True), ("auto", False), ("auto", True), ("auto", None)]
     bench_offline.make_llm(bench_offline.parser("x").parse_args(["--engine-arg", "cpu_reserved_cores=0"]))
     assert made[-1]["cpu_reserved_cores"] == 0
+    # `jaxsched bench throughput` builds its engine the same way (an explicit flag wins)
+    from jaxsched.bench import throughput
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(ns):
+        built.append(ns.async_scheduling)
+        raise Built
+
+    monkeypatch.setattr(throughput, "build_engine", build)
+    p = argparse.ArgumentParser()
+    throughput.add_arguments(p)
+    for flags in ([], ["--overlap", "on"], ["--overlap", "off"], ["--overlap", "both"],
+                  ["--overlap", "off", "--async-scheduling"]):
+        with pytest.raises(Built):
+            throughput.main(p.parse_args(flags))
+    assert built == [None, True, False, True, True]
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--R", "8", "--prompt-len", "8", "--max-tokens", "4"])
     bench_scheduler.main()
     line = json.loads(capsys.readouterr().out.splitlines()[-1])

@@ -5,9 +5,10 @@ prefill phase (the steps until every request has its first token) and the decode
   jaxsched bench latency MODEL --batch-size 32 --max-num-seqs 32 --json
 
 Each iteration draws new random prompts and empties the prefix cache first, so that no prefill is
-found in the cache. With overlapped scheduling (the engine's default) a step's tokens are read by
-the next step() call, so the prefill phase counts one step more than the prefill itself takes;
---no-async-scheduling times the steps on their own.
+found in the cache. With overlapped scheduling (the engine's default, except on a CPU where no core
+is reserved for the host and the model keeps every core busy) a step's tokens are read by the next
+step() call, so the prefill phase counts one step more than the prefill itself takes;
+--no-async-scheduling times the steps on their own, --async-scheduling overlaps them.
 """
 
 from __future__ import annotations
