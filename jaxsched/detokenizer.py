@@ -5,13 +5,27 @@ characters and SentencePiece's leading spaces. So, like vLLM, each request decod
 text(ids[prefix:]) minus text(ids[prefix:read]) is the new text, emitted only once it no longer
 ends in an incomplete character. The window starts with a few prompt tokens so the first output
 token decodes with its real left context.
+
+Byte-level BPE tokenizers (GPT-2's scheme: Llama 3, Qwen, SmolLM, the test tokenizer) need no
+window: their decode is the UTF-8 of the tokens' bytes laid end to end, so a token's new text is
+the bytes held since the last complete character plus its own. `byte_table` maps every id to its
+bytes once per tokenizer (checked against the tokenizer's own decode, id by id); a request then
+spends a list lookup and a bytes decode per token where the window costs two calls into the Rust
+tokenizer (each a few microseconds through the binding): at a few hundred rows a step that is
+most of the host's output phase (docs/PERFORMANCE.md, "Thirty-third pass").
+JAXSCHED_VERIFY_DETOK=1 computes the window's text beside it and raises where they differ (the
+test suite turns it on).
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Callable
 
 from jaxsched.request import SamplingParams
+
+VERIFY_ENV = "JAXSCHED_VERIFY_DETOK"
 
 _CONTEXT_TOKENS = 6
 
@@ -38,6 +52,74 @@ def decoder_of(tokenizer) -> Callable[..., str]:
     return tokenizer.decode
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the byte each character of a ByteLevel vocabulary
+    stands for. Printable Latin-1 bytes stand for themselves; the other 68 bytes are written as
+    the characters from U+0100 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in set(printable)]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+class ByteTable:
+    """Every id's bytes under a ByteLevel decoder: `keep` with special tokens, `skip` with them
+    empty (skip_special_tokens). Ids past the table decode to nothing, as in the tokenizer."""
+
+    def __init__(self, keep: list[bytes], special: set[int]) -> None:
+        self.keep = keep
+        self.skip = [b"" if i in special else b for i, b in enumerate(keep)]
+
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer) -> ByteTable | None:
+    """The tokenizer's ByteTable, built (~0.1 s for 50k ids) and cached on first use; None where its
+    decode is not plain byte-level (another decoder, transformers' wrapper kept by decoder_of, or an
+    id whose bytes do not give the tokenizer's own text)."""
+    try:
+        return _tables[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: no cache, no table
+        return None
+    table = _build_table(tokenizer)
+    _tables[tokenizer] = table
+    return table
+
+
+def _build_table(tokenizer) -> ByteTable | None:
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or decoder_of(tokenizer) != backend.decode:
+        return None
+    try:
+        from tokenizers import decoders
+    except ImportError:
+        return None
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    added = backend.get_added_tokens_decoder()
+    n = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+    keep: list[bytes] = []
+    for i in range(n):
+        token = backend.id_to_token(i)
+        if token is None:
+            keep.append(b"")
+            continue
+        try:  # a token with a character outside the alphabet is its own UTF-8 (as tokenizers decodes)
+            keep.append(bytes(_BYTE_OF_CHAR[c] for c in token))
+        except KeyError:
+            keep.append(token.encode())
+    special = {i for i, t in added.items() if t.special}
+    for i, b in enumerate(keep):
+        if b.decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=False):
+            return None
+    return ByteTable(keep, special)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -55,6 +137,19 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stop_string: str | None = None  # set when a stop string ended the output
+        # the byte-level path (None: the window), where the tokenizer has one. A prompt that ends
+        # inside a character starts on the window, whose left context completes that character,
+        # and moves to bytes once the window has emitted text (its ids then end on a whole one)
+        self._bytes: list[bytes] | None = None
+        self._byte_ids: list[bytes] | None = None
+        self._pending = b""  # bytes of tokens after the last whole character emitted
+        table = byte_table(tokenizer)
+        if table is not None:
+            self._byte_ids = ids = table.skip if self.skip_special else table.keep
+            context = b"".join(ids[i] if 0 <= i < len(ids) else b"" for i in self.ids)
+            if not context.decode("utf-8", "replace").endswith("\ufffd"):
+                self._bytes = ids
+        self._verify = table is not None and os.environ.get(VERIFY_ENV, "") not in ("", "0")
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special)
@@ -67,17 +162,38 @@ class IncrementalDetokenizer:
         """
         self.ids.append(token_id)
         self.num_outputs += 1
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
+        if self._bytes is None:
+            delta = self._window_delta(last)
+            if delta and self._byte_ids is not None:  # the window ends on a whole character now
+                self._bytes = self._byte_ids
+        else:
+            ids = self._bytes
+            held = self._pending + (ids[token_id] if 0 <= token_id < len(ids) else b"")
+            delta = held.decode("utf-8", "replace") if held else ""
+            if delta.endswith("\ufffd") and not last:
+                self._pending, delta = held, ""
+            else:
+                self._pending = b""
+            if self._verify and delta != (window := self._window_delta(last)):
+                raise AssertionError(f"byte-level detokenization gave {delta!r} where the window gives {window!r} "
+                                     f"(token {token_id}, ids {self.ids})")
+        if not delta:
             return ""
-        delta = full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = len(self.text)
         self.text += delta
         if self.stop and self.num_outputs >= self.min_tokens:
             self._check_stop(start)
         return self.text[start:]
+
+    def _window_delta(self, last: bool) -> str:
+        """The new text of the window over self.ids (which end with the new token); moves the window
+        past it once it ends on a whole character."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
 
     def _check_stop(self, new_from: int) -> None:
         # a stop string may begin before the new text and end inside it

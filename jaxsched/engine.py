@@ -50,6 +50,7 @@ from jaxsched.cpu_affinity import (
     reserved_now,
     size_xla_pools,
 )
+from jaxsched.detokenizer import byte_table
 from jaxsched.errors import InvalidRequestError, StepFailedError
 from jaxsched.output_processor import OutputProcessor
 from jaxsched.outputs import RequestOutput
@@ -215,6 +216,7 @@ class LLMEngine:
                     "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
                     cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
                     cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
+        byte_table(self.tokenizer)  # built now (~0.1 s for a 50k vocabulary), not at the first request
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_requests, cfg.enable_prefix_caching)
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -15,6 +15,9 @@ import tiny
 # against packing it in full, in every engine the suite runs (jaxsched/batch.py, VERIFY_ENV); set
 # before any engine exists. Subprocesses the tests start inherit it.
 os.environ.setdefault("JAXSCHED_VERIFY_PACK", "1")
+# every byte-level detokenized token checked against the tokenizer's own windowed decode
+# (jaxsched/detokenizer.py, VERIFY_ENV)
+os.environ.setdefault("JAXSCHED_VERIFY_DETOK", "1")
 
 MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma")
 

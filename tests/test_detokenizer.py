@@ -74,3 +74,68 @@ def test_rust_decode_where_it_gives_the_wrappers_text(tokenizer_dir):
         tok.__class__ = Overriding.__mro__[1]
     tok.clean_up_tokenization_spaces = True
     assert decoder_of(tok) == tok.decode
+
+
+def test_byte_level_path_gives_the_windows_text(tokenizer_dir, monkeypatch):
+    """The test tokenizer is byte-level BPE: every id gets its bytes, and over random ids (random
+    bytes: characters split over tokens, invalid UTF-8, special tokens kept and skipped, ids past
+    the vocabulary) the byte path gives the window's new text token by token, and the final text
+    is the whole output's decode. A fake tokenizer, or one whose decode transformers must wrap,
+    gets no table."""
+    import random
+
+    from jaxsched.detokenizer import byte_table
+    from jaxsched.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "0")  # compared here, not by the check
+    tok = load_tokenizer(tokenizer_dir)
+    table = byte_table(tok)
+    assert table is not None and len(table.keep) == len(tok) and byte_table(tok) is table
+    special = sorted(tok.all_special_ids)
+    assert special and all(table.skip[i] == b"" and table.keep[i] for i in special)
+    multi = [i for i, b in enumerate(table.keep) if any(x >= 0x80 for x in b)]
+    assert len(multi) >= 64  # ids whose bytes are not ASCII: the split characters below
+    rng = random.Random(1)
+    started, moved = {True: 0, False: 0}, 0
+    for skip in (True, False):
+        for _ in range(300):
+            prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+            out = [rng.choice(special) if r < 0.05 else len(tok) + 3 if r < 0.07 else rng.choice(multi) if r < 0.6
+                   else rng.randrange(len(tok)) for r in (rng.random() for _ in range(rng.randint(1, 16)))]
+            params = SamplingParams(skip_special_tokens=skip)
+            fast, slow = IncrementalDetokenizer(tok, prompt, params), IncrementalDetokenizer(tok, prompt, params)
+            slow._bytes = slow._byte_ids = None
+            whole = fast._bytes is not None  # the prompt ends on a whole character
+            deltas = [[d.add_token(t, last=i == len(out) - 1) for i, t in enumerate(out)] for d in (fast, slow)]
+            assert deltas[0] == deltas[1], (prompt, out, skip)
+            if whole:
+                assert fast.text == tok.decode(out, skip_special_tokens=skip)
+            # a prompt ending inside a character starts on the window, and moves once it emits
+            started[whole] += 1
+            moved += not whole and fast._bytes is not None
+    assert started[True] >= 300 and started[False] >= 100 and moved >= 100
+
+    tok.clean_up_tokenization_spaces = True  # transformers' wrapper decides the text: no table
+    assert byte_table(load_tokenizer(tokenizer_dir)) is not None and byte_table(tok) is table  # cached
+    from jaxsched.detokenizer import _build_table
+
+    assert _build_table(tok) is None and byte_table(CharTokenizer()) is None
+
+
+def test_the_check_catches_a_wrong_byte(tokenizer_dir, monkeypatch):
+    """JAXSCHED_VERIFY_DETOK=1 (the suite's setting) raises where the byte path's text differs from
+    the window's: here one id's bytes are wrong."""
+    import pytest
+
+    from jaxsched.detokenizer import ByteTable, _tables
+    from jaxsched.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "1")
+    tok = load_tokenizer(tokenizer_dir)
+    good = tok.encode("the cat", add_special_tokens=False)
+    keep = [b"" for _ in range(len(tok))]
+    keep[good[0]] = b"dog"
+    _tables[tok] = ByteTable(keep, set())
+    d = IncrementalDetokenizer(tok, good, SamplingParams())
+    with pytest.raises(AssertionError, match="byte-level detokenization gave 'dog'"):
+        d.add_token(good[0])
