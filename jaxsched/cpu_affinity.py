@@ -112,6 +112,13 @@ AUTO_MAX_FLOPS_PER_CORE = 5e6
 AUTO_MAX_FLOPS_PER_CORE_SYNC = 3.5e6
 
 
+def _flops_per_core(model_config) -> tuple[float, int]:
+    """The model's FLOPs a token (ModelConfig.token_flops) per core of this process, and the cores:
+    what both "auto" rules draw their line on."""
+    cores = len(available_cores())
+    return model_config.token_flops / cores, cores
+
+
 def reserved_now() -> int:
     """How many cores the process's threads are split off for the host now (0: none)."""
     return _reserved
@@ -139,10 +146,9 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
         return 0, "jax started before the engine, with a CPU thread pool for every core"
     if not own_devices:
         return 0, "the engine shares this process's cores with other replicas or hosts"
-    cores = len(available_cores())
+    per_core, cores = _flops_per_core(model_config)
     if cores < 2:
         return 0, "this process may use one core"
-    per_core = model_config.token_flops / cores
     line = AUTO_MAX_FLOPS_PER_CORE if async_scheduling else AUTO_MAX_FLOPS_PER_CORE_SYNC
     mode = "" if async_scheduling else ", without overlapped scheduling"
     if per_core >= line:
@@ -174,8 +180,7 @@ def auto_async_scheduling(model_config, *, cpu: bool, reserved: int, multi_host:
         return True, "an engine over several hosts overlaps on every host"
     if reserved:
         return True, f"the host has {reserved} core(s) of its own"
-    cores = len(available_cores())
-    per_core = model_config.token_flops / cores
+    per_core, cores = _flops_per_core(model_config)
     line = AUTO_OVERLAP_MAX_FLOPS_PER_CORE
     if per_core < line:
         return True, (f"the model's {per_core / 1e6:.2f} MFLOP a token per core (of {cores}) is below "

@@ -57,7 +57,7 @@ def _byte_of_char() -> dict[str, int]:
     stands for. Printable Latin-1 bytes stand for themselves; the other 68 bytes are written as
     the characters from U+0100 up, in byte order."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [b for b in range(256) if b not in set(printable)]
+    others = sorted(set(range(256)) - set(printable))
     return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
 
 

@@ -39,10 +39,7 @@ def make_llm(args):
         except json.JSONDecodeError:
             extra[k] = v
     extra.setdefault("cpu_reserved_cores", "auto")  # as the jaxsched commands (serve, bench) have it
-    # built as it is measured, so that cpu_reserved_cores="auto" decides for that engine; "both" runs
-    # one engine built overlapped, then switched; "auto" (and a script without --overlap) keeps the
-    # engine's own choice (cpu_affinity.auto_async_scheduling)
-    overlap = {"on": True, "off": False, "both": True}.get(getattr(args, "overlap", "auto"))
+    overlap = throughput.overlap_built(getattr(args, "overlap", None))  # bench_steps, bench_vs_vllm: no flag
     if overlap is not None:
         extra.setdefault("async_scheduling", overlap)
     return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -110,7 +107,7 @@ def main() -> None:
     prompt_lens = np.array([r.prompt_len for r in reqs])
     output_lens = np.array([r.output_len for r in reqs])
 
-    overlaps = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    overlaps = throughput.overlap_runs(args.overlap)
     measured = throughput.measure(engine, reqs, params, ["continuous"], overlaps)
     runs = {"on" if r.overlap else "off": r for r in measured}
     mode = "on" if "on" in runs else "off"

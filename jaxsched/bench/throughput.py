@@ -239,7 +239,7 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
                            max_model_len=engine.scheduler_config.max_model_len)
     shares = parse_shares(ns.structured)
     batchings = ["continuous", "static"] if ns.batching == "both" else [ns.batching]
-    overlaps: list[bool | None] = {None: [None], "on": [True], "off": [False], "both": [False, True]}[ns.overlap]
+    overlaps = overlap_runs(ns.overlap)
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {ns.max_steps}")
     if any(shares):  # compiled (and the tokenizer converted for llguidance) before any run is timed
@@ -295,13 +295,26 @@ def print_summary(res: dict[str, Any]) -> None:
               f"{res['host_share_with_overlap'] * 100:.1f} %")
 
 
+def overlap_runs(overlap: str | None) -> list[bool | None]:
+    """The runs an --overlap value measures: None (or "auto") keeps the engine's choice, "both" runs
+    without, then with."""
+    return {None: [None], "auto": [None], "on": [True], "off": [False], "both": [False, True]}[overlap]
+
+
+def overlap_built(overlap: str | None) -> bool | None:
+    """async_scheduling for the engine an --overlap value measures: built as it is measured, so that
+    cpu_reserved_cores="auto" decides for that engine ("both": built overlapped, then switched);
+    None (or "auto"): the engine's own choice."""
+    return None if overlap in (None, "auto") else overlap != "off"
+
+
 def main(ns: argparse.Namespace) -> int:
     if ns.plot:
         from jaxsched.bench.plots import require_matplotlib
 
         require_matplotlib()
-    if ns.overlap is not None and ns.async_scheduling is None:  # built as it is measured (cpu_reserved_cores=auto)
-        ns.async_scheduling = ns.overlap != "off"  # "both": built overlapped, then switched
+    if ns.async_scheduling is None:
+        ns.async_scheduling = overlap_built(ns.overlap)
     engine, init_s = build_engine(ns)
     res = benchmark(engine, ns, init_s)
     print_summary(res)
