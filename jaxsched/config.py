@@ -79,8 +79,15 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     # devices one engine's model is split over (Megatron-style, on one mesh axis: parallel.py)
     tensor_parallel_size: int = 1
-    # engine replicas, each on its own tensor_parallel_size devices; requests go to the least loaded
+    # engine cores, each on its own tensor_parallel_size devices with its own step loop; a request goes
+    # to the core that has its prompt's prefix cached, unless that one is overloaded, else to the
+    # least loaded (core_client.DataParallelClient)
     data_parallel_size: int = 1
+    # run each engine core (scheduler + model runner) in a process of its own, behind ZeroMQ, so its
+    # step loop does not share a GIL with the front end (HTTP, tokenizing, detokenizing): see
+    # core_process.py. None: in this process (LLM, LLMEngine), or for `jaxsched serve` the platform's
+    # choice (serving/cli.py, measured in docs/PERFORMANCE.md)
+    engine_core_process: bool | None = None
     # several hosts (jax.distributed): the coordinator's HOST:PORT, the process count and this
     # process's index; None everywhere: one host, or JAX's own detection under Slurm / MPI /
     # Kubernetes when distributed_coordinator is "auto"
@@ -208,6 +215,9 @@ class EngineArgs:
             if self.step_cost_model is False:
                 raise ValueError("target_tpot_ms needs the step-cost model (steps are sized by their predicted "
                                  "time): drop step_cost_model=False")
+        if self.distributed_coordinator is not None and self.engine_core_process:
+            raise ValueError("engine_core_process=True is not available with several hosts (each host's core runs "
+                             "in its own process already); leave it unset")
         if self.distributed_coordinator is not None and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs on one host; across hosts, raise tensor_parallel_size "
                              "(one engine over every host's devices) or start one server per host")

@@ -25,14 +25,14 @@ class QueueFullError(RuntimeError):
 class StepFailedError(RuntimeError):
     """A step failed on the device. The engine has already ended the requests whose KV the step
     may have spoiled (FINISHED_ERROR); `outputs` are the step's outputs: those requests' final
-    RequestOutputs, each with `error` set, and, from a data-parallel engine whose other replicas
-    stepped fine, their ordinary outputs of the same step. Every other request is intact and the
-    engine can keep stepping."""
+    RequestOutputs, each with `error` set, and, from data-parallel cores whose other cores stepped
+    fine, their ordinary outputs of the same step. Every other request is intact and the engine
+    can keep stepping. `why`: the device's failure ("Type: message")."""
 
-    def __init__(self, outputs: list[RequestOutput], cause: BaseException) -> None:
+    def __init__(self, outputs: list[RequestOutput], why: str | BaseException) -> None:
         self.outputs = outputs
-        super().__init__(f"an engine step failed ({type(cause).__name__}: {cause}); "
-                         f"{len(self.request_ids)} request(s) in it were ended")
+        self.why = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
+        super().__init__(f"an engine step failed ({self.why}); {len(self.request_ids)} request(s) in it were ended")
 
     @property
     def request_ids(self) -> list[str]:

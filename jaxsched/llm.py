@@ -1,7 +1,8 @@
 """LLM: offline generation, as vLLM's `LLM(model=...).generate(prompts, sampling_params)`.
 
-A thin loop over the engine (engine.create_engine: an LLMEngine, or data-parallel replicas of one):
-validate every prompt first, add them all, step until they finish, return the outputs in input order.
+A thin loop over an LLMEngine (one core in this process, or data-parallel cores with loops of their
+own): validate every prompt first, add them all, step until they finish, return the outputs in input
+order.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxsched.config import EngineArgs
-from jaxsched.distributed import DistributedEngine
-from jaxsched.engine import PromptType, create_engine
+from jaxsched.engine import LLMEngine, PromptType
+from jaxsched.frontend import NewRequest
 from jaxsched.outputs import RequestOutput
-from jaxsched.request import Request, RequestOutputKind, SamplingParams
+from jaxsched.request import RequestOutputKind, SamplingParams
 from jaxsched.tokenizer import chat_prompt_ids
 
 
@@ -22,8 +23,7 @@ class LLM:
     """Offline generation, as vLLM's `LLM`: `LLM(model=...).generate(prompts, sampling_params)`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        # an LLMEngine, or data_parallel_size replicas of one behind its interface (engine.create_engine)
-        self.llm_engine = create_engine(EngineArgs.from_kwargs(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -50,7 +50,7 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
         eng = self.llm_engine
-        if isinstance(eng, DistributedEngine) and not eng.is_leader:
+        if not eng.is_leader:
             return self._follow()  # the same script on every host: process 0's prompts are the ones run
         # Only the final outputs are returned, so only they are built (vLLM's LLM does the same): the
         # engine makes no RequestOutput per request per step.
@@ -82,7 +82,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, reqs: list[NewRequest], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         eng = self.llm_engine
@@ -96,8 +96,7 @@ class LLM:
                             results[wanted[o.request_id]] = o
                             bar.update(1)
         finally:
-            if isinstance(eng, DistributedEngine):
-                eng.end_batch()  # the other hosts' generate() returns, even if this one failed
+            eng.end_batch()  # with several hosts the others' generate() returns, even if this one failed
         return [r for r in results if r is not None]
 
     def _follow(self) -> list[RequestOutput]:

@@ -1,285 +1,277 @@
-"""The output side of a step: sampled tokens -> text, stop strings, logprobs, RequestOutputs.
+"""The front end's output side: a core's token ids -> text, stop strings, logprobs, n > 1 groups.
 
-vLLM splits its EngineCore (schedule, execute, update) from an OutputProcessor; so does this
-engine. The processor keeps, per request, what only the outputs need (an incremental detokenizer,
-logprobs so far) and the n > 1 groups: a request with n samples runs as n sibling Requests whose
-outputs are reported together under the parent's id. It ends requests in the scheduler only through
-the `finish` callback it is given (stop strings, errors, aborts).
+vLLM v1 splits its EngineCore (schedule, execute, update: token ids only) from an OutputProcessor
+in the front end; so does this engine. The processor keeps, per request, what only outputs need: an
+incremental detokenizer per sample, the tokens and logprobs a CUMULATIVE or FINAL_ONLY output
+returns, and how much of each sample a DELTA output has sent. A request with n samples runs in the
+core as n sibling requests ("{i}_{id}"); their outputs are reported together under the request's
+id. A stop string ends a sample here: process() returns its core id for the caller to abort.
+
+Outputs are built only as a request asks: DELTA (what is new: what a stream sends, so a long
+stream costs time linear in its length), CUMULATIVE (everything so far, vLLM's default), or
+FINAL_ONLY (one output when it ends: LLM.generate and non-streaming server requests).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Any
 
+from jaxsched.core_messages import EngineCoreOutput, EngineCoreRequest, LogprobArrays
 from jaxsched.detokenizer import IncrementalDetokenizer
+from jaxsched.engine_core import sample_ids
 from jaxsched.errors import InvalidRequestError
 from jaxsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxsched.request import Request, RequestOutputKind, RequestStatus
-
-if TYPE_CHECKING:
-    from jaxsched.runner import StepResult
-    from jaxsched.sampler import SamplerOutput
-    from jaxsched.scheduler import SchedulerOutput
+from jaxsched.request import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
-Finish = Callable[[Iterable[str], RequestStatus], None]
 
+class _Sample:
+    """One sample's output state (the request itself when n = 1)."""
 
-class _RequestState:
-    """Output-side extras of one (sample) request: detokenizer and logprobs, and with DELTA outputs
-    how much of its text and tokens went out already."""
+    __slots__ = (
+        "core_id",
+        "cumulative_logprob",
+        "detok",
+        "error",
+        "error_param",
+        "finish_reason",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "logprobs",
+        "num_preemptions",
+        "sent_chars",
+        "sent_logprobs",
+        "sent_tokens",
+        "stop_reason",
+        "token_ids",
+    )
 
-    __slots__ = ("cumulative_logprob", "detok", "logprobs", "request", "sent_chars", "sent_tokens")
-
-    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
-        self.request = request
+    def __init__(self, core_id: str, detok: IncrementalDetokenizer, logprobs: bool) -> None:
+        self.core_id = core_id
         self.detok = detok
-        self.logprobs: list[dict[int, Logprob]] | None = [] if request.sampling_params.logprobs is not None else None
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if logprobs else None
         self.cumulative_logprob = 0.0
-        self.sent_chars = 0
-        self.sent_tokens = 0
+        self.sent_chars = self.sent_tokens = self.sent_logprobs = 0  # DELTA: what went out already
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.error_param: str | None = None
+        self.first_scheduled_time = self.first_token_time = self.finished_time = 0.0
+        self.num_preemptions = 0
 
 
-class _Group:
-    """An n > 1 request: its samples run as sibling Requests; outputs are reported together."""
+class _Request:
+    __slots__ = ("arrival_time", "params", "priority", "prompt", "prompt_token_ids", "request_id", "samples",
+                 "unfinished")
 
-    __slots__ = ("child_ids", "children", "completions", "parent")
-
-    def __init__(self, parent: Request, children: list[Request]) -> None:
-        self.parent = parent
-        self.children = children
-        self.child_ids = [c.request_id for c in children]
-        self.completions: list[CompletionOutput | None] = [None] * len(children)
-
-
-def tracked_ids(req: Request) -> list[str]:
-    """The ids a request occupies while in flight: its own, and with n > 1 its samples' ("{i}_{id}")."""
-    n, rid = req.sampling_params.n, req.request_id
-    return [rid] if n == 1 else [rid, *(f"{i}_{rid}" for i in range(n))]
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
-    return (seed + index * 0x9E3779B1) % (2**31 - 1)
+    def __init__(self, req: EngineCoreRequest, prompt: str | None, samples: list[_Sample]) -> None:
+        self.request_id = req.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = req.prompt_token_ids
+        self.params = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.priority = req.priority
+        self.samples = samples
+        self.unfinished = len(samples)
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, finish: Finish, enable_prefix_caching: bool) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.finish = finish
-        self.enable_prefix_caching = enable_prefix_caching
-        self._states: dict[str, _RequestState] = {}
-        self._groups: dict[str, _Group] = {}  # parent request id -> its samples
+        self._requests: dict[str, _Request] = {}
+        self._by_core_id: dict[str, tuple[_Request, int]] = {}  # a sample's core id -> (request, index)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states or request_id in self._groups
+        return request_id in self._requests or request_id in self._by_core_id
+
+    def __len__(self) -> int:
+        """Requests in flight."""
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def request_of(self, core_id: str) -> str | None:
+        """The id of the request a sample's core id belongs to (None: not tracked, or that sample ended)."""
+        hit = self._by_core_id.get(core_id)
+        return hit[0].request_id if hit is not None else None
 
     # -- requests in and out -------------------------------------------------------------------
-    def add(self, req: Request) -> list[Request]:
-        """Track a request; returns the Requests to schedule: itself, or with n > 1 its samples
-        ("{i}_{request_id}", as vLLM names them), which share the prompt's KV blocks. Refuses the
-        request, tracking nothing, when its id or a sample's is in flight already."""
-        n = req.sampling_params.n
-        rid = req.request_id
-        ids = tracked_ids(req)
-        taken = next((i for i in ids if i in self), None)
+    def add(self, req: EngineCoreRequest, prompt: str | None = None) -> None:
+        """Track a request the front end is about to hand to a core; refuses it, tracking nothing,
+        when its id or a sample's is in flight already."""
+        params = req.sampling_params
+        ids = sample_ids(req.request_id, params.n)
+        taken = next((i for i in {req.request_id, *ids} if i in self), None)
         if taken is not None:
             raise InvalidRequestError(f"request_id {taken!r} is already in flight; use a unique id", "request_id")
-        if n == 1:
-            self._track(req)
-            return [req]
-        # With prefix caching off, the samples share blocks only among themselves.
-        salt = req.cache_salt if self.enable_prefix_caching else int.from_bytes(
-            hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
-        children = [dataclasses.replace(req, request_id=f"{i}_{rid}", sample_seed=sample_seed(req.sample_seed, i),
-                                        group_id=rid, group_size=n, output_token_ids=[], block_hashes=[],
-                                        cache_salt=salt, constraint=req.constraint and req.constraint.fork())
-                    for i in range(n)]
-        for child in children:
-            self._track(child)
-        self._groups[rid] = _Group(req, children)
-        return children
+        samples = [_Sample(sid, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+                           params.logprobs is not None) for sid in ids]
+        state = _Request(req, prompt, samples)
+        self._requests[req.request_id] = state
+        for i, sid in enumerate(ids):
+            self._by_core_id[sid] = (state, i)
 
-    def _track(self, req: Request) -> None:
-        self._states[req.request_id] = _RequestState(
-            req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
+    def _find(self, request_id: str) -> _Request | None:
+        state = self._requests.get(request_id)
+        if state is None and request_id in self._by_core_id:
+            state = self._by_core_id[request_id][0]
+        return state
 
     def forget(self, request_ids: str | Iterable[str]) -> list[str]:
-        """Stop tracking requests (an abort, or an add the scheduler refused). An id of an n > 1
-        request or of one of its samples forgets the whole group. Returns every sample id
-        forgotten, for the scheduler to end."""
+        """Stop tracking requests (by a request's id or a sample's: the whole request). Returns the
+        core ids of their samples still running, for the caller to abort."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        expanded = []
+        running = []
         for rid in ids:
-            gid, members = self._group_of(rid)
-            if gid is not None:
-                del self._groups[gid]
-            expanded.extend(members)
-        for rid in expanded:
-            self._states.pop(rid, None)
-        return expanded
-
-    def _group_of(self, rid: str) -> tuple[str | None, list[str]]:
-        """(group id, its sample ids) when `rid` is an n > 1 request or one of its samples, else
-        (None, [rid]): ending one sample ends them all."""
-        state = self._states.get(rid)
-        if state is not None and state.request.group_id in self._groups:
-            rid = state.request.group_id
-        group = self._groups.get(rid)
-        return (rid, list(group.child_ids)) if group is not None else (None, [rid])
-
-    def fail(self, reasons: dict[str, str]) -> list[RequestOutput]:
-        """End requests that failed (request id -> why), with their sibling samples: FINISHED_ERROR
-        in the scheduler, and their final outputs, with `error` set."""
-        now = time.monotonic()
-        ended: dict[str, list[str]] = {}  # group id (or own id) -> its samples that end
-        for rid, why in reasons.items():
-            if rid not in self._states or self._states[rid].request.error:  # ended with a sibling
+            state = self._find(rid)
+            if state is None:
                 continue
-            logger.error("request %s failed: %s", rid, why)
-            gid, ids = self._group_of(rid)
-            ids = [r for r in ids if r in self._states]
-            for r in ids:
-                req = self._states[r].request
-                req.error, req.error_param, req.finished_time = why, None, now
-            req = self._states[rid].request  # it was in a step (a sibling may not have been)
-            req.first_scheduled_time = req.first_scheduled_time or now
-            ended[gid or rid] = ids
-        self.finish([r for ids in ended.values() for r in ids], RequestStatus.FINISHED_ERROR)
-        outputs = []
-        for key, ids in ended.items():
-            done = {r: self._output(self._states.pop(r)) for r in ids}
-            if key not in self._groups:
-                outputs.extend(done.values())
-                continue
-            group = self._groups[key]
-            changed = []
-            for r, o in done.items():
-                changed.append(group.child_ids.index(r))
-                group.completions[changed[-1]] = o.outputs[0]
-            outputs.append(self._group_output(key, changed))
-        return outputs
+            running += [s.core_id for s in state.samples if s.finish_reason is None]
+            self._drop(state)
+        return running
 
-    # -- a step's outputs ----------------------------------------------------------------------
-    def process(self, out: SchedulerOutput, got: list[int], res: StepResult) -> list[RequestOutput]:
-        """Outputs of the requests that got a token in step `out` (rows `got`, as Scheduler.update
-        returns them). The step's start is each request's first scheduling time."""
-        rows = list(out.scheduled.values())
-        for row in rows:
-            if not row.request.first_scheduled_time:
-                row.request.first_scheduled_time = res.started
-        sampled = res.sampled
+    def abort(self, request_ids: str | Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
+        """End requests as aborted: their final outputs (finish_reason "abort" on the samples still
+        running) and the core ids to abort."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs, running = [], []
         now = time.monotonic()
-        stopped, broken = [], {}
-        for i in got:
-            req = rows[i].request
-            state = self._states[req.request_id]
-            token = req.output_token_ids[-1]
-            if not req.first_token_time:
-                req.first_token_time = now
+        for rid in ids:
+            state = self._find(rid)
+            if state is None:
+                continue
+            for s in state.samples:
+                if s.finish_reason is None:
+                    running.append(s.core_id)
+                    s.finish_reason, s.finished_time = "abort", now
+            state.unfinished = 0
+            outputs.append(self._output(state, range(len(state.samples)), final=True))
+            self._drop(state)
+        return outputs, running
+
+    def _drop(self, state: _Request) -> None:
+        self._requests.pop(state.request_id, None)
+        for s in state.samples:
+            self._by_core_id.pop(s.core_id, None)
+
+    # -- a core's outputs ----------------------------------------------------------------------
+    def process(self, outputs: Iterable[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """The RequestOutputs of a step's core outputs (as their requests asked for them), and the
+        core ids of samples that ended here (a stop string, output that could not be processed),
+        which the caller aborts in the core. Outputs of requests no longer tracked are ignored
+        (aborted, or ended by a stop string while the core ran on)."""
+        changed: dict[str, tuple[_Request, list[int]]] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for o in outputs:
+            hit = self._by_core_id.get(o.request_id)
+            if hit is None:
+                continue
+            state, i = hit
+            s = state.samples[i]
+            if s.finish_reason is not None:
+                continue
+            if o.first_scheduled_time:
+                s.first_scheduled_time = o.first_scheduled_time
+            if o.new_token_ids and not s.first_token_time:
+                s.first_token_time = now
             try:
-                if state.logprobs is not None:
-                    state.logprobs.append(self._logprobs_entry(sampled, i, token, req.sampling_params.logprobs))
-                    state.cumulative_logprob += float(sampled.logprob[i])
-                state.detok.add_token(token, last=req.is_finished)
+                self._add_tokens(s, o, state.params.logprobs)
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode a token: this request alone fails
-                broken[req.request_id] = f"its output could not be processed: {type(e).__name__}: {e}"
+                why = f"its output could not be processed: {type(e).__name__}: {e}"
+                logger.error("request %s failed: %s", state.request_id, why)
+                for other in state.samples:
+                    if other.finish_reason is None:
+                        other.finish_reason, other.error, other.finished_time = "error", why, now
+                        to_abort.append(other.core_id)
+                        state.unfinished -= 1
+                changed.setdefault(state.request_id, (state, []))[1].extend(range(len(state.samples)))
                 continue
-            if state.detok.stop_string is not None and not req.is_finished:
-                req.stop_reason = state.detok.stop_string
-                stopped.append(req.request_id)
-        if stopped:
-            self.finish(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = self.fail(broken) if broken else []
-        groups: dict[str, list[int]] = {}  # n > 1 requests with a new output: the samples that changed
-        for i in got:
-            req = rows[i].request
-            if req.request_id not in self._states and req.error:  # failed above
+            if s.detok.stop_string is not None and o.finish_reason is None:
+                s.finish_reason, s.stop_reason = "stop", s.detok.stop_string
+                to_abort.append(s.core_id)
+            elif o.finish_reason is not None:
+                s.finish_reason = o.finish_reason
+                s.stop_reason = o.stop_reason
+                s.error, s.error_param = o.error, o.error_param
+                s.num_preemptions = o.num_preemptions
+            if s.finish_reason is not None:
+                s.finished_time = now
+                state.unfinished -= 1
+                self._by_core_id.pop(s.core_id, None)
+            changed.setdefault(state.request_id, (state, []))[1].append(i)
+        results = []
+        for state, which in changed.values():
+            finished = state.unfinished == 0
+            if finished:
+                self._drop(state)
+            elif state.params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
-            if req.is_finished:
-                req.finished_time = now
-                o = self._output(self._states.pop(req.request_id))
-            elif req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
-                continue  # nothing to build until it ends
-            else:
-                o = self._output(self._states[req.request_id])
-            if req.group_id is None:
-                outputs.append(o)
-            elif req.group_id in self._groups:
-                group = self._groups[req.group_id]
-                j = group.child_ids.index(req.request_id)
-                group.completions[j] = o.outputs[0]
-                groups.setdefault(req.group_id, []).append(j)
-        for gid, changed in groups.items():
-            if (self._groups[gid].parent.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
-                    or self._group_finished(gid)):
-                outputs.append(self._group_output(gid, changed))
-        return outputs
+            results.append(self._output(state, which, final=finished))
+        return results, to_abort
 
-    def _group_finished(self, gid: str) -> bool:
-        return all(c is not None and c.finish_reason is not None for c in self._groups[gid].completions)
+    def _add_tokens(self, s: _Sample, o: EngineCoreOutput, k: int | None) -> None:
+        n = len(o.new_token_ids)
+        for j, token in enumerate(o.new_token_ids):
+            s.token_ids.append(token)
+            if s.logprobs is not None and o.logprobs is not None:
+                s.logprobs.append(self._logprobs_entry(o.logprobs, j, token, k or 0))
+                s.cumulative_logprob += float(o.logprobs.logprob[j])
+            s.detok.add_token(token, last=o.finish_reason is not None and j == n - 1)
+            if s.detok.stop_string is not None:
+                break
 
-    def _group_output(self, gid: str, changed: Iterable[int]) -> RequestOutput:
-        """The n > 1 request's output after its samples `changed` got theirs: every sample's
-        completion, or with DELTA outputs only the changed ones' (vLLM's parallel sampling)."""
-        group = self._groups[gid]
-        parent = group.parent
-        finished = self._group_finished(gid)
-        if parent.sampling_params.output_kind == RequestOutputKind.DELTA:
-            which = sorted(set(changed))
-        else:
-            which = range(len(group.completions))
-        comps = []
-        for i in which:
-            c = group.completions[i]
-            if c is None:  # a sample with no token yet
-                c = CompletionOutput(index=i, text="", token_ids=[])
-            c.index = i
-            comps.append(c)
-        if finished:
-            del self._groups[gid]
-        kids = group.children
-        metrics = RequestMetrics(parent.arrival_time,
-                                 min((c.first_scheduled_time for c in kids if c.first_scheduled_time), default=0.0),
-                                 min((c.first_token_time for c in kids if c.first_token_time), default=0.0),
-                                 max(c.finished_time for c in kids) if finished else 0.0,
-                                 sum(c.num_preemptions for c in kids))
-        failed = next((c for c in kids if c.error), None)
-        return RequestOutput(gid, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
-                             priority=parent.priority, error=failed.error if failed else None,
-                             error_param=failed.error_param if failed else None)
-
-    def _logprobs_entry(self, sampled: SamplerOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
+    def _logprobs_entry(self, lp: LogprobArrays, j: int, token: int, k: int) -> dict[int, Logprob]:
         dec = self.tokenizer.convert_ids_to_tokens
-        entry = {token: Logprob(float(sampled.logprob[i]), int(sampled.rank[i]), dec(token))}
-        for j in range(k):
-            t = int(sampled.top_ids[i, j])
+        entry = {token: Logprob(float(lp.logprob[j]), int(lp.rank[j]), dec(token))}
+        for m in range(k):
+            t = int(lp.top_ids[j, m])
             if t not in entry:
-                entry[t] = Logprob(float(sampled.top_logprobs[i, j]), j + 1, dec(t))
+                entry[t] = Logprob(float(lp.top_logprobs[j, m]), m + 1, dec(t))
         return entry
 
-    def _output(self, state: _RequestState) -> RequestOutput:
-        req = state.request
-        reason = req.finish_reason
-        text, first = state.detok.text, 0  # first: the first token (and logprob) this output holds
-        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
-            # text a stop string may still remove stays back until it cannot (the detokenizer
-            # cuts only what starts within holdback characters of the end)
-            end = len(text) if req.is_finished else max(state.sent_chars, len(text) - state.detok.holdback)
-            text, state.sent_chars = text[state.sent_chars:end], end
-            first, state.sent_tokens = state.sent_tokens, len(req.output_token_ids)
-        comp = CompletionOutput(  # the slices are copies: later tokens do not change this output
-            index=0, text=text, token_ids=req.output_token_ids[first:],
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=state.logprobs[first:] if state.logprobs is not None else None,
-            finish_reason=reason.value if reason else None, stop_reason=req.stop_reason)
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 req.finished_time, req.num_preemptions)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
-                             priority=req.priority, error=req.error, error_param=req.error_param)
+    # -- building outputs ----------------------------------------------------------------------
+    def _completion(self, s: _Sample, index: int, kind: RequestOutputKind, final: bool) -> CompletionOutput:
+        text, first, first_lp = s.detok.text, 0, 0  # first: the first token (and logprob) this output holds
+        if kind == RequestOutputKind.DELTA:
+            # text a stop string may still remove stays back until it cannot (the detokenizer cuts
+            # only what starts within holdback characters of the end)
+            end = len(text) if s.finish_reason is not None else max(s.sent_chars, len(text) - s.detok.holdback)
+            text, s.sent_chars = text[s.sent_chars:end], end
+            first, s.sent_tokens = s.sent_tokens, len(s.token_ids)
+            first_lp, s.sent_logprobs = s.sent_logprobs, len(s.logprobs or ())
+        # the slices are copies (a final output may hand over its lists: nothing changes them again)
+        ids = s.token_ids if final and first == 0 else s.token_ids[first:]
+        logprobs = None
+        if s.logprobs is not None:
+            logprobs = s.logprobs if final and first_lp == 0 else s.logprobs[first_lp:]
+        return CompletionOutput(index=index, text=text, token_ids=ids,
+                                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+    def _output(self, state: _Request, which: Iterable[int], final: bool) -> RequestOutput:
+        """The request's output after samples `which` changed: every sample's completion, or with
+        DELTA outputs only the changed ones' (vLLM's parallel sampling)."""
+        kind = state.params.output_kind
+        samples = state.samples
+        if len(samples) > 1 and kind != RequestOutputKind.DELTA:
+            which = range(len(samples))
+        comps = [self._completion(samples[i], i, kind, final) for i in sorted(set(which))]
+        started = [s for s in samples if s.first_scheduled_time]
+        tokened = [s for s in samples if s.first_token_time]
+        metrics = RequestMetrics(state.arrival_time,
+                                 min((s.first_scheduled_time for s in started), default=0.0),
+                                 min((s.first_token_time for s in tokened), default=0.0),
+                                 max(s.finished_time for s in samples) if final else 0.0,
+                                 sum(s.num_preemptions for s in samples))
+        failed = next((s for s in samples if s.error), None)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, final, metrics,
+                             priority=state.priority, error=failed.error if failed else None,
+                             error_param=failed.error_param if failed else None)

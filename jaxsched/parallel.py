@@ -1,7 +1,7 @@
 """Tensor parallelism: how a model's heads and weights are laid out over the "model" axis of a mesh.
 
 One engine runs on a `jax.sharding.Mesh` with axes ("data", "model") over its devices (shape
-(1, N): data-parallel replicas are separate engines on disjoint device groups, data_parallel.py).
+(1, N): data-parallel cores are separate engine cores on disjoint device groups, core_client.py).
 Weights are Megatron-style: the fused q/k/v and gate/up projections are column-parallel (over heads
 and the intermediate size), o and down row-parallel (XLA inserts the all-reduce after them), the
 embedding and lm_head split over the vocabulary, norms replicated. The KV pool is split on its

@@ -154,33 +154,9 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never be scheduled instead of letting it wait forever."""
-        cfg = self.config
-        n_prompt = request.num_prompt_tokens
-        if n_prompt >= cfg.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {n_prompt} tokens but max_model_len is {cfg.max_model_len}: the prompt must "
-                f"be shorter than max_model_len (shorten it or raise max_model_len)", "prompt"
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and n_prompt + max_tokens > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
-                f"max_model_len ({cfg.max_model_len}): lower max_tokens to at most {cfg.max_model_len - n_prompt}",
-                "max_tokens"
-            )
-        if not cfg.enable_chunked_prefill and n_prompt > cfg.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt is {n_prompt} tokens but max_num_batched_tokens is {cfg.max_num_batched_tokens} "
-                "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens", "prompt"
-            )
-        final_len = n_prompt + max_tokens if max_tokens is not None else cfg.max_model_len
         bm = self.block_manager
-        if cdiv(final_len, bm.block_size) > bm.num_usable_blocks:
-            raise InvalidRequestError(
-                f"request needs {cdiv(final_len, bm.block_size)} KV blocks ({final_len} tokens) but the "
-                f"pool has {bm.num_usable_blocks}: lower max_tokens or enlarge the pool "
-                "(gpu_memory_utilization / num_gpu_blocks_override)", "max_tokens"
-            )
+        check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens, self.config, bm.block_size,
+                   bm.num_usable_blocks)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside a step (abort, stop string, error). Unknown ids are ignored."""
@@ -640,3 +616,33 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING
         self.block_manager.check_invariants()
         self.swap_pool.check_invariants()
+
+
+def check_fits(n_prompt: int, max_tokens: int | None, cfg: SchedulerConfig, block_size: int,
+               num_usable_blocks: int) -> None:
+    """Refuse (InvalidRequestError, naming the field) a request of n_prompt prompt tokens and
+    max_tokens that could never be scheduled: the front end asks before a request reaches a core,
+    and the scheduler asks again as each comes in."""
+    if n_prompt >= cfg.max_model_len:
+        raise InvalidRequestError(
+            f"prompt is {n_prompt} tokens but max_model_len is {cfg.max_model_len}: the prompt must "
+            f"be shorter than max_model_len (shorten it or raise max_model_len)", "prompt"
+        )
+    if max_tokens is not None and n_prompt + max_tokens > cfg.max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
+            f"max_model_len ({cfg.max_model_len}): lower max_tokens to at most {cfg.max_model_len - n_prompt}",
+            "max_tokens"
+        )
+    if not cfg.enable_chunked_prefill and n_prompt > cfg.max_num_batched_tokens:
+        raise InvalidRequestError(
+            f"prompt is {n_prompt} tokens but max_num_batched_tokens is {cfg.max_num_batched_tokens} "
+            "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens", "prompt"
+        )
+    final_len = n_prompt + max_tokens if max_tokens is not None else cfg.max_model_len
+    if cdiv(final_len, block_size) > num_usable_blocks:
+        raise InvalidRequestError(
+            f"request needs {cdiv(final_len, block_size)} KV blocks ({final_len} tokens) but the "
+            f"pool has {num_usable_blocks}: lower max_tokens or enlarge the pool "
+            "(gpu_memory_utilization / num_gpu_blocks_override)", "max_tokens"
+        )

@@ -124,7 +124,7 @@ def main() -> None:
         "elapsed_s": round(elapsed, 2),
         "output_tokens_per_s": round(n_out / elapsed, 1),
         "total_tokens_per_s": round(n_total / elapsed, 1),
-        "warmup_s": round(engine.runner.warmup_seconds, 1),
+        "warmup_s": round(engine.info.warmup_seconds, 1),
         "init_s": round(init_s, 1),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         **flops,
@@ -145,7 +145,7 @@ def main() -> None:
     }
     if "cost_model_error" in d:
         res["cost_model_error"] = d["cost_model_error"]
-        res["deferred_decode_rows"] = engine.scheduler.num_deferred
+        res["deferred_decode_rows"] = engine.core.scheduler.num_deferred
     if args.trace_dir:
         import jax
 

@@ -124,7 +124,7 @@ def main() -> None:
         raise SystemExit(f"--no-prefill-attention switches off the xla backend's prefill tiles, but this engine "
                          f"runs attention_backend={engine.config.attention_backend!r}; add --engine-arg "
                          "attention_backend=xla")
-    runner = engine.runner
+    runner = engine.core.runner
     prompts, params, _, _ = workload(args, engine.model_config.vocab_size)
 
     seconds: dict[tuple, float] = collections.defaultdict(float)

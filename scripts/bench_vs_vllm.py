@@ -129,7 +129,6 @@ def setup_jaxsched(args):
     from bench_offline import make_llm
 
     from jaxsched import SamplingParams
-    from jaxsched.bench.driver import replicas
 
     if not any(kv.split("=", 1)[0] == "warm_up_runs" for kv in args.engine_arg):
         # as `jaxsched serve` does, and as vLLM's engine runs dummy batches while it starts: the
@@ -143,11 +142,10 @@ def setup_jaxsched(args):
     llm.generate([{"prompt_token_ids": p} for p in wp],
                  [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in wo], use_tqdm=False)
 
-    log = StepLog(engine.scheduler, jaxsched_step_counts, engine.async_scheduling) if args.steps else None
+    log = StepLog(engine.core.scheduler, jaxsched_step_counts, engine.core.async_scheduling) if args.steps else None
 
     def run(reqs: dict) -> dict:
-        for e in replicas(engine):  # a repeated run (--rounds) computes its prompts again
-            e.block_manager.reset_prefix_cache()
+        engine.client.call_utility("reset_prefix_cache")  # a repeated run (--rounds) computes its prompts again
         s0 = engine.stats()
         prompts = [{"prompt_token_ids": p} for p in reqs["prompts"]]
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in reqs["max_tokens"]]

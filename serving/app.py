@@ -52,7 +52,7 @@ from serving.protocol import (
 )
 from serving.request_fields import refuse_unsupported
 from serving.responses import ChatResponder, CompletionResponder, Responder
-from serving.streaming import DeltaTracker, EventStream, merge, sse
+from serving.streaming import EventStream, merge, sse
 from serving.tool_calls import PARSERS
 
 logger = logging.getLogger(__name__)
@@ -108,10 +108,10 @@ class _Server:
             raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}: one of {', '.join(sorted(PARSERS))}")
         self.tool_call_parser = tool_call_parser
         # Grammars compile here, on their own threads with a time limit, before the request reaches
-        # the engine; the compiled grammar travels with the request (GrammarCompiler.compile), so
-        # the engine's thread never compiles one. (A data-parallel engine's other replicas compile
-        # their own copy, cached, at the request's first use there.)
-        self.grammars = llm.grammars if hasattr(llm, "grammars") else llm.replicas[0].grammars
+        # a core. A core in this process shares this compiler, so the compiled grammar travels with
+        # the request (GrammarCompiler.compile) and its loop never compiles one; a core in a process
+        # of its own compiles its own copy from the grammar's text, once per text (its cache)
+        self.grammars = llm.grammars
         self.grammar_timeout = grammar_timeout
         self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.grammar_pool.submit(self._convert_tokenizer)  # ~1 s once: not on the first request
@@ -316,14 +316,12 @@ class _Server:
         return _json(r.response(choices, r.usage(completion_tokens)))
 
     async def stream(self, r: Responder, streams: list[RequestStream]) -> AsyncIterator[bytes]:
-        trackers = [DeltaTracker(r.stops) for _ in streams]
         completion_tokens = 0
         try:
             for chunk in r.opening():
                 yield sse(chunk)
-            async for i, out in merge(streams):
-                for c in sorted(out.outputs, key=lambda c: c.index):
-                    d = trackers[i].delta(c)
+            async for i, out in merge(streams):  # DELTA outputs: what is new since the last one read
+                for d in sorted(out.outputs, key=lambda c: c.index):
                     completion_tokens += len(d.token_ids)
                     if d.text or d.finish_reason or d.logprobs:
                         choice = r.delta_choice(i, d)

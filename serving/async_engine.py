@@ -1,31 +1,32 @@
-"""AsyncEngine: the LLMEngine step loop on one thread, per-request streams on the asyncio side.
+"""AsyncEngine: the front end on asyncio, over engine cores that run their own loops.
 
-    engine = AsyncEngine(LLMEngine(model=...))          # starts the engine thread
+    engine = AsyncEngine(LLMEngine(model=...))          # its core gets a loop of its own
     async for out in engine.generate(prompt, SamplingParams(max_tokens=32), request_id="r1"):
-        print(out.outputs[0].text)                       # the text so far
+        print(out.outputs[0].text)                       # as the params' output_kind asks
     await engine.abort("r1")
 
-Outputs are CUMULATIVE, as vLLM's generate() yields by default: each RequestOutput holds all the text
-and tokens so far. That is what lets a stream coalesce: a consumer slower than the engine gets only
-the newest output and loses nothing. DeltaTracker turns them into deltas for streaming (holding back
-text that could still be the start of a stop string).
+Threads. The cores step on their own (a thread each, or a process each: core_client.py); the event
+loop checks requests (FrontEnd.make_request) and hands them over; one output thread reads the cores'
+outputs, turns them into RequestOutputs (detokenizing, stop strings, n > 1 groups) and posts them to
+their streams' event loops, one call per loop per batch. The FrontEnd is shared by the event loop(s)
+and the output thread under one lock, held for bookkeeping only.
 
-Threads. LLMEngine is not thread-safe, so only the engine thread touches it: adds, aborts and calls
-from the asyncio side go through a thread-safe command queue and are applied between steps. Results
-come back with loop.call_soon_threadsafe, one call per event loop per step. An idle engine sleeps on
-a threading.Event. A step that fails on the device has already ended the requests it may have
-spoiled (LLMEngine.step raises StepFailedError with their final outputs): their streams raise
-EngineStepError and the loop carries on with the rest. Any other exception out of a step is a bug on
-the host, after which no request's state can be trusted: every request in flight fails and is
-aborted, so that nothing hangs.
+Outputs are what each request's SamplingParams ask for: DELTA (the server's streams: what is new),
+CUMULATIVE (the default, as vLLM's generate yields), FINAL_ONLY (one output). A stream whose consumer
+is slower than the engine holds one pending output: new deltas are appended to it, a cumulative
+output replaces it, so what waits stays one output per request however slowly it is read.
+
+Failures. A step that fails on the device ends the requests it may have spoiled: their streams raise
+EngineStepError and the rest go on; so does a failure on the host during a step, which ends every
+request in flight. A core that is gone (its thread ended, its process died: a CoreDead from the
+client) ends every stream with EngineDeadError, turns is_running False (so /health says 503), and
+calls the on_dead callbacks (the server exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -33,20 +34,19 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from jaxsched.errors import InvalidRequestError, QueueFullError, StepFailedError
+from jaxsched.config import EngineArgs
+from jaxsched.core_client import EngineCoreClient, EngineDeadError, ThreadClient, make_client
+from jaxsched.core_messages import CoreDead, EngineCoreOutputs
+from jaxsched.engine import LLMEngine
+from jaxsched.errors import QueueFullError
 from jaxsched.outputs import RequestOutput
-from jaxsched.request import SamplingParams
+from jaxsched.request import RequestOutputKind, SamplingParams
 from jaxsched.stats import EngineStats
 from serving.metrics import EngineMetrics
-from serving.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "DeltaTracker", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, or shut down)."""
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream", "merge_delta"]
 
 
 class EngineStepError(RuntimeError):
@@ -59,34 +59,58 @@ class EngineStepError(RuntimeError):
         self.param = param
 
 
-_ACCEPTED = object()  # posted once the engine thread has validated and queued a request
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append DELTA output `new` to `into` (an earlier delta of the same request nobody read yet)."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        # each delta's lists are its own (output_processor slices them): extended in place
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if old.logprobs is None:
+                old.logprobs = c.logprobs
+            else:
+                old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished, into.metrics = new.finished, new.metrics
+    into.error, into.error_param = new.error, new.error_param
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative RequestOutputs. Closing it early aborts the
-    request (its KV blocks are freed before the next step)."""
+    """Async iterator over one request's RequestOutputs. Closing it early aborts the request (its
+    KV blocks are freed before its core's next step)."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 kind: RequestOutputKind) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
+        self.kind = kind
         self.finished = False
         self._released = False  # its place in the admission count is given back
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._accepted: asyncio.Future[None] = loop.create_future()
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
-    def _put(self, item: Any) -> None:  # on the event loop
-        if item is _ACCEPTED:
-            if not self._accepted.done():
-                self._accepted.set_result(None)
-        elif isinstance(item, BaseException) and not self._accepted.done():
-            self._accepted.set_exception(item)
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None or self.kind != RequestOutputKind.DELTA:
+            self._pending = item  # a cumulative output supersedes the one not read yet
         else:
-            self._queue.put_nowait(item)
-            if isinstance(item, BaseException) or item.finished:
-                # the engine is done with it: a consumer that reads slowly (or not at all, a client
-                # that stopped reading) must not keep holding a place in the admission queue
-                self._release()
+            merge_delta(self._pending, item)
+        self._ready.set()
+        if isinstance(item, BaseException) or item.finished:
+            # the engine is done with it: a consumer that reads slowly (or not at all, a client
+            # that stopped reading) must not keep holding a place in the admission queue
+            self._release()
 
     def _release(self) -> None:
         if not self._released:
@@ -99,15 +123,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()  # cumulative: the newest output supersedes the others
-        if isinstance(item, BaseException):
-            self._done()
-            raise item
-        if item.finished:
-            self._done()
-        return item
+        while self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self._pending = self._pending, None
+        if item is not None:
+            if item.finished:
+                self._done()
+            return item
+        self._done()
+        raise self._error
 
     def _done(self) -> None:
         if not self.finished:
@@ -117,7 +142,7 @@ class RequestStream:
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished."""
         if not self.finished:
-            self.engine._submit(_Abort(self.request_id))
+            self.engine._abort(self.request_id)
             self._done()
 
     async def aclose(self) -> None:
@@ -130,135 +155,136 @@ class RequestStream:
         self.close()
 
 
-# -- commands from the asyncio side, applied by the engine thread between steps ---------------------
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams | None
-    priority: int
-    arrival_time: float  # time.monotonic() when add_request was called
-    stream: RequestStream
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[Any], Any]
-    future: asyncio.Future
-
-
-_Command = _Add | _Abort | _Call
-
-
 @dataclass
 class _Live:
-    """Engine-thread state of an accepted request."""
+    """A request in flight, as the output thread tracks it."""
 
     stream: RequestStream
     arrival_time: float
-    last: RequestOutput | None = None
+    prompt_tokens: int
     num_tokens: int = 0
     last_token_time: float = 0.0
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, start: bool = True) -> None:
-        self.engine = engine  # an LLMEngine; touched only by the engine thread once started
+    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
+        """engine: the front end and its cores. A core stepped by the caller (one in this process)
+        gets a thread of its own while this AsyncEngine runs; shutdown() hands it back."""
+        self.engine = engine
         self.metrics = EngineMetrics()
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # the FrontEnd's state and _live: event loops and the output thread
+        self._live: dict[str, _Live] = {}
         self._stopping = False
         self._stop_reason = "the engine was shut down"
+        self.dead: str | None = None  # why the cores are gone, if they died
+        self.on_dead: list[Callable[[str], None]] = []  # called once, on the output thread, when they die
+        self._caller_client: EngineCoreClient | None = None  # the client to give back at shutdown
         self._thread: threading.Thread | None = None
-        self._live: dict[str, _Live] = {}  # engine thread only
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}  # engine thread only
-        self._lock = threading.Lock()
-        self._in_flight = 0  # streams not finished yet (asyncio side)
-        self._stats = EngineStats()  # the engine's, as of the last step (engine thread writes, any reads)
-        # read once, here: the engine's config is its one owner, and the engine belongs to its thread
+        self._in_flight = 0  # streams not finished yet
+        self._stats = EngineStats()
+        # read once, here: the engine's config is its one owner
         self._queue_limit = engine.scheduler_config.max_num_queued_requests
         cfg = engine.config
         self.metrics.describe_cache(cfg.cache.block_size, cfg.cache.num_blocks, engine.kv_bytes_per_device(),
                                     cfg.model.num_kv_heads // cfg.tensor_parallel_size, cfg.tensor_parallel_size,
-                                    len(getattr(engine, "replicas", (engine,))))
+                                    engine.client.num_cores)
         if start:
             self.start()
 
     @classmethod
-    def from_engine_args(cls, args: Any, start: bool = True) -> AsyncEngine:
-        """The engine EngineArgs ask for (engine.create_engine: an LLMEngine, or data-parallel
-        replicas of one), on its own engine thread (vLLM's constructor name)."""
-        from jaxsched.engine import create_engine
-
-        return cls(create_engine(args), start=start)
+    def from_engine_args(cls, args: EngineArgs, start: bool = True) -> AsyncEngine:
+        """The cores EngineArgs ask for, each with a loop of its own (vLLM's constructor name)."""
+        return cls(LLMEngine(client=make_client(args, own_loop=True)), start=start)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._publish_stats()
-            self._thread = threading.Thread(target=self._run, name="jaxsched-engine", daemon=True)
-            self._thread.start()
+        if self._thread is not None:
+            return
+        client = self.engine.client
+        if client.steps_in_caller:  # one core in this process: its own loop, on its own thread
+            self._caller_client = client
+            self.engine.client = ThreadClient(client.local_cores[0])
+        self._stats = self.engine.stats()
+        self.metrics.publish(self._stats)
+        self._thread = threading.Thread(target=self._run, args=(self.engine.client,), name="jaxsched-output",
+                                        daemon=True)
+        self._thread.start()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self.dead is None)
 
     def shutdown(self, timeout: float | None = 10.0, reason: str = "the engine was shut down") -> None:
-        """Stop the engine thread after its current step; requests still in flight fail with
-        EngineDeadError(reason). Waits up to `timeout` seconds for the thread (0: do not wait)."""
-        if not self._stopping:
+        """Stop the cores after their current step; requests still in flight fail with
+        EngineDeadError(reason) now. Waits up to `timeout` seconds (0: does not wait: the cores stop
+        on a thread of their own)."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
             self._stop_reason = reason
-        self._stopping = True
-        self._wakeup.set()
-        if self._thread is not None and timeout != 0:
+            live, self._live = self._live, {}
+            self.engine.abort(list(live))  # the LLMEngine may be reused
+        dead = EngineDeadError(reason)
+        for entry in live.values():
+            self._post(entry.stream, dead)
+        self._flush()
+        if self._thread is None:
+            return
+        if timeout == 0:
+            threading.Thread(target=self._stop_cores, args=(None,), name="jaxsched-shutdown", daemon=True).start()
+        else:
+            self._stop_cores(timeout)
+
+    def _stop_cores(self, timeout: float | None) -> None:
+        client = self.engine.client
+        if self._caller_client is not None:
+            client.shutdown(timeout)  # a ThreadClient: its loop ends after its step
+            self._thread.join(timeout)
+            self.engine.client, self._caller_client = self._caller_client, None
+        else:
+            client.shutdown()
             self._thread.join(timeout)
 
     # -- the asyncio side ----------------------------------------------------------------------
     @property
     def num_queued(self) -> int:
-        """Requests accepted (or being accepted) that are not in the running batch."""
-        with self._lock:
-            return max(0, self._in_flight - self._stats.num_requests_running)
+        """Requests accepted that are not in the running batch."""
+        return max(0, self._in_flight - self._stats.num_requests_running)
 
     def stats(self) -> EngineStats:
-        """The engine's figures as of its last step (LLMEngine.stats() is for the engine thread only)."""
+        """The cores' figures as of their last step."""
         return self._stats
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it. Raises ValueError for
-        bad input (as LLMEngine.make_request), QueueFullError when max_num_queued_requests are queued."""
+        """Check and queue a request; returns its stream. Raises ValueError for bad input (as
+        FrontEnd.make_request), QueueFullError when max_num_queued_requests are queued,
+        EngineDeadError when the engine does not run."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running (it was shut down or never started)")
-        # Refused here, before the command queue, so that a flood never reaches the engine thread;
-        # the scheduler checks the same limit against its waiting queue.
+            raise EngineDeadError(self.dead or "the engine is not running (it was shut down or never started)")
+        # Refused here, before any work, so that a flood never reaches a core; the scheduler checks
+        # the same limit against its waiting queue.
         limit = self._queue_limit
         if limit is not None and self.num_queued >= limit:
             raise QueueFullError(f"{self.num_queued} requests are queued (max_num_queued_requests is {limit}); "
                                  "retry later")
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = RequestStream(self, rid, asyncio.get_running_loop())
+        now = time.monotonic()
+        new = self.engine.make_request(rid, prompt, sampling_params, now, priority)
+        stream = RequestStream(self, rid, asyncio.get_running_loop(), new.core.sampling_params.output_kind)
         with self._lock:
+            if self._stopping:
+                raise EngineDeadError(self._stop_reason)
+            self.engine.add(new)  # raises for an id in flight, and a core's refusal when it runs here
+            self._live[rid] = _Live(stream, now, len(new.core.prompt_token_ids))
             self._in_flight += 1
-        self._submit(_Add(rid, prompt, sampling_params, priority, time.monotonic(), stream))
-        try:
-            await stream._accepted
-        except asyncio.CancelledError:
-            stream.close()
-            raise
-        except BaseException:
-            stream._done()
-            raise
         return stream
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Cumulative RequestOutputs of one request; leaving the loop early aborts it."""
+        """RequestOutputs of one request (as its output_kind asks); leaving the loop early aborts it."""
         stream = await self.add_request(prompt, sampling_params, request_id, priority)
         try:
             async for out in stream:
@@ -268,178 +294,130 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an output whose finish_reason is "abort"."""
-        self._submit(_Abort(request_id))
+        self._abort(request_id)
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(llm_engine) on the engine thread between two steps (to inspect its state safely)."""
+    async def call(self, fn: str | Callable[..., Any], *args: Any) -> list[Any]:
+        """Run a core utility (EngineCore.UTILITIES), or fn(core) on cores in this process, on every
+        core between two of its steps: the results, one per core."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running (it was shut down or never started)")
-        fut = asyncio.get_running_loop().create_future()
-        self._submit(_Call(fn, fut))
-        return await fut
+            raise EngineDeadError(self.dead or "the engine is not running (it was shut down or never started)")
+        return await asyncio.wrap_future(self.engine.client.call_utility_async(fn, *args))
 
-    def _submit(self, cmd: _Command) -> None:
-        self._commands.put(cmd)
-        self._wakeup.set()
+    def _abort(self, rid: str) -> None:
+        with self._lock:
+            live = self._live.pop(rid, None)
+            if live is None:
+                return
+            outputs = self.engine.abort(rid)
+        for out in outputs:
+            self._post(live.stream, out)
+        self._flush()
 
     def _release(self) -> None:
         with self._lock:
             self._in_flight -= 1
 
-    # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stopping:
-            try:
-                self._apply_commands()
-                if not eng.has_unfinished_requests():
-                    self._publish_stats()
-                    self._flush()  # replies to the commands just applied, before sleeping
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    outs = eng.step()
-                except StepFailedError as e:  # the engine ended the requests it spoiled; the rest go on
-                    logger.error("%s: %s", e, e.request_ids, exc_info=e.__cause__)
-                    outs = e.outputs
-                except Exception as e:
-                    logger.exception("engine step failed on the host; failing every request in flight")
-                    self._fail_all(e)
-                    outs = []
-                self._emit(outs)
-                if not outs and time.perf_counter() - t0 < 2e-4:
-                    self._wakeup.wait(1e-3)  # nothing could be scheduled: do not spin
-                    self._wakeup.clear()
-            except Exception:  # a bug in this loop must not kill the thread: log it and go on
-                logger.exception("engine loop error")
-            finally:
-                self._flush()
-        dead = EngineDeadError(self._stop_reason)
-        if self._live:
-            self.engine.abort_request(list(self._live))  # the LLMEngine may be reused
-        for live in self._live.values():
-            self._post(live.stream, dead)
-        self._live.clear()
-        while not self._commands.empty():  # commands that came in while stopping
-            match self._commands.get_nowait():
-                case _Add(stream=stream):
-                    self._post(stream, dead)
-                case _Call(future=fut):
-                    fut.get_loop().call_soon_threadsafe(resolve_future, fut, None, dead)
-        self._flush()
-
-    def _apply_commands(self) -> None:
+    # -- the output thread ---------------------------------------------------------------------
+    def _run(self, client: EngineCoreClient) -> None:
         while True:
+            item = client.get_output(None)
+            batch = [item]
+            while (more := client.get_output(0)) is not None:
+                batch.append(more)
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+                dead = self._handle(batch)
+            except Exception:
+                logger.exception("output processing failed")
+                dead = None
+            if dead is not None:
+                if not self._stopping:
+                    self._died(dead.why)
                 return
-            match cmd:
-                case _Add():
-                    self._add(cmd)
-                case _Abort(request_id=rid):
-                    self._abort(rid)
-                case _Call(fn=fn, future=fut):
-                    try:
-                        res, exc = fn(self.engine), None
-                    except Exception as e:  # noqa: BLE001 - handed to the caller's await
-                        res, exc = None, e
-                    fut.get_loop().call_soon_threadsafe(resolve_future, fut, res, exc)
 
-    def _add(self, cmd: _Add) -> None:
-        rid = cmd.request_id
-        try:
-            if rid in self._live:
-                raise InvalidRequestError(f"request_id {rid!r} is already in flight; use a unique id", "request_id")
-            eng = self.engine
-            eng.add_request_obj(eng.make_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                                 priority=cmd.priority))
-        except Exception as e:  # noqa: BLE001 - bad input or a full queue: the caller's add_request raises it
-            self._post(cmd.stream, e)
-            return
-        self._live[rid] = _Live(cmd.stream, cmd.arrival_time)
-        self._post(cmd.stream, _ACCEPTED)
-
-    def _abort(self, rid: str) -> None:
-        live = self._live.pop(rid, None)
-        if live is None:
-            return
-        self.engine.abort_request(rid)
-        self._post(live.stream, _aborted(rid, live.last))
-
-    def _emit(self, outs: list[RequestOutput]) -> None:
+    def _handle(self, batch: list[EngineCoreOutputs | CoreDead | None]) -> CoreDead | None:
+        dead = None
         now = time.monotonic()
-        for o in outs:
-            live = self._live.get(o.request_id)
-            if live is None:  # added to the LLMEngine directly, or aborted meanwhile
-                continue
-            self._observe(live, o, now)
-            live.last = o
-            if o.error is not None:  # this request failed on its own; the others in its step go on
-                del self._live[o.request_id]
-                if not o.finished:  # one sample of several (n > 1) failed: the others would go on unseen
-                    self.engine.abort_request(o.request_id)
-                self._post(live.stream, EngineStepError(f"the request failed: {o.error}", o.error_param))
-                continue
-            self._post(live.stream, o)
-            if o.finished:
-                del self._live[o.request_id]
-        self._publish_stats()
+        with self._lock:
+            for item in batch:
+                if isinstance(item, CoreDead):
+                    dead = item
+                elif item is not None:
+                    self._process(item, now)
+            self._stats = self.engine.stats()
+        self.metrics.publish(self._stats)
+        self._flush()
+        return dead
 
-    def _observe(self, live: _Live, o: RequestOutput, now: float) -> None:
-        n = self.metrics.observe(o, live.arrival_time, live.num_tokens, live.last_token_time, now)
-        if n > live.num_tokens:
-            live.num_tokens, live.last_token_time = n, now
+    def _process(self, outs: EngineCoreOutputs, now: float) -> None:  # under the lock
+        if outs.step_failure is not None:
+            logger.error("a step failed on the device (%s): its requests were ended", outs.step_failure)
+        front = self.engine
+        for o in outs.outputs:
+            if o.new_token_ids:
+                rid = front.outputs.request_of(o.request_id)
+                live = self._live.get(rid) if rid is not None else None
+                if live is not None:
+                    self.metrics.observe_tokens(len(o.new_token_ids), live.prompt_tokens, live.arrival_time,
+                                                live.num_tokens, live.last_token_time, now)
+                    live.num_tokens += len(o.new_token_ids)
+                    live.last_token_time = now
+        for out in front.process(outs):
+            live = self._live.get(out.request_id)
+            if live is None:  # added to the front end directly, or aborted meanwhile
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+                self.metrics.observe_finished(out, live.arrival_time, now)
+            if out.error is not None:  # this request failed on its own; the others in its step go on
+                if not out.finished:
+                    del self._live[out.request_id]
+                    front.abort(out.request_id)
+                self._post(live.stream, EngineStepError(f"the request failed: {out.error}", out.error_param))
+                continue
+            self._post(live.stream, out)
 
-    def _fail_all(self, exc: Exception) -> None:
-        """After a step failed outside the device: fail and abort every request in flight."""
-        err = EngineStepError(f"an engine step failed ({type(exc).__name__}: {exc}); the request was aborted "
-                              "(retry it)")
-        live, self._live = self._live, {}
-        try:
-            self.engine.abort_request(list(live))
-        except Exception:
-            logger.exception("could not abort %d requests after a failed step", len(live))
+    def _died(self, why: str) -> None:
+        """The cores are gone: every stream fails, and whoever waits for that learns of it."""
+        logger.error("the engine is gone: %s", why)
+        self.dead = why
+        with self._lock:
+            live, self._live = self._live, {}
+            self.engine.outputs.forget(list(live))
+        err = EngineDeadError(f"the engine stopped: {why}")
         for entry in live.values():
             self._post(entry.stream, err)
+        self._flush()
+        for callback in self.on_dead:
+            try:
+                callback(why)
+            except Exception:
+                logger.exception("an on_dead callback failed")
 
-    def _publish_stats(self) -> None:
-        self._stats = self.engine.stats()  # one reference swap: readers on other threads see old or new
-        self.metrics.publish(self._stats)
+    # -- posting to streams (on their event loops) ---------------------------------------------
+    _outbox_local = threading.local()
 
     def _post(self, stream: RequestStream, item: Any) -> None:
-        self._outbox.setdefault(stream.loop, []).append((stream, item))
+        box = getattr(self._outbox_local, "box", None)
+        if box is None:
+            box = self._outbox_local.box = {}
+        box.setdefault(stream.loop, []).append((stream, item))
 
     def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
+        box = getattr(self._outbox_local, "box", None)
+        if not box:
+            return
+        self._outbox_local.box = {}
+        for loop, items in box.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed: nobody listens, free the requests
-                for stream, _ in items:
-                    if self._live.pop(stream.request_id, None) is not None:
-                        self.engine.abort_request(stream.request_id)
+                with self._lock:
+                    for stream, _ in items:
+                        if self._live.pop(stream.request_id, None) is not None:
+                            self.engine.abort(stream.request_id)
 
 
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in items:
         stream._put(item)
 
-
-def resolve_future(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
-    """Complete `fut` (on its loop) unless its waiter gave up."""
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(res)
-
-
-def _aborted(rid: str, last: RequestOutput | None) -> RequestOutput:
-    if last is None:
-        return RequestOutput(rid, None, [], [], True)
-    comps = [c if c.finish_reason else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
-    return dataclasses.replace(last, outputs=comps, finished=True)

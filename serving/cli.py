@@ -82,17 +82,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    if _is_follower(llm.llm_engine):  # another host of a multi-host engine: process 0 prints
+    if not llm.llm_engine.is_leader:  # another host of a multi-host engine: process 0 prints
         return 0
     for p, o in zip(prompts, outs):
         print(f">>> {p}\n{o.outputs[0].text}\n")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"[{n} tokens in {dt:.2f} s; warm-up {llm.llm_engine.runner.warmup_seconds:.1f} s]", file=sys.stderr)
+    print(f"[{n} tokens in {dt:.2f} s; warm-up {llm.llm_engine.info.warmup_seconds:.1f} s]", file=sys.stderr)
     return 0
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxsched.distributed import DistributedEngine
+    from jaxsched.buckets import bucket_pairs
     from jaxsched.engine import create_engine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
@@ -106,21 +106,24 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     if args.warm_up_runs is None:  # a server's first burst of requests must not pay first-run costs
         args = dataclasses.replace(args, warm_up_runs=True)
+    if args.engine_core_process is None and args.distributed_coordinator is None:
+        args = dataclasses.replace(args, engine_core_process=serve_core_process_default())
     eng = create_engine(args)
-    if _is_follower(eng):  # a multi-host engine's other hosts run process 0's steps
-        log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.process_id)
+    if not eng.is_leader:  # a multi-host engine's other hosts run process 0's steps
+        log.info("process %d follows process 0 (which serves HTTP) until it shuts down", eng.client.process_id)
         _stop_with_the_leader(log)
         eng.follow()
         return 0
     name = ns.served_model_name or ns.model or "demo"
     sc, cc = eng.scheduler_config, eng.cache_config
-    pairs = eng.runner.bucket_pairs()
+    pairs = bucket_pairs(sc.token_buckets, sc.seq_buckets)
     log.info("serving %s as %r on http://%s:%d | KV pool %d blocks x %d = %d tokens, %.1f MiB per device, "
-             "tensor parallel %d x data parallel %d | %d bucket pairs compiled (T in %s, S in %s) | warm-up %.1f s",
-             eng.config.model_path, name, ns.host, ns.port, cc.num_usable_blocks, cc.block_size,
-             cc.num_usable_blocks * cc.block_size, eng.kv_bytes_per_device() / 2**20, args.tensor_parallel_size,
-             args.data_parallel_size, len(pairs), list(sc.token_buckets), list(sc.seq_buckets),
-             eng.runner.warmup_seconds)
+             "tensor parallel %d x data parallel %d, engine core%s in %s | %d bucket pairs compiled (T in %s, "
+             "S in %s) | warm-up %.1f s", eng.config.model_path, name, ns.host, ns.port, cc.num_usable_blocks,
+             cc.block_size, cc.num_usable_blocks * cc.block_size, eng.kv_bytes_per_device() / 2**20,
+             args.tensor_parallel_size, args.data_parallel_size, "s" if args.data_parallel_size > 1 else "",
+             "processes of their own" if args.engine_core_process else "this process", len(pairs),
+             list(sc.token_buckets), list(sc.seq_buckets), eng.info.warmup_seconds)
     engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
     api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
@@ -131,25 +134,28 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         front_ends = (GrpcFrontEnd(app, ns.grpc_port, ns.host, api_key),)
     # a multi-host engine's leader tells the other processes to stop, however this process ends,
-    # once its engine thread has finished its last step
+    # once its engine core has finished its last step
     on_exit = None
-    if isinstance(eng, DistributedEngine):
+    if args.distributed_coordinator is not None:
         def on_exit() -> None:
             engine.shutdown(timeout=None)
             eng.shutdown()
     try:
-        serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level.lower(),
-              on_exit=on_exit, front_ends=front_ends)
+        code = serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout,
+                     log_level=ns.log_level.lower(), on_exit=on_exit, front_ends=front_ends)
     finally:
         engine.shutdown()
-    return 0
+        eng.shutdown()
+    return code
 
 
-def _is_follower(engine: object) -> bool:
-    """A multi-host engine's part on a process other than 0 (distributed.py)."""
-    from jaxsched.distributed import DistributedEngine
+def serve_core_process_default() -> bool:
+    """Where `jaxsched serve` runs its engine cores when engine_core_process is not given: a process
+    of their own, or the server's, by platform (docs/PERFORMANCE.md, "Engine core in a process of its
+    own", measured it)."""
+    from jaxsched.host_malloc import cpu_backend_expected
 
-    return isinstance(engine, DistributedEngine) and not engine.is_leader
+    return not cpu_backend_expected()
 
 
 def _stop_with_the_leader(log: logging.Logger) -> None:

@@ -19,7 +19,7 @@ import msgspec
 from jaxsched.errors import InvalidRequestError
 from jaxsched.gguf_tokenizer import byte_alphabet
 from jaxsched.outputs import Logprob
-from jaxsched.request import SamplingParams, short_repr
+from jaxsched.request import RequestOutputKind, SamplingParams, short_repr
 from jaxsched.structured_output import StructuredOutputsParams, from_response_format
 from jaxsched.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
 from serving.chat_tools import as_text_call, template_takes_tools, tool_prompt
@@ -312,6 +312,8 @@ class Converter:
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "logit_bias": bias, "allowed_token_ids": req.allowed_token_ids, "structured_outputs": structured_outputs,
+            # a stream sends what is new; a response needs the final output alone
+            "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         }
         try:
             return SamplingParams(**kw)

@@ -33,11 +33,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import jaxsched
 from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.app import engine_failure
-from serving.async_engine import EngineDeadError, EngineStepError, RequestStream
+from serving.async_engine import EngineDeadError, EngineStepError, RequestStream, merge_delta
 from serving.proto import jaxsched_pb2 as pb
 from serving.proto import jaxsched_pb2_grpc as pb_grpc
 from serving.protocol import CompletionRequest, RequestError
-from serving.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,9 @@ def completion_request(request: pb.GenerateRequest) -> tuple[CompletionRequest, 
     body = {**sampling, "prompt": request.text if which == "text" else list(request.token_ids.ids),
             "max_tokens": sampling.get("max_tokens"),  # unset: up to max_model_len in all, not 16
             "priority": request.priority, "request_id": request.request_id or None,
-            "cache_salt": request.cache_salt or None}
+            "cache_salt": request.cache_salt or None,
+            # the engine's outputs: deltas to stream, or the final one (STREAM_MODE_FINAL)
+            "stream": request.stream != pb.STREAM_MODE_FINAL}
     for name in ("add_special_tokens", "truncate_prompt_tokens"):
         if request.HasField(name):
             body[name] = getattr(request, name)
@@ -115,33 +116,38 @@ def completion_request(request: pb.GenerateRequest) -> tuple[CompletionRequest, 
 
 
 class _Stream:
-    """One Generate call's cumulative outputs to GenerateResponses."""
+    """One Generate call's outputs (DELTA, or with STREAM_MODE_FINAL the one final output) to
+    GenerateResponses: a sample's new tokens wait until stream_interval of them have come."""
 
-    def __init__(self, request_id: str, request: pb.GenerateRequest, stops: list[str], top: int | None, n: int,
+    def __init__(self, request_id: str, request: pb.GenerateRequest, top: int | None, n: int,
                  prompt_tokens: int) -> None:
         self.request_id = request_id
         self.n = n
         self.prompt_tokens = prompt_tokens
         self.final_only = request.stream == pb.STREAM_MODE_FINAL
-        self.interval = max(1, request.stream_interval)
+        self.interval = 1 if self.final_only else max(1, request.stream_interval)
         self.return_text = request.return_text
         self.top = top  # logprobs asked for (None: none)
-        self.tracker = DeltaTracker(stops)
-        self.sent: dict[int, int] = {}  # sample index -> tokens sent
+        self.waiting: dict[int, CompletionOutput] = {}  # sample index -> its tokens not sent yet
+        self.tokens = 0  # tokens of every sample so far
         self.done: set[int] = set()  # samples whose finish_reason is sent
 
     def message(self, out: RequestOutput) -> pb.GenerateResponse | None:
-        if self.final_only and not out.finished:
-            return None
         outputs = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             if c.index in self.done:  # its last message is sent
                 continue
-            new = len(c.token_ids) - self.sent.get(c.index, 0)
-            if c.finish_reason is None and (new == 0 or new < self.interval or self.final_only):
+            self.tokens += len(c.token_ids)
+            w = self.waiting.get(c.index)
+            if w is None:
+                w = self.waiting[c.index] = c
+            else:
+                merge_delta(RequestOutput("", None, [], [w], False), RequestOutput("", None, [], [c], False))
+            if w.finish_reason is None and len(w.token_ids) < self.interval:
                 continue
-            outputs.append(self._output(c))
-            if c.finish_reason is not None:
+            del self.waiting[c.index]
+            outputs.append(self._output(w))
+            if w.finish_reason is not None:
                 self.done.add(c.index)
         if out.finished:  # a request aborted before its first step has no outputs: each sample still ends
             outputs += [pb.Output(index=i, finish_reason="abort") for i in range(self.n) if i not in self.done]
@@ -149,15 +155,12 @@ class _Stream:
             return None
         msg = pb.GenerateResponse(request_id=self.request_id, outputs=outputs, finished=out.finished)
         if out.finished:
-            done = sum(len(c.token_ids) for c in out.outputs)
-            msg.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
-                                        total_tokens=self.prompt_tokens + done))
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
+                                        total_tokens=self.prompt_tokens + self.tokens))
         return msg
 
-    def _output(self, c: CompletionOutput) -> pb.Output:
-        d = self.tracker.delta(c)
-        self.sent[c.index] = len(c.token_ids)
-        o = pb.Output(index=c.index, token_ids=d.token_ids, text=d.text if self.return_text else "",
+    def _output(self, d: CompletionOutput) -> pb.Output:
+        o = pb.Output(index=d.index, token_ids=d.token_ids, text=d.text if self.return_text else "",
                       finish_reason=d.finish_reason or "")
         if self.top is not None and d.logprobs:
             o.logprobs.extend(_logprob(t, entry, self.top) for t, entry in zip(d.token_ids, d.logprobs))
@@ -223,7 +226,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             if abort_now:
                 await s.engine.abort(rid)
             sp = params[0]
-            conv = _Stream(rid, request, list(sp.stop), sp.logprobs, sp.n, len(prompts[0][0]))
+            conv = _Stream(rid, request, sp.logprobs, sp.n, len(prompts[0][0]))
             async for out in stream:
                 msg = conv.message(out)
                 if msg is not None:
@@ -263,9 +266,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         s = self.server
         llm = s.engine.engine
-        eng = llm.replicas[0] if hasattr(llm, "replicas") else llm  # data parallel: the replicas agree
         return pb.ModelInfo(served_model_name=s.name, model_path=str(s.root), max_model_len=s.max_model_len,
-                            vocab_size=s.conv.vocab_size, eos_token_ids=list(eng.eos_token_ids),
+                            vocab_size=s.conv.vocab_size, eos_token_ids=list(llm.eos_token_ids),
                             max_logprobs=s.conv.max_logprobs, scheduling_policy=s.policy,
                             max_num_seqs=llm.scheduler_config.max_num_seqs, version=jaxsched.__version__)
 

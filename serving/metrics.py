@@ -1,7 +1,7 @@
 """Prometheus metrics, named as vLLM's with a `jaxsched:` prefix, on prometheus_client.
 
 Each AsyncEngine has its own CollectorRegistry (a process may hold several engines: tests build many),
-observed on the engine thread and rendered on the server's event loop; prometheus_client's metrics
+observed on the front end's output thread and rendered on the server's event loop; prometheus_client's metrics
 are thread-safe. Every sample carries a `model_name` label, as vLLM's do, added when rendering: the
 served name is the app's to choose, after the engine is built.
 """
@@ -116,25 +116,27 @@ class EngineMetrics:
             self.engine_device_wait_seconds.inc(stats.device_seconds - device)
         self._seconds_seen = (max(step, stats.step_seconds), max(device, stats.device_seconds))
 
-    def observe(self, out: Any, arrival_time: float, prev_tokens: int, prev_token_time: float, now: float) -> int:
-        """Record one cumulative RequestOutput of a request, given what its previous one had (tokens,
-        time of the last new token). Returns its token count. Runs on the engine thread."""
-        n = sum(len(c.token_ids) for c in out.outputs)
-        if n > prev_tokens:
-            if prev_tokens == 0:
-                self.time_to_first_token.observe(now - arrival_time)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-            else:
-                self.inter_token_latency.observe(now - prev_token_time)
-            self.generation_tokens.inc(n - prev_tokens)
-        if out.finished:
-            self.e2e_request_latency.observe(now - arrival_time)
-            if out.metrics is not None and out.metrics.first_scheduled_time:
-                self.request_queue_time.observe(max(0.0, out.metrics.first_scheduled_time - arrival_time))
-            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
-            if reason not in ("abort", "error"):
-                self.request_success.labels(finished_reason=reason).inc()
-        return n
+    def observe_tokens(self, new_tokens: int, prompt_tokens: int, arrival_time: float, prev_tokens: int,
+                       prev_token_time: float, now: float) -> None:
+        """A request got new_tokens (over all its samples) at `now`, having had prev_tokens, the
+        last of them at prev_token_time. Runs on the front end's output thread."""
+        if new_tokens <= 0:
+            return
+        if prev_tokens == 0:
+            self.time_to_first_token.observe(now - arrival_time)
+            self.prompt_tokens.inc(prompt_tokens)
+        else:
+            self.inter_token_latency.observe(now - prev_token_time)
+        self.generation_tokens.inc(new_tokens)
+
+    def observe_finished(self, out: Any, arrival_time: float, now: float) -> None:
+        """A request's final RequestOutput."""
+        self.e2e_request_latency.observe(now - arrival_time)
+        if out.metrics is not None and out.metrics.first_scheduled_time:
+            self.request_queue_time.observe(max(0.0, out.metrics.first_scheduled_time - arrival_time))
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+        if reason not in ("abort", "error"):
+            self.request_success.labels(finished_reason=reason).inc()
 
     def value(self, name: str, **labels: str) -> float:
         """One sample's value by its exposed name without the prefix (e.g. "request_success_total"),

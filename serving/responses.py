@@ -28,7 +28,6 @@ from serving.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from serving.streaming import CompletionDelta
 
 
 class Responder(ABC):
@@ -46,7 +45,7 @@ class Responder(ABC):
         self.prompt_lens, self.texts = prompt_lens, texts
         self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
 
-    def index(self, prompt: int, c: CompletionOutput | CompletionDelta) -> int:
+    def index(self, prompt: int, c: CompletionOutput) -> int:
         """OpenAI's choice index: the n samples of prompt 0, then those of prompt 1, ..."""
         return prompt * self.req.n + c.index
 
@@ -71,7 +70,7 @@ class Responder(ABC):
         """The chunks a stream starts with."""
 
     @abstractmethod
-    def delta_choice(self, prompt: int, d: CompletionDelta) -> Any:
+    def delta_choice(self, prompt: int, d: CompletionOutput) -> Any:
         """What is new in one sample, for a stream chunk."""
 
     @abstractmethod
@@ -97,7 +96,7 @@ class CompletionResponder(Responder):
         return [self.chunk([CompletionChoice(i * n + j, text or "", None, None) for j in range(n)])
                 for i, text in enumerate(self.texts)]
 
-    def delta_choice(self, prompt: int, d: CompletionDelta) -> CompletionChoice:
+    def delta_choice(self, prompt: int, d: CompletionOutput) -> CompletionChoice:
         lp = self.conv.completion_logprobs(d.token_ids, d.logprobs, 0) if d.logprobs else None
         return CompletionChoice(self.index(prompt, d), d.text, lp, d.finish_reason, d.stop_reason)
 
@@ -130,7 +129,7 @@ class ChatResponder(Responder):
         role = DeltaMessage(role="assistant", content="")
         return [self.chunk([ChatStreamChoice(j, role, None, None) for j in range(self.req.n)])]
 
-    def delta_choice(self, prompt: int, d: CompletionDelta) -> ChatStreamChoice | None:
+    def delta_choice(self, prompt: int, d: CompletionOutput) -> ChatStreamChoice | None:
         index = self.index(prompt, d)
         logprobs = self._logprobs(d.token_ids, d.logprobs)
         if self.tools is None:

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT = 20.0  # seconds; inside Kubernetes' default 30 s grace period, with room to spare
 _STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot start
+ENGINE_DIED = 1  # serve()'s status when the engine's cores went away under it
 _FLUSH_SECONDS = 2.0  # after the deadline: for the error events to reach clients that still read
 # An idle connection's life on the server. Longer than the clients' own pool expiry (httpx, and the
 # openai client on it, drop an idle connection after 5 s): at uvicorn's default, also 5 s, the server
@@ -54,6 +55,16 @@ class GracefulServer(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self.front_ends = front_ends
+        self.engine_died: str | None = None  # why, when the engine's cores went away under the server
+        engine.on_dead.append(self._engine_gone)
+
+    def _engine_gone(self, why: str) -> None:
+        """The engine's cores are gone (their streams have failed already): stop serving, as after
+        SIGTERM, and let serve() exit non-zero. Called on the engine's output thread; uvicorn's
+        main loop reads should_exit within a tenth of a second."""
+        logger.error("the engine is gone (%s): the server stops", why)
+        self.engine_died = why
+        self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """The other front ends first, so that `started` means every one listens. A front end that
@@ -101,14 +112,17 @@ class GracefulServer(uvicorn.Server):
 
 def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
           log_level: str = "info", on_exit: Callable[[], None] | None = None,
-          front_ends: tuple[FrontEnd, ...] = ()) -> None:
+          front_ends: tuple[FrontEnd, ...] = ()) -> int:
     """Serve `app` (and `front_ends`) until SIGINT / SIGTERM, then shut down within shutdown_timeout
     (+ a few seconds).
 
     on_exit runs once the server is down, also when the process then exits by the signal that
     stopped it: uvicorn re-raises that signal after its graceful shutdown, and by the default action
     the process would die there, before any cleanup of the caller's (a multi-host engine's leader
-    must tell the other processes to stop, or their coordination agents abort)."""
+    must tell the other processes to stop, or their coordination agents abort).
+
+    Returns the process's exit status: 0, or ENGINE_DIED when the engine's cores went away (a core
+    process killed, say): the server stops at once then, every stream having ended with an error."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = GracefulServer(config, engine, shutdown_timeout, front_ends)
@@ -118,7 +132,7 @@ def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout:
         finally:
             if on_exit is not None:
                 on_exit()
-        return
+        return ENGINE_DIED if server.engine_died else 0
     done = False
 
     def finish() -> None:
@@ -139,3 +153,4 @@ def serve(app: Any, engine: AsyncEngine, host: str, port: int, shutdown_timeout:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         finish()
+    return ENGINE_DIED if server.engine_died else 0

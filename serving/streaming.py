@@ -1,48 +1,16 @@
-"""Streaming helpers: cumulative outputs to deltas, and Server-Sent Events that abort on disconnect."""
+"""Streaming helpers: Server-Sent Events that abort on disconnect, and several streams merged."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxsched.outputs import RequestOutput
 
 _enc = msgspec.json.Encoder()
-
-
-@dataclass
-class CompletionDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class DeltaTracker:
-    """Turns one request's cumulative CompletionOutputs into what is new since the last call.
-
-    While a completion runs, its last max(len(stop)) - 1 characters are held back: they could be the
-    start of a stop string, which would be cut from the text. Tokens and logprobs are not held back.
-    """
-
-    def __init__(self, stop: Sequence[str] = ()) -> None:
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self._sent: dict[int, tuple[int, int, int]] = {}  # index -> (chars, tokens, logprobs) sent
-
-    def delta(self, comp: CompletionOutput) -> CompletionDelta:
-        chars, toks, lps = self._sent.get(comp.index, (0, 0, 0))
-        finished = comp.finish_reason is not None
-        end = len(comp.text) if finished else max(chars, len(comp.text) - self.holdback)
-        logprobs = comp.logprobs[lps:] if comp.logprobs is not None else None
-        self._sent[comp.index] = (end, len(comp.token_ids), len(comp.logprobs or ()))
-        return CompletionDelta(comp.index, comp.text[chars:end], comp.token_ids[toks:], logprobs,
-                               comp.finish_reason, comp.stop_reason)
 
 
 class EventStream:

@@ -5,7 +5,7 @@ connection if it ran on the event loop (a 1 MB prompt takes seconds), so the ser
 to these threads; a fast tokenizer releases the GIL while it encodes a batch, which transformers'
 tokenizer calls do. A fast tokenizer must not be used by two threads at once (it fails with "Already
 borrowed"), hence one copy per thread, made when the pool is built (before requests arrive, while
-the engine thread does not use its own). The threads are daemons: a long task never holds up the
+the output thread does not use the front end's own). The threads are daemons: a long task never holds up the
 process's exit after a shutdown.
 """
 
@@ -18,8 +18,6 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-from serving.async_engine import resolve_future
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +53,13 @@ class TokenizerPool:
         fut = loop.create_future()
         self._tasks.put((fn, args, fut, loop))
         return await fut
+
+
+def resolve_future(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+    """Complete `fut` (on its loop) unless its waiter gave up."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)

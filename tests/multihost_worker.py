@@ -1,6 +1,6 @@
 """One process of a two-process engine on loopback (or, without a coordinator, the single-process
 reference run), for tests/test_multihost.py. The same script runs as every process, SPMD style:
-process 0's batches are the ones run, the others follow them (LLM.generate, DistributedEngine.follow).
+process 0's batches are the ones run, the others follow them (LLM.generate, LLMEngine.follow).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=1 \
         python tests/multihost_worker.py '{"model": DIR, "coordinator": "127.0.0.1:PORT", "process_id": 0}'
@@ -75,14 +75,13 @@ def run(llm, emit: Callable[..., None] = _print) -> None:
     import jax
 
     from jaxsched import SamplingParams
-    from jaxsched.distributed import DistributedEngine
 
     eng = llm.llm_engine
-    multi = isinstance(eng, DistributedEngine)
-    leads = not multi or eng.is_leader
+    multi = jax.process_count() > 1
+    leads = eng.is_leader
     emit("init", process_index=jax.process_index(), process_count=jax.process_count(),
          device_count=jax.device_count(), local_device_count=jax.local_device_count(),
-         engine_devices=len(eng.devices))
+         engine_devices=eng.info.num_devices)
 
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)

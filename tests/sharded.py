@@ -54,10 +54,10 @@ def shard_report(engine) -> dict:
 
     from flax import nnx
 
-    state = nnx.to_pure_dict(engine.runner.state)
+    state = nnx.to_pure_dict(engine.core.runner.state)
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         check("/".join(str(getattr(k, "key", k)) for k in path), x)
-    for name, x in zip(("k_pool", "v_pool"), engine.runner.kv):
+    for name, x in zip(("k_pool", "v_pool"), engine.core.runner.kv):
         check(name, x)
     return {"split": split, "whole": whole, "problems": problems}
 
@@ -101,10 +101,10 @@ def parity(spec: dict) -> dict:
             "shards": shard_report(eng) if tp > 1 else None,
             "kv_bytes_per_device": eng.kv_bytes_per_device(),
             # what the pool's arrays hold on the first device, and the sizes that should give it
-            "pool_bytes_device0": sum(x.addressable_shards[0].data.nbytes for x in eng.runner.kv),
+            "pool_bytes_device0": sum(x.addressable_shards[0].data.nbytes for x in eng.core.runner.kv),
             "pool_elements_per_kv_head": 2 * eng.config.cache.num_blocks * eng.config.cache.block_size
             * eng.config.model.num_layers * eng.config.model.head_dim,
-            "pool_itemsize": int(eng.runner.kv[0].dtype.itemsize),
+            "pool_itemsize": int(eng.core.runner.kv[0].dtype.itemsize),
         }
         out["prompt_token_ids"] = [o.prompt_token_ids for o in outs]
         del llm, eng

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -11,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxsched import LLM, EngineArgs, SamplingParams
 from jaxsched.errors import QueueFullError
-from jaxsched.outputs import CompletionOutput
-from serving.async_engine import AsyncEngine, DeltaTracker, EngineDeadError, EngineStepError
+from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxsched.request import RequestOutputKind
+from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, merge_delta
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 PROMPTS = ["the capital of france is", "hello world , how are you", "one two three", "what is a cat ?"]
@@ -29,7 +31,7 @@ def setup(llama_dir):
 
 
 def owned_blocks(engine: AsyncEngine) -> dict:
-    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))
+    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))[0]
 
 
 def test_generate_streams_cumulative_outputs_equal_to_offline(setup):
@@ -166,13 +168,14 @@ def test_idle_engine_sleeps_instead_of_spinning(setup):
         eng.step = step
         return real
 
-    real = asyncio.run(engine.call(count_steps))
-    clock = time.pthread_getcpuclockid(engine._thread.ident)  # the engine thread's CPU time
-    cpu0 = time.clock_gettime(clock)
+    real = asyncio.run(engine.call(count_steps))[0]
+    # the core's loop thread and the output thread: each waits on its queue
+    clocks = [time.pthread_getcpuclockid(t.ident) for t in (engine.engine.client._thread, engine._thread)]
+    cpu0 = [time.clock_gettime(c) for c in clocks]
     time.sleep(0.3)
     try:
         assert steps == [] and engine.is_running
-        assert time.clock_gettime(clock) - cpu0 < 0.03
+        assert all(time.clock_gettime(c) - t0 < 0.03 for c, t0 in zip(clocks, cpu0))
     finally:
         asyncio.run(engine.call(lambda eng: setattr(eng, "step", real)))
 
@@ -230,7 +233,7 @@ def test_a_finished_request_nobody_reads_gives_back_its_queue_place(setup):
 
     async def main():
         stream = await engine.add_request(PROMPTS[0], GREEDY)  # never read
-        while await engine.call(lambda eng: eng.has_unfinished_requests()):
+        while (await engine.call(lambda eng: eng.has_unfinished_requests()))[0]:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # the final output reaches this loop
         queued = engine.num_queued
@@ -242,15 +245,47 @@ def test_a_finished_request_nobody_reads_gives_back_its_queue_place(setup):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
 
 
-def test_delta_tracker_holds_back_possible_stop_strings():
-    t = DeltaTracker(stop=["END"])
-    steps = [("he", None), ("hello E", None), ("hello EN", None), ("hello ", "stop")]  # "hello END" cut
-    got = [t.delta(CompletionOutput(0, text, list(range(i + 1)), finish_reason=fr)) for i, (text, fr) in
-           enumerate(steps)]
-    assert [d.text for d in got] == ["", "hello", " ", ""]
-    assert [len(d.token_ids) for d in got] == [1, 1, 1, 1] and got[-1].finish_reason == "stop"
-    plain = DeltaTracker()
-    assert plain.delta(CompletionOutput(0, "ab", [1])).text == "ab"
+def test_merge_delta_appends_in_place():
+    """A DELTA output nobody read yet takes the next ones in: text and lists appended, the latest
+    finish and metrics, samples of an n > 1 request by index."""
+    lp = [{5: Logprob(-0.1, 1)}]
+    into = RequestOutput("r", None, [1], [CompletionOutput(0, "he", [5], logprobs=list(lp))], False)
+    new = RequestOutput("r", None, [1], [CompletionOutput(0, "llo", [6, 7], logprobs=lp * 2, finish_reason="stop",
+                                                          stop_reason="x"),
+                                         CompletionOutput(1, "a", [9])], True)
+    merge_delta(into, new)
+    c0, c1 = into.outputs
+    assert (c0.text, c0.token_ids, len(c0.logprobs), c0.finish_reason, c0.stop_reason) == ("hello", [5, 6, 7], 3,
+                                                                                           "stop", "x")
+    assert (c1.index, c1.text, c1.token_ids) == (1, "a", [9]) and into.finished
+
+
+def test_delta_stream_read_slowly_merges_and_loses_nothing(setup):
+    """A DELTA stream whose reader sleeps between reads gets fewer, merged outputs whose texts and
+    tokens add up to the offline output, with no text a stop string could still remove sent early."""
+    engine, reference = setup
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        outs = []
+        async for out in engine.generate(PROMPTS[1], params):
+            outs.append(out)
+            await asyncio.sleep(0.05)
+        return outs
+
+    outs = asyncio.run(main())
+    ref = reference[1].outputs[0]
+    assert "".join(o.outputs[0].text for o in outs) == ref.text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ref.token_ids
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1]) and len(outs) < 12
+    stop = ref.text[4:6]  # a stop string the output reaches: what precedes it only
+    params = dataclasses.replace(params, stop=[stop])
+    texts = asyncio.run(_collect(engine, PROMPTS[1], params))
+    assert "".join(texts) == ref.text[:ref.text.index(stop)]
+
+
+async def _collect(engine, prompt, params):
+    return [o.outputs[0].text async for o in engine.generate(prompt, params)]
 
 
 def test_an_engine_not_running_refuses_requests(setup):

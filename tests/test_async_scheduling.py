@@ -71,8 +71,8 @@ def drive(llm, reqs, abort_after: int = 3):
             if rid in last and len(last[rid].outputs[0].token_ids) >= abort_after:
                 eng.abort_request(rid)
                 to_abort.discard(rid)
-    eng.scheduler.check_invariants()
-    assert not eng.block_manager.req_blocks and not eng.scheduler.swap_pool.req_blocks
+    eng.core.scheduler.check_invariants()
+    assert not eng.core.block_manager.req_blocks and not eng.core.scheduler.swap_pool.req_blocks
     return last
 
 
@@ -122,7 +122,8 @@ def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
 
     import jax
 
-    from jaxsched import cpu_affinity, engine
+    from jaxsched import cpu_affinity
+    from jaxsched import engine_core as engine
     from jaxsched.bench.driver import set_overlap
 
     cpu = jax.default_backend() == "cpu"
@@ -130,22 +131,22 @@ def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
     asked = []
     decide = engine.auto_async_scheduling
     monkeypatch.setattr(engine, "auto_async_scheduling", lambda *a, **kw: asked.append(kw) or decide(*a, **kw))
-    with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine_core"):
         llm = LLM(llama_dir, **BASE)
     assert asked == [{"cpu": cpu, "reserved": 0, "multi_host": False}]
     eng = llm.llm_engine
-    assert eng.async_scheduling is not cpu and eng.config.async_scheduling is not cpu
+    assert eng.core.async_scheduling is not cpu and eng.config.async_scheduling is not cpu
     if cpu:
         assert "async_scheduling: off (the model's" in caplog.text and "no core is reserved" in caplog.text
     ps = [{"prompt_token_ids": p} for p in prompts(llm, 6)]
     sp = SamplingParams(temperature=0, max_tokens=12)
     outs = {}
-    for mode in (eng.async_scheduling, not eng.async_scheduling):
+    for mode in (eng.core.async_scheduling, not eng.core.async_scheduling):
         set_overlap(eng, mode)
         with no_compilation():
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
     assert outs[True] == outs[False]
-    assert LLM(llama_dir, **BASE, async_scheduling=True).llm_engine.async_scheduling is True
+    assert LLM(llama_dir, **BASE, async_scheduling=True).llm_engine.core.async_scheduling is True
     assert len(asked) == 1  # a given value is not the rule's to decide
 
 
@@ -190,7 +191,7 @@ def test_penalised_steps_do_not_wait_and_give_the_synchronous_tokens(llama_dir, 
     runs, waited = {}, {}
     for mode in (False, True):
         llm = LLM(llama_dir, **BASE, async_scheduling=mode)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.core.runner
         flags = []
         dispatch = runner.dispatch
 
@@ -244,7 +245,7 @@ def test_the_host_chosen_sampler_programs_give_the_same_outputs(llama_dir):
     runs, used = {}, {}
     for mode in ("device", "host", "mixed"):
         llm = LLM(llama_dir, **BASE, sampler_branches=mode)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.core.runner
         picked = set()
         pick = runner.sampler_for
 
@@ -293,7 +294,7 @@ def test_a_min_tokens_row_past_its_minimum_runs_no_penalty_stage(llama_dir):
     for its later steps. Before that, the variant with the penalty stage but without the filters'
     sort."""
     llm = LLM(llama_dir, **BASE, sampler_branches="host")
-    picked = _counting_picks(llm.llm_engine.runner)
+    picked = _counting_picks(llm.llm_engine.core.runner)
     sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=3)  # EOS masked for 3 tokens
     with no_compilation():
         out = drive(llm, [("m", prompts(llm, 1)[0], sp)])
@@ -307,7 +308,7 @@ def test_a_step_without_top_k_p_or_min_p_runs_no_sort(llama_dir):
     """The filters' sort over [S, V] is by far the sampler's costliest part: a step that needs no
     filter (greedy structured output, penalties, a logit_bias, sampled rows with logprobs) gets a
     variant without it; one that does gets the filters."""
-    runner = LLM(llama_dir, **BASE, sampler_branches="host").llm_engine.runner
+    runner = LLM(llama_dir, **BASE, sampler_branches="host").llm_engine.core.runner
     S = runner.bucket_pairs()[0][1]
 
     def picked(needs):
@@ -326,14 +327,14 @@ def test_a_sampler_programs_first_run_is_not_fed_to_the_cost_model(llama_dir):
     llm = LLM(llama_dir, **{**BASE, "step_cost_model": True}, sampler_branches="host")
     eng = llm.llm_engine
     seen = []
-    observe = eng._observe
+    observe = eng.core._observe
 
     def recording(step, res):
-        n = len(eng._costs)
+        n = len(eng.core._costs)
         observe(step, res)
-        seen.append(((step.out.token_bucket, step.out.seq_bucket), step.first_run, len(eng._costs) > n))
+        seen.append(((step.out.token_bucket, step.out.seq_bucket), step.first_run, len(eng.core._costs) > n))
 
-    eng._observe = recording
+    eng.core._observe = recording
     p = prompts(llm, 1)[0]
     drive(llm, [("g", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
     greedy = len(seen)
@@ -430,7 +431,7 @@ def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, m
         params = [steady_params()[i % 4] for i in range(8)]
         with no_compilation():
             res = llm.generate(ps, params, use_tqdm=False)
-        packer = llm.llm_engine.runner.packer
+        packer = llm.llm_engine.core.runner.packer
         return [summary(o) for o in res], packer
 
     got, packer = run()
@@ -472,4 +473,4 @@ def test_no_steady_pack_for_rows_whose_tables_move(llama_dir):
                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={5: 1.0}),
                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=18)):
         llm.generate(ps, sp, use_tqdm=False)
-    assert llm.llm_engine.runner.packer.steady_packs == 0
+    assert llm.llm_engine.core.runner.packer.steady_packs == 0

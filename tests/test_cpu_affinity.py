@@ -36,8 +36,8 @@ SCRIPT = textwrap.dedent('''
     logging.getLogger("jaxsched.cpu_affinity").addHandler(handler)
     info = logging.Handler(logging.INFO)
     info.emit = lambda record: decisions.append(record.getMessage())
-    logging.getLogger("jaxsched.engine").addHandler(info)
-    logging.getLogger("jaxsched.engine").setLevel(logging.INFO)
+    logging.getLogger("jaxsched.engine_core").addHandler(info)
+    logging.getLogger("jaxsched.engine_core").setLevel(logging.INFO)
     cores = available_cores()
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=12,
               block_size=16)
@@ -270,12 +270,12 @@ def test_reserve_count_in_a_process_where_jax_started(caplog):
     import jax
     import numpy as np
 
-    from jaxsched.engine import reserve_count
+    from jaxsched.engine_core import reserve_count
 
     jax.devices()
     assert reserve_count(EngineArgs(), TINY, None) == 0
     assert reserve_count(EngineArgs(cpu_reserved_cores=1), TINY, None) == 1
-    with caplog.at_level(logging.INFO, logger="jaxsched.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine_core"):
         assert reserve_count(EngineArgs(cpu_reserved_cores="auto"), TINY, None) == 0
         # given its devices (a data-parallel replica's group, as a list or a numpy array of them)
         for given in (jax.devices()[:1], np.array(jax.devices()[:1])):

@@ -127,13 +127,13 @@ def test_overlapped_scheduling_gives_the_synchronous_tokens(demo_path, monkeypat
               SamplingParams(temperature=0, max_tokens=80)][i % 4]
         reqs.append((f"r{i}", p, sp))
     # steps dispatched while the previous one's tokens were still unread: overlap really was on
-    overlapped, dispatch = [], engine.runner.dispatch
-    monkeypatch.setattr(engine.runner, "dispatch",
-                        lambda out: overlapped.append(engine._in_flight is not None) or dispatch(out))
+    overlapped, dispatch = [], engine.core.runner.dispatch
+    monkeypatch.setattr(engine.core.runner, "dispatch",
+                        lambda out: overlapped.append(engine.core._in_flight is not None) or dispatch(out))
     runs, n_overlapped = {}, {}
     for mode in (False, True):
         set_overlap(engine, mode)
-        engine.block_manager.reset_prefix_cache()
+        engine.core.block_manager.reset_prefix_cache()
         overlapped.clear()
         preempted = engine.stats().num_preemptions
         runs[mode] = drive(llm, reqs, abort_after=5)

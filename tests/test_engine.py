@@ -45,13 +45,13 @@ def test_zero_compilations_after_warm_up(llm):
     with no_compilation():
         outs = llm.generate(prompts_of(llm, 60), params, use_tqdm=False)
     assert len(outs) == 60 and all(o.finished for o in outs)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 def test_the_sampler_is_one_program_per_seq_bucket_shared_by_every_t(llm):
     """The sampler does not depend on T: it is compiled once per S, apart from the model's (T, S)
     programs, which hold none of it (it was about half of each pair's compile time)."""
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.core.runner
     pairs = runner.bucket_pairs()
     seqs = sorted({S for _, S in pairs})
     assert len(pairs) > len(seqs), "the fixture must have several T per S, or this proves nothing"
@@ -141,7 +141,7 @@ def test_block_size_defaults_per_attention_backend(llama_dir):
     llm = LLM(llama_dir, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32, attention_backend="xla")
     cc = llm.llm_engine.cache_config
     assert cc.block_size == 128
-    k_pool, v_pool = llm.llm_engine.runner.kv
+    k_pool, v_pool = llm.llm_engine.core.runner.kv
     assert v_pool.shape[3] == 128 and k_pool.shape[4] == 128  # P; the xla backend's K pages are [H, P]
     ids = [int(x) for x in np.random.default_rng(3).integers(3, 200, 126)]  # crosses a page boundary
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -216,7 +216,7 @@ def test_abort_frees_blocks_and_spares_others(llm):
                 finished[o.request_id] = o
     assert sorted(finished) == ["a0", "a2"]
     assert all(len(o.outputs[0].token_ids) == 15 for o in finished.values())
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monkeypatch):
@@ -232,7 +232,7 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monk
     def on_fire(batch):
         raise RuntimeError("device on fire")
 
-    monkeypatch.setattr(eng.runner, "run", on_fire)
+    monkeypatch.setattr(eng.core.runner, "run", on_fire)
     with pytest.raises(StepFailedError, match="device on fire") as failed:
         eng.step()
     outs = failed.value.outputs
@@ -242,8 +242,8 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_goes_on(llm, monk
     assert not eng.has_unfinished_requests()
     monkeypatch.undo()
     assert eng.step() == []  # a step with no rows runs through the same path
-    eng.scheduler.check_invariants()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    eng.core.scheduler.check_invariants()
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
 
 
@@ -260,10 +260,10 @@ def test_stats_time_the_host_phases_and_count_kv_waste(llm):
     eng.step()
     eng.step()
     mid = eng.stats()
-    req = eng.scheduler.requests
-    held = {rid: len(eng.block_manager.req_blocks[rid]) for rid in req if rid in eng.block_manager.req_blocks}
-    assert held and mid.kv_allocated_slots == (eng.block_manager.num_usable_blocks
-                                               - eng.block_manager.num_free_blocks) * B
+    req = eng.core.scheduler.requests
+    held = {rid: len(eng.core.block_manager.req_blocks[rid]) for rid in req if rid in eng.core.block_manager.req_blocks}
+    assert held and mid.kv_allocated_slots == (eng.core.block_manager.num_usable_blocks
+                                               - eng.core.block_manager.num_free_blocks) * B
     assert 0 < mid.kv_internal_waste_slots < len(held) * B  # at most a tail per request, never a whole block
     assert 0 < mid.kv_internal_waste_perc < 1 and mid.kv_external_fragmentation_perc == 0.0
     while eng.has_unfinished_requests():
@@ -281,13 +281,13 @@ def test_stats_time_the_host_phases_and_count_kv_waste(llm):
 def test_exit_waits_for_the_step_in_flight(llm):
     """The exit hook waits for a step still running (jax's CPU client torn down under a running
     computation deadlocked the process), and the engine is registered with it."""
-    from jaxsched import engine as engine_mod
+    from jaxsched import engine_core as engine_mod
 
     eng = llm.llm_engine
-    assert eng in engine_mod._ENGINES and engine_mod._at_exit_registered
+    assert eng.core in engine_mod._CORES and engine_mod._at_exit_registered
     eng.add_request("x", prompts_of(llm, 1)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     eng.step()
-    step = eng._in_flight
+    step = eng.core._in_flight
     assert step is not None and step.ints is not None
     engine_mod._wait_for_steps_in_flight()
     assert step.ints.is_ready() and step.floats.is_ready()
@@ -300,7 +300,7 @@ def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypat
     and applied first. A request it ends gets its normal final output inside the StepFailedError,
     and only the requests of the failed step are ended with an error."""
     eng = llm.llm_engine
-    assert eng.async_scheduling
+    assert eng.core.async_scheduling
     ps = prompts_of(llm, 2)
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -312,12 +312,12 @@ def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypat
         for o in eng.step():
             if o.request_id == "short":
                 got = list(o.outputs[0].token_ids)
-    assert eng._in_flight is not None and not got[2:]
+    assert eng.core._in_flight is not None and not got[2:]
 
     def on_fire(batch):
         raise RuntimeError("device on fire")
 
-    monkeypatch.setattr(eng.runner, "run", on_fire)
+    monkeypatch.setattr(eng.core.runner, "run", on_fire)
     with pytest.raises(StepFailedError, match="device on fire") as failed:
         eng.step()
     outs = {o.request_id: o for o in failed.value.outputs}
@@ -327,8 +327,8 @@ def test_a_failed_dispatch_keeps_the_tokens_of_the_step_in_flight(llm, monkeypat
     assert failed.value.request_ids == ["long"]
     monkeypatch.undo()
     assert not eng.has_unfinished_requests()
-    eng.scheduler.check_invariants()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    eng.core.scheduler.check_invariants()
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 def test_a_pool_lost_with_a_failed_step_is_replaced(llm, monkeypatch):
@@ -345,11 +345,11 @@ def test_a_pool_lost_with_a_failed_step_is_replaced(llm, monkeypatch):
             x.delete()
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(eng.runner, "_executables", dict.fromkeys(eng.runner._executables, lose_the_pool))
+    monkeypatch.setattr(eng.core.runner, "_executables", dict.fromkeys(eng.core.runner._executables, lose_the_pool))
     with pytest.raises(StepFailedError, match="device lost"):
         eng.step()
     monkeypatch.undo()
-    assert not any(x.is_deleted() for x in eng.runner.kv)
+    assert not any(x.is_deleted() for x in eng.core.runner.kv)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == expected
 
 
@@ -366,7 +366,7 @@ def test_one_requests_output_failure_fails_it_alone(llm, monkeypatch):
     def undecodable(*args, **kwargs):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
-    monkeypatch.setattr(eng.outputs._states["o1"].detok, "add_token", undecodable)
+    monkeypatch.setattr(eng.outputs._requests["o1"].samples[0].detok, "add_token", undecodable)
     finished = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -374,7 +374,7 @@ def test_one_requests_output_failure_fails_it_alone(llm, monkeypatch):
                 finished[o.request_id] = o
     assert "invalid start byte" in finished["o1"].error and finished["o1"].outputs[0].finish_reason == "error"
     assert [finished[f"o{i}"].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 def test_a_sample_id_in_flight_refuses_the_whole_request(llm):
@@ -432,7 +432,7 @@ def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch
     """The step's XLA options are experimental flags; a jaxlib that lacks one must still compile."""
     from pallas_kernels import tuning
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.core.runner
     monkeypatch.setattr(tuning, "compiler_options", lambda platform, backend: {"xla_cpu_no_such_option_here": "1"})
     monkeypatch.setattr(runner, "_use_compiler_options", True)
     T, S = runner.bucket_pairs()[0]
@@ -461,7 +461,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     there, not by the first requests), which leaves no trace in the pool: the same greedy tokens;
     with every sampler variant (sampler_branches="host") as with one."""
     warm = LLM(llama_dir, **ENGINE, warm_up_runs=True, sampler_branches=branches)
-    runner = warm.llm_engine.runner
+    runner = warm.llm_engine.core.runner
     assert runner.ran == set(runner.bucket_pairs())
     assert runner.sampler_ran == {(S, k) for S, programs in runner._samplers.items() for k in range(len(programs))}
     assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == len(tuning.SAMPLER_PROGRAMS[branches])
@@ -473,7 +473,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     want = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     eng = warm.llm_engine
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 @pytest.mark.parametrize("flags,expected", [((), True), (("--no-warm-up-runs",), False)])
@@ -503,7 +503,7 @@ def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
     assert unrolled.llm_engine.config.layer_weights == "unrolled"
 
     def loops(engine):  # while loops in a step's compiled program: the layer scan is one
-        exe = next(iter(engine.runner._executables.values()))
+        exe = next(iter(engine.core.runner._executables.values()))
         return exe.as_text().count(" while(")
 
     assert loops(unrolled.llm_engine) < loops(llm.llm_engine)

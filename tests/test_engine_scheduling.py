@@ -34,9 +34,9 @@ def reference(ample):
 
 def _free(llm):
     eng = llm.llm_engine
-    eng.scheduler.check_invariants()
-    assert not eng.block_manager.req_blocks and not eng.scheduler.swap_pool.req_blocks
-    return eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    eng.core.scheduler.check_invariants()
+    assert not eng.core.block_manager.req_blocks and not eng.core.scheduler.swap_pool.req_blocks
+    return eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 class PreemptedFirst(SchedulerPolicy):
@@ -122,13 +122,13 @@ def test_priority_cuts_time_to_first_token(llama_dir):
         eng.add_request(f"low{i}", prompts[i], params, priority=5)
     for _ in range(3):
         eng.step()  # saturated: two running, eight waiting
-    start = eng.scheduler.step_count
+    start = eng.core.scheduler.step_count
     eng.add_request("high", prompts[10], params, priority=0)
     first: dict[str, int] = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.outputs[0].token_ids and o.request_id not in first:
-                first[o.request_id] = eng.scheduler.step_count - start
+                first[o.request_id] = eng.core.scheduler.step_count - start
     lows = sorted(v for k, v in first.items() if k.startswith("low") and v > 0)
     assert first["high"] <= 2, first
     assert first["high"] * 5 <= lows[len(lows) // 2], first  # a small fraction of a typical low's wait
@@ -168,10 +168,10 @@ def test_copy_on_write_tail_gives_identical_logprobs(ample):
     ids = tok.encode(" ".join(SENTENCES))[:31]  # 30 tokens before the last: 3 full blocks + 6 copied
     params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
     eng = ample.llm_engine
-    before = eng.scheduler.num_block_copies
+    before = eng.core.scheduler.num_block_copies
     group = ample.generate({"prompt_token_ids": ids}, SamplingParams(n=3, **params), use_tqdm=False)[0]
     alone = ample.generate({"prompt_token_ids": ids}, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
-    assert eng.scheduler.num_block_copies - before == 2
+    assert eng.core.scheduler.num_block_copies - before == 2
     for c in group.outputs:
         assert c.token_ids == alone.token_ids
         for got, want, t in zip(c.logprobs, alone.logprobs, alone.token_ids):

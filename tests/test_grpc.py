@@ -292,7 +292,7 @@ def test_tokenize_detokenize_and_model_info(served):
 
 
 def owned(engine: AsyncEngine) -> dict:
-    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))
+    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))[0]
 
 
 def slowed(engine: AsyncEngine, seconds: float):
@@ -302,7 +302,7 @@ def slowed(engine: AsyncEngine, seconds: float):
         eng.runner.run = lambda batch: (time.sleep(seconds), real(batch))[1]
         return real
 
-    real = asyncio.run(engine.call(slow_down))
+    real = asyncio.run(engine.call(slow_down))[0]
     return lambda: asyncio.run(engine.call(lambda eng: setattr(eng.runner, "run", real)))
 
 
@@ -317,12 +317,12 @@ def test_cancelling_the_call_frees_its_blocks_within_one_step(served):
                                                         sampling_params=greedy(100)), metadata=AUTH)
                 for _ in range(3):
                     await call.read()
-                held = await served.engine.call(lambda eng: "to-cancel" in eng.block_manager.req_blocks)
+                held = (await served.engine.call(lambda eng: "to-cancel" in eng.block_manager.req_blocks))[0]
                 call.cancel()
                 steps_at_cancel = served.engine.stats().num_steps
                 while True:
-                    gone, steps = await served.engine.call(
-                        lambda eng: ("to-cancel" not in eng.block_manager.req_blocks, eng.stats().num_steps))
+                    gone, steps = (await served.engine.call(
+                        lambda eng: ("to-cancel" not in eng.block_manager.req_blocks, eng.stats().num_steps)))[0]
                     if gone:
                         return held, steps - steps_at_cancel
                     await asyncio.sleep(0.005)

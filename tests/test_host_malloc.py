@@ -76,8 +76,8 @@ for backend in ("numba", "xla"):  # XLA's attention keeps its scores in the temp
     llm = LLM(sys.argv[1], attention_backend=backend, **kw)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=1.0, seed=3),
                        use_tqdm=False)
-    bounds.append(llm.llm_engine.temporary_bound)
-    largest.append(largest_temporary_bytes(llm.llm_engine.runner.step_programs()))
+    bounds.append(llm.llm_engine.core.temporary_bound)
+    largest.append(largest_temporary_bytes(llm.llm_engine.core.runner.step_programs()))
 res.update(thread_arenas=host_malloc.thread_arenas, arenas=host_malloc.arena_count(), bounds=bounds, largest=largest,
            tokens=list(out[0].outputs[0].token_ids))
 print("RESULT " + json.dumps(res))

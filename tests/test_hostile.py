@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from servers import uvicorn_thread
 
 from jaxsched import LLM, SamplingParams
+from jaxsched.core_messages import EngineCoreRequest
 from serving.app import build_app
 from serving.async_engine import AsyncEngine, EngineStepError
 
@@ -35,7 +36,7 @@ class Server:
 
     def idle(self) -> tuple[dict, bool]:
         """(blocks still owned by requests, whether the engine has unfinished requests)."""
-        return asyncio.run(self.engine.call(lambda e: (dict(e.block_manager.req_blocks), e.has_unfinished_requests())))
+        return asyncio.run(self.engine.call(lambda e: (dict(e.block_manager.req_blocks), e.has_unfinished_requests())))[0]
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +240,12 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate([*PROMPTS, LONG], greedy, use_tqdm=False)]
     assert len(eng.tokenize_prompt(LONG)[0]) >= 2 * ENGINE["block_size"]  # fills blocks it registers
-    eng.block_manager.reset_prefix_cache()  # nothing of LONG cached: the victim registers its own blocks
+    eng.core.block_manager.reset_prefix_cache()  # nothing of LONG cached: the victim registers its own blocks
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"ok{i}", p, greedy)
     victim = eng.make_request("bad", LONG, SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True))
     eng.add_request_obj(victim)
-    samples = [r for r in eng.scheduler.requests.values() if r.group_id == "bad"]
+    samples = [r for r in eng.core.scheduler.requests.values() if r.group_id == "bad"]
     for r in samples:  # both samples (they share their SamplingParams)
         _smuggle(r, **bad)
     finals = {}
@@ -256,10 +257,10 @@ def test_a_row_the_step_cannot_store_fails_alone(llama_dir, bad):
     failed = finals["bad"]
     assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
     assert "does not fit the engine's int32 arrays" in failed.error
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
     # No block the failed row registered stays in the prefix cache (a row's token ids that did not
     # fit were written as 0, so its blocks' K/V need not match their hashes) ...
-    assert samples[0].block_hashes and not set(samples[0].block_hashes) & set(eng.block_manager.cached)
+    assert samples[0].block_hashes and not set(samples[0].block_hashes) & set(eng.core.block_manager.cached)
     # ... and its prompt, sent again, generates what it did before
     again = llm.generate([LONG], greedy, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want[4]
@@ -270,14 +271,16 @@ def test_a_row_the_step_cannot_store_fails_only_its_stream(server):
         eng = server.engine
         greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         streams = [await eng.add_request(p, greedy) for p in PROMPTS]
+        for s in streams:  # each has a token: all four run
+            await s.__anext__()
 
-        def smuggle(e):
-            req = e.make_request("smuggled", "one two", SamplingParams(temperature=0, max_tokens=10))
-            _smuggle(req, top_k=2**40)
-            e.add_request_obj(req)
+        def smuggle(e):  # straight into the core (the front end would refuse it): only the step's guard sees it
+            e.add_request(EngineCoreRequest("smuggled", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10),
+                                            time.monotonic()))
+            _smuggle(e.scheduler.requests["smuggled"], top_k=2**40)
             return len(e.scheduler.running)  # the four are mid-generation: the smuggled row joins their step
 
-        running = await eng.call(smuggle)
+        running = (await eng.call(smuggle))[0]
         outs = [[o async for o in s][-1] for s in streams]
         return running, [o.outputs[0].token_ids for o in outs]
 
@@ -564,8 +567,8 @@ def test_one_sample_failing_ends_its_siblings_too(server):
         with pytest.raises(EngineStepError) as e:
             async for _ in stream:
                 pass
-        left = await eng.call(lambda e: [r.request_id for r in e.scheduler.requests.values()
-                                         if r.group_id == rid and not r.is_finished])
+        left = (await eng.call(lambda e: [r.request_id for r in e.scheduler.requests.values()
+                                         if r.group_id == rid and not r.is_finished]))[0]
         return e.value, left
 
     err, left = asyncio.run(main())

@@ -14,7 +14,7 @@ def test_bfloat16_pool_tracks_float32(llama_dir):
     f32 = LLM(llama_dir, **BASE)
     bf16 = LLM(llama_dir, **BASE, kv_cache_dtype="bfloat16")
     # the XLA backend keeps bfloat16 bits in a uint16 array (pallas_kernels/kv_cache.py)
-    assert bf16.llm_engine.runner.kv[0].dtype == jnp.uint16
+    assert bf16.llm_engine.core.runner.kv[0].dtype == jnp.uint16
     prompts = token_prompts(f32, 8)
     a = [o.outputs[0].token_ids for o in f32.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]

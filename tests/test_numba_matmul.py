@@ -206,7 +206,7 @@ def test_the_engine_runs_its_layers_on_packed_weights_and_matches_the_unpacked_m
     for backend in ("numba", "xla"):
         # a 16-token budget: one step program to compile, and the 17-token prompt is chunked
         llm = LLM(path, attention_backend=backend, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
-        runner = llm.llm_engine.runner
+        runner = llm.llm_engine.core.runner
         assert runner.packed_matmuls == (backend == "numba")
         layer0 = runner.state["layers"]["per_layer"][0]
         dims = {name: layer0[name][...].ndim for name in ("qkv", "o_proj", "gate_up", "down")}

@@ -102,9 +102,9 @@ def test_generate_builds_only_the_final_outputs(llm, monkeypatch):
     built = []
     original = OutputProcessor._output
 
-    def counting(self, state):
-        built.append(state.request.request_id)
-        return original(self, state)
+    def counting(self, state, which, final):
+        built.append(state.request_id)
+        return original(self, state, which, final)
 
     monkeypatch.setattr(OutputProcessor, "_output", counting)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -196,8 +196,8 @@ def test_greedy_generation_matches_transformers(kind, engine_args, layer_weights
         assert o.outputs[0].finish_reason == "length"
     eng = llm.llm_engine
     if "num_gpu_blocks_override" in engine_args:
-        assert eng.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+        assert eng.core.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
     if layer_weights is not None:
         assert chosen, "the engine's model did not ask for its layer weights layout"
 

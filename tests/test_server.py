@@ -53,7 +53,7 @@ def server(llama_dir):
 
 
 def owned_blocks(engine: AsyncEngine) -> dict:
-    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))
+    return asyncio.run(engine.call(lambda eng: dict(eng.block_manager.req_blocks)))[0]
 
 
 def greedy_extra(**kw):
@@ -380,8 +380,8 @@ def test_64_streams_half_disconnect_rest_complete_and_blocks_free(server):
             results = await asyncio.gather(*(one(client, i) for i in range(64)))
         deadline = time.monotonic() + 10
         while True:  # aborts land within an engine step of the server seeing the disconnect
-            owned = await server.engine.call(lambda eng: (dict(eng.block_manager.req_blocks),
-                                                          eng.has_unfinished_requests()))
+            owned = (await server.engine.call(lambda eng: (dict(eng.block_manager.req_blocks),
+                                                          eng.has_unfinished_requests())))[0]
             if owned == ({}, False) or time.monotonic() > deadline:
                 return results, owned
             await asyncio.sleep(0.05)
@@ -399,7 +399,7 @@ def test_64_streams_half_disconnect_rest_complete_and_blocks_free(server):
         else:
             assert not done
     assert owned == ({}, False)
-    used = asyncio.run(server.engine.call(lambda eng: eng.block_manager.stats().num_used_blocks))
+    used = asyncio.run(server.engine.call(lambda eng: eng.block_manager.stats().num_used_blocks))[0]
     assert used == 0
 
 
@@ -412,7 +412,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
         eng.runner.run = lambda batch: (time.sleep(0.005), real(batch))[1]
         return real
 
-    real = asyncio.run(server.engine.call(slow_down))
+    real = asyncio.run(server.engine.call(slow_down))[0]
     try:
         c = httpx.Client(base_url=server.url, headers=AUTH, timeout=0.1)
         with pytest.raises(httpx.TimeoutException):
@@ -420,7 +420,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
     finally:
         asyncio.run(server.engine.call(lambda eng: setattr(eng.runner, "run", real)))
     deadline = time.monotonic() + 10
-    while asyncio.run(server.engine.call(lambda eng: eng.has_unfinished_requests())):
+    while asyncio.run(server.engine.call(lambda eng: eng.has_unfinished_requests()))[0]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert owned_blocks(server.engine) == {}

@@ -166,7 +166,7 @@ def test_zero_compilations_after_warm_up_with_constraints_mixed_in(llm):
     assert check_json(outs[0][0], SCHEMAS["nested"]) is not None
     check_text(outs[1][0], REGEXES[0])
     assert all(t == 60 for t in outs[11][0].token_ids)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 # -- every kind of definition ----------------------------------------------------------------------
@@ -381,8 +381,8 @@ def test_preemption_keeps_constrained_outputs(llm, mode, request):
     for c in ref[1][0], ref[5][0], *ref[8]:
         check_text(c, WORDS)
     eng = pressed.llm_engine
-    eng.scheduler.check_invariants()
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    eng.core.scheduler.check_invariants()
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_usable_blocks
 
 
 def mixed_workload(llm):
@@ -406,7 +406,7 @@ def mixed_workload(llm):
 def test_overlap_on_and_off_give_the_same_outputs(llm, llm_sync):
     """Constrained and free requests in one batch: overlapped scheduling changes nothing, and the
     free requests' outputs are those of a run without the constrained ones."""
-    assert llm.llm_engine.async_scheduling and not llm_sync.llm_engine.async_scheduling
+    assert llm.llm_engine.core.async_scheduling and not llm_sync.llm_engine.core.async_scheduling
     c, f = mixed_workload(llm)
     mixed = [x for pair in zip(c, f) for x in pair]
     prompts, params = [p for p, _ in mixed], [sp for _, sp in mixed]
@@ -434,9 +434,9 @@ def test_prefix_caching_with_a_constrained_and_a_free_request(llm):
     prompt = ids(llm, TEXTS[5])  # several full blocks
     so_params = greedy(SO(json=SCHEMAS["string_max_length"]))
     free_params = greedy(max_tokens=20, ignore_eos=True)
-    eng.block_manager.reset_prefix_cache()
+    eng.core.block_manager.reset_prefix_cache()
     cold_c = generate(llm, [prompt], so_params)[0]
-    eng.block_manager.reset_prefix_cache()
+    eng.core.block_manager.reset_prefix_cache()
     cold_f = generate(llm, [prompt], free_params)[0]
     hits = eng.stats().prefix_cache_hits
     warm_c = generate(llm, [prompt], so_params)[0]  # the free request's blocks
@@ -564,21 +564,29 @@ def test_a_boolean_schema_is_refused_with_what_to_send_instead():
 
 
 def test_a_constrained_request_goes_to_the_other_hosts(llm):
-    """The leader of a multi-host engine sends each added request to the followers as a pickle; here
-    the leader's add path runs on this process's engine (no other host needed to reach it)."""
-    from jaxsched.distributed import DistributedEngine
+    """The leader of a multi-host engine sends each request its core takes to the followers as a
+    msgspec message (distributed.StepInputs); here the leader's side runs on this process's core
+    (no other host needed): what a follower decodes has the same params, and its core builds its
+    own matcher from them (matchers do not cross processes)."""
+    import msgspec
+
+    from jaxsched.core_messages import encoder
+    from jaxsched.distributed import StepInputs
 
     eng = llm.llm_engine
-    leader = object.__new__(DistributedEngine)
-    leader.__dict__.update(engine=eng, is_leader=True, process_id=0, _ops=[], _stopped=False, _step=0)
-    req = eng.make_request("multihost", ids(llm, TEXTS[0]), greedy(SO(regex=REGEXES[0])))
-    leader.add_request_obj(req)
-    assert leader._ops and leader._ops[0][0] == "add"
-    import pickle
-
-    sent = pickle.loads(leader._ops[0][1])  # what a follower gets: params, no matcher (it builds its own)
-    assert sent.constraint is None and sent.sampling_params == req.sampling_params
-    assert eng.constraint(sent.sampling_params) is not None
+    sent = []
+    eng.core.on_input = sent.append
+    try:
+        req = eng.make_request("multihost", ids(llm, TEXTS[0]), greedy(SO(regex=REGEXES[0])))
+        eng.add_request_obj(req)
+    finally:
+        eng.core.on_input = None
+    assert [s.request_id for s in sent] == ["multihost"]
+    wire = encoder().encode(StepInputs(sent))
+    got = msgspec.msgpack.Decoder(StepInputs).decode(wire).ops[0]
+    assert got.sampling_params == req.core.sampling_params and got.prompt_token_ids == req.core.prompt_token_ids
+    assert got.sampling_params.structured_outputs.__dict__.get("_compiled") is None  # no matcher on the wire
+    assert eng.core.constraint(got.sampling_params) is not None
     done = []
     while eng.has_unfinished_requests():
         done += [o for o in eng.step() if o.finished]

@@ -58,23 +58,17 @@ class Run:
         return max(self.seats * self.step_calls - self.running_request_steps, 0)
 
 
-def replicas(engine: Any) -> list[Any]:
-    """The LLMEngines behind `engine` (one, or a data-parallel engine's replicas)."""
-    return list(getattr(engine, "replicas", [engine]))
-
-
 def set_overlap(engine: Any, on: bool) -> None:
-    """Overlapped scheduling on or off for the next steps (every replica of a data-parallel engine)."""
-    for e in replicas(engine):
-        e.async_scheduling = on
+    """Overlapped scheduling on or off for the next steps (every core of the engine)."""
+    engine.client.call_utility("set_async_scheduling", on)
 
 
 def overlap_of(engine: Any) -> bool:
-    return bool(replicas(engine)[0].async_scheduling)
+    return bool(engine.client.call_utility(lambda core: core.async_scheduling)[0])
 
 
 def seats_of(engine: Any) -> int:
-    return engine.scheduler_config.max_num_seqs * len(replicas(engine))
+    return engine.scheduler_config.max_num_seqs * engine.client.num_cores
 
 
 def counters(stats: EngineStats) -> dict[str, float]:
@@ -89,10 +83,8 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
     a repeated workload is computed again rather than found in the cache."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
-    for e in replicas(engine):
-        e.block_manager.reset_prefix_cache()
-        if getattr(e, "cost_model", None) is not None:
-            e.cost_errors = []
+    engine.client.call_utility("reset_prefix_cache")
+    engine.client.call_utility("keep_cost_errors")
     seats = seats_of(engine)
     # every request is validated before the clock starts and before any is added
     made = [engine.make_request(engine.next_request_id(), r.prompt, p) for r, p in zip(reqs, params)]
@@ -130,7 +122,7 @@ def run(engine: Any, reqs: Sequence[BenchRequest], params: Sequence[SamplingPara
             engine.step()
     c0 = counters(before)
     delta = {k: v - c0.get(k, 0) for k, v in counters(after).items()}
-    errors = tuple(x for e in replicas(engine) for x in (getattr(e, "cost_errors", None) or ()))
+    errors = tuple(tuple(x) for each in engine.client.call_utility("take_cost_errors") for x in each)
     return Run(batching=batching, overlap=overlap_of(engine), elapsed=elapsed, num_finished=finished,
                output_tokens=out_tokens, prompt_tokens=prompt_tokens, counters=delta, seats=seats,
                peak_kv_usage=kv_peak, mean_kv_usage=kv_sum / max(samples, 1), step_calls=samples,

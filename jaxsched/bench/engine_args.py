@@ -39,13 +39,11 @@ def build_engine(ns: argparse.Namespace) -> tuple[Any, float]:
 
 def describe_engine(engine: Any) -> dict[str, Any]:
     """The engine's part of a JSON result."""
-    from jaxsched.bench.driver import replicas
-
-    e = replicas(engine)[0]
+    e = engine
     cc, sc = engine.cache_config, engine.scheduler_config
     return {"model": e.config.model_path, "max_num_seqs": sc.max_num_seqs,
             "max_num_batched_tokens": sc.max_num_batched_tokens, "max_model_len": sc.max_model_len,
             "kv_blocks": cc.num_blocks - 1, "block_size": cc.block_size, "kv_cache_dtype": cc.dtype,
-            "attention_backend": e.config.attention_backend, "data_parallel_size": len(replicas(engine)),
-            "scheduling_policy": getattr(e.scheduler.policy, "name", "custom"),
-            "warmup_s": round(engine.runner.warmup_seconds, 2)}
+            "attention_backend": e.config.attention_backend, "data_parallel_size": engine.client.num_cores,
+            "scheduling_policy": getattr(e.config.scheduling_policy, "name", "custom"),
+            "warmup_s": round(engine.info.warmup_seconds, 2)}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsched.bench.driver import replicas, seats_of
+from jaxsched.bench.driver import seats_of
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit, summarize
 from jaxsched.request import SamplingParams
@@ -41,8 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def one_batch(engine: Any, ns: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
     """Run one batch to completion: its latency, prefill phase and the time of every step."""
-    for e in replicas(engine):
-        e.block_manager.reset_prefix_cache()
+    engine.client.call_utility("reset_prefix_cache")
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=ns.output_len)
     made = [engine.make_request(engine.next_request_id(), {"prompt_token_ids": rng.integers(0, vocab, ns.input_len)

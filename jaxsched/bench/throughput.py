@@ -235,7 +235,7 @@ def flops_fields(engine: Any, reqs: list[workloads.BenchRequest], elapsed: float
 def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[str, Any]:
     """The whole throughput result for `ns` on `engine`."""
     vocab = engine.model_config.vocab_size
-    reqs = workloads.build(ns, vocab_size=vocab, tokenizer=driver.replicas(engine)[0].tokenizer,
+    reqs = workloads.build(ns, vocab_size=vocab, tokenizer=engine.tokenizer,
                            max_model_len=engine.scheduler_config.max_model_len)
     shares = parse_shares(ns.structured)
     batchings = ["continuous", "static"] if ns.batching == "both" else [ns.batching]
@@ -243,8 +243,7 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {ns.max_steps}")
     if any(shares):  # compiled (and the tokenizer converted for llguidance) before any run is timed
-        for e in driver.replicas(engine):
-            e.grammars.compile(BENCH_GRAMMAR)
+        engine.grammars.compile(BENCH_GRAMMAR)
     runs, measured = [], []
     for share in shares:
         params = sampling_params(reqs, ns.penalized, share, ns.temperature, ns.top_p, ns.top_k)
@@ -264,8 +263,8 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
     res.update(compare(free))
     if len(shares) > 1:
         res["structured_over_free"] = structured_ratios(runs, shares[0])
-    if any(getattr(e, "cost_model", None) is not None for e in driver.replicas(engine)):
-        res["deferred_decode_rows"] = sum(e.scheduler.num_deferred for e in driver.replicas(engine))
+    if engine.config.step_cost_model:
+        res["deferred_decode_rows"] = sum(engine.client.call_utility(lambda core: core.scheduler.num_deferred))
     if ns.flops:  # the matmul peak in the weights' dtype where it is one of these, else float32
         dtype = ns.dtype if ns.dtype in ("float32", "bfloat16") else "float32"
         res["flops"] = flops_fields(engine, reqs, measured[runs.index(primary(free))].elapsed, dtype)
