@@ -225,7 +225,8 @@ class MultiHostClient(InprocClient):
         if self.is_leader and not self._stopped:
             self._stopped = True
             self._publish("stop")
-            jax.distributed.shutdown()
+            jax.distributed.shutdown()  # returns once the followers, which got "stop", have left
+            self._channel.close()
 
     def _publish(self, end: str | None) -> None:
         core = self.core

@@ -180,6 +180,7 @@ class AsyncEngine:
         self.on_dead: list[Callable[[str], None]] = []  # called once, on the output thread, when they die
         self._caller_client: EngineCoreClient | None = None  # the client to give back at shutdown
         self._thread: threading.Thread | None = None
+        self._cores_stopped = threading.Event()  # shutdown() is done: the cores are stopped, the client given back
         self._in_flight = 0  # streams not finished yet
         self._stats = EngineStats()
         # read once, here: the engine's config is its one owner
@@ -220,12 +221,16 @@ class AsyncEngine:
         EngineDeadError(reason) now. Waits up to `timeout` seconds (0: does not wait: the cores stop
         on a thread of their own)."""
         with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            self._stop_reason = reason
-            live, self._live = self._live, {}
-            self.engine.abort(list(live))  # the LLMEngine may be reused
+            again = self._stopping
+            if not again:
+                self._stopping = True
+                self._stop_reason = reason
+                live, self._live = self._live, {}
+                self.engine.abort(list(live))  # the LLMEngine may be reused
+        if again:  # a second call (the server's deadline, then its exit) waits as asked
+            if self._thread is not None and timeout != 0:
+                self._cores_stopped.wait(timeout)
+            return
         dead = EngineDeadError(reason)
         for entry in live.values():
             self._post(entry.stream, dead)
@@ -246,6 +251,7 @@ class AsyncEngine:
         else:
             client.shutdown()
             self._thread.join(timeout)
+        self._cores_stopped.set()
 
     # -- the asyncio side ----------------------------------------------------------------------
     @property

@@ -34,7 +34,7 @@ def shard_report(engine) -> dict:
     import jax
     import numpy as np
 
-    devices = set(engine.devices)
+    devices = set(engine.core.devices)
     N = len(devices)
     split, whole, problems = [], [], []
 
