@@ -72,7 +72,7 @@ def offline(ns: argparse.Namespace) -> dict:
 
 def step_seconds(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    m = re.search(r"^jaxsched:engine_step_seconds_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(r"^jaxsched:engine_step_seconds_total\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
