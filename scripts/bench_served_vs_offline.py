@@ -83,13 +83,14 @@ def served(ns: argparse.Namespace, core_process: str | None) -> dict:
            "--port", str(port), "--served-model-name", "bench", *engine_flags(ns)]
     if core_process is not None:
         cmd.append("--engine-core-process" if core_process == "on" else "--no-engine-core-process")
-    log = open(ns.log_dir / f"serve-{port}.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_for(ns.tree), cwd=ns.tree)
+    log = ns.log_dir / f"serve-{port}.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_for(ns.tree), cwd=ns.tree)
     try:
         deadline = time.monotonic() + 600
         while True:
             if server.poll() is not None:
-                raise SystemExit(f"the server exited: see {log.name}")
+                raise SystemExit(f"the server exited: see {log}")
             try:
                 if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
                     break
@@ -121,7 +122,6 @@ def served(ns: argparse.Namespace, core_process: str | None) -> dict:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-        log.close()
 
 
 def main() -> int:
