@@ -263,14 +263,17 @@ class OutputProcessor:
         samples = state.samples
         if len(samples) > 1 and kind != RequestOutputKind.DELTA:
             which = range(len(samples))
-        comps = [self._completion(samples[i], i, kind, final) for i in sorted(set(which))]
-        started = [s for s in samples if s.first_scheduled_time]
-        tokened = [s for s in samples if s.first_token_time]
-        metrics = RequestMetrics(state.arrival_time,
-                                 min((s.first_scheduled_time for s in started), default=0.0),
-                                 min((s.first_token_time for s in tokened), default=0.0),
-                                 max(s.finished_time for s in samples) if final else 0.0,
-                                 sum(s.num_preemptions for s in samples))
+        if len(samples) == 1:
+            comps = [self._completion(samples[0], 0, kind, final)]
+        else:
+            comps = [self._completion(samples[i], i, kind, final) for i in sorted(set(which))]
+        metrics = None  # a stream's deltas carry none until the last: it is built per request per step
+        if final or kind != RequestOutputKind.DELTA:
+            started = [s.first_scheduled_time for s in samples if s.first_scheduled_time]
+            tokened = [s.first_token_time for s in samples if s.first_token_time]
+            metrics = RequestMetrics(state.arrival_time, min(started, default=0.0), min(tokened, default=0.0),
+                                     max(s.finished_time for s in samples) if final else 0.0,
+                                     sum(s.num_preemptions for s in samples))
         failed = next((s for s in samples if s.error), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, final, metrics,
                              priority=state.priority, error=failed.error if failed else None,

@@ -6,8 +6,8 @@
 
 Offline: scripts/bench_offline.py (LLM.generate of N requests of --prompt random token ids, --output
 tokens each, greedy, ignore_eos). Served: `jaxsched serve` with the same engine flags, measured by
-`jaxsched bench serve` at request rate inf with the same shapes (random prompts of its own, greedy,
-ignore_eos; the server's step loop is as hot either way). Each round runs offline, then served once
+`jaxsched bench serve` (or with --vllm-python, vLLM's `vllm bench serve`) at request rate inf with
+the same shapes (random prompts of its own, greedy, ignore_eos). Each round runs offline, then served once
 per --core-process setting; rounds alternate their order. Every run starts its own process, so the
 engines are built the same way (warm_up_runs on, cpu_reserved_cores auto, as `jaxsched serve` has
 them).
@@ -70,6 +70,23 @@ def offline(ns: argparse.Namespace) -> dict:
     return {"tok_s": d["output_tokens_per_s"], "loop_idle": max(0.0, 1 - step_s / d["elapsed_s"])}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children still running (Linux)."""
+    total = 0.0
+    pids = [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return total
+
+
 def step_seconds(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     m = re.search(r"^jaxsched:engine_step_seconds_total\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -99,29 +116,56 @@ def served(ns: argparse.Namespace, core_process: str | None) -> dict:
             if time.monotonic() > deadline:
                 raise SystemExit("the server did not come up in 600 s")
             time.sleep(0.5)
-        before = step_seconds(url)
-        bench = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "bench", "serve", "--base-url", url,
-                 "--model", "bench", "-n", str(ns.num_requests), "--min-prompt", str(ns.prompt), "--max-prompt",
-                 str(ns.prompt), "--min-output", str(ns.output), "--max-output", str(ns.output),
-                 "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--json",
-                 *(["--tokenizer", ns.model] if ns.model else [])]
-        res = subprocess.run(bench, capture_output=True, text=True, env=env_for(HERE.parent), cwd=HERE.parent,
-                             check=False)
-        line = next((x for x in res.stdout.splitlines() if x.startswith("{")), None)
-        if res.returncode != 0 or line is None:
-            raise SystemExit(f"jaxsched bench serve failed: {res.stderr[-3000:]}")
-        d = json.loads(line)
-        if d.get("failed"):
-            raise SystemExit(f"{d['failed']} requests failed: {d.get('errors')}")
+        before, server0 = step_seconds(url), cpu_seconds(server.pid)
+        d = vllm_client(ns, url) if ns.vllm_python else jaxsched_client(ns, url)
+        server_s = cpu_seconds(server.pid) - server0
+        time.sleep(0.5)  # the core publishes its figures once idle
         step_s = step_seconds(url) - before
+        tokens = d["output_throughput"] * d["duration"]
         return {"tok_s": d["output_throughput"], "loop_idle": max(0.0, 1 - step_s / d["duration"]),
-                "ttft_ms": d["mean_ttft_ms"], "p99_itl_ms": d["p99_itl_ms"]}
+                "ttft_ms": d["mean_ttft_ms"], "p99_itl_ms": d["p99_itl_ms"],
+                # the server's CPU (its core process's included) per thousand output tokens
+                "server_cpu_ms_per_1k": server_s / tokens * 1e6}
     finally:
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def jaxsched_client(ns: argparse.Namespace, url: str) -> dict:
+    bench = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "bench", "serve", "--base-url", url,
+             "--model", "bench", "-n", str(ns.num_requests), "--min-prompt", str(ns.prompt), "--max-prompt",
+             str(ns.prompt), "--min-output", str(ns.output), "--max-output", str(ns.output),
+             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--json",
+             *(["--tokenizer", ns.model] if ns.model else [])]
+    res = subprocess.run(bench, capture_output=True, text=True, env=env_for(HERE.parent), cwd=HERE.parent,
+                         check=False)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("{")), None)
+    if res.returncode != 0 or line is None:
+        raise SystemExit(f"jaxsched bench serve failed: {res.stderr[-3000:]}")
+    d = json.loads(line)
+    if d.get("failed"):
+        raise SystemExit(f"{d['failed']} requests failed: {d.get('errors')}")
+    return d
+
+
+def vllm_client(ns: argparse.Namespace, url: str) -> dict:
+    """`vllm bench serve` (random dataset) from the vLLM environment at --vllm-python."""
+    from bench_vs_vllm import VLLM_CLI  # scripts/ is on sys.path
+
+    out = ns.log_dir / f"vllm-bench-{time.time_ns()}.json"
+    cmd = [ns.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--model", "bench", "--tokenizer", ns.model or "", "--dataset-name", "random",
+           "--random-input-len", str(ns.prompt), "--random-output-len", str(ns.output),
+           "--num-prompts", str(ns.num_requests), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    if res.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> int:
@@ -140,6 +184,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tree", type=Path, default=HERE.parent, help="the checkout to run (default: this one)")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    p.add_argument("--vllm-python", default=None,
+                   help="measure the server with vLLM's client (`vllm bench serve`) from this interpreter's "
+                        "environment instead of `jaxsched bench serve` (needs --model: its tokenizer)")
     ns = p.parse_args()
     ns.tree = ns.tree.resolve()
     modes = {"default": [None], "on": ["on"], "off": ["off"], "both": ["off", "on"]}[ns.core_process]
@@ -155,7 +202,8 @@ def main() -> int:
             if label != "offline":
                 d["ratio"] = d["tok_s"] / got["offline"]["tok_s"]
             rows.setdefault(label, []).append(d)
-            extra = "".join(f"  {k} {v:.1f}" for k, v in d.items() if k in ("ttft_ms", "p99_itl_ms"))
+            extra = "".join(f"  {k} {v:.1f}" for k, v in d.items()
+                            if k in ("ttft_ms", "p99_itl_ms", "server_cpu_ms_per_1k"))
             ratio = f"  x{d['ratio']:.3f} of offline" if "ratio" in d else ""
             print(f"round {r + 1} {label:<28} {d['tok_s']:9.1f} output tok/s  loop idle {d['loop_idle'] * 100:5.1f} %"
                   f"{ratio}{extra}", flush=True)

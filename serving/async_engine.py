@@ -61,11 +61,12 @@ class EngineStepError(RuntimeError):
 
 def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     """Append DELTA output `new` to `into` (an earlier delta of the same request nobody read yet)."""
-    by_index = {c.index: c for c in into.outputs}
+    outs = into.outputs
+    by_index = {outs[0].index: outs[0]} if len(outs) == 1 else {c.index: c for c in outs}
     for c in new.outputs:
         old = by_index.get(c.index)
         if old is None:
-            into.outputs.append(c)
+            outs.append(c)
             by_index[c.index] = c
             continue
         # each delta's lists are its own (output_processor slices them): extended in place
@@ -78,7 +79,8 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
                 old.logprobs.extend(c.logprobs)
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
-    into.outputs.sort(key=lambda c: c.index)
+    if len(outs) > 1:
+        outs.sort(key=lambda c: c.index)
     into.finished, into.metrics = new.finished, new.metrics
     into.error, into.error_param = new.error, new.error_param
 
