@@ -99,7 +99,7 @@ class RequestStream:
         self._released = False  # its place in the admission count is given back
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits (cheaper than an Event)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
         if isinstance(item, BaseException):
@@ -108,7 +108,9 @@ class RequestStream:
             self._pending = item  # a cumulative output supersedes the one not read yet
         else:
             merge_delta(self._pending, item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if isinstance(item, BaseException) or item.finished:
             # the engine is done with it: a consumer that reads slowly (or not at all, a client
             # that stopped reading) must not keep holding a place in the admission queue
@@ -126,8 +128,11 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         item, self._pending = self._pending, None
         if item is not None:
             if item.finished:
