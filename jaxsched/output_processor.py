@@ -45,8 +45,6 @@ class _Sample:
         "logprobs",
         "num_preemptions",
         "sent_chars",
-        "sent_logprobs",
-        "sent_tokens",
         "stop_reason",
         "token_ids",
     )
@@ -54,10 +52,11 @@ class _Sample:
     def __init__(self, core_id: str, detok: IncrementalDetokenizer, logprobs: bool) -> None:
         self.core_id = core_id
         self.detok = detok
+        # its tokens and logprobs (with DELTA outputs: those no output has yet)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if logprobs else None
         self.cumulative_logprob = 0.0
-        self.sent_chars = self.sent_tokens = self.sent_logprobs = 0  # DELTA: what went out already
+        self.sent_chars = 0  # DELTA: text that went out already
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -239,19 +238,19 @@ class OutputProcessor:
 
     # -- building outputs ----------------------------------------------------------------------
     def _completion(self, s: _Sample, index: int, kind: RequestOutputKind, final: bool) -> CompletionOutput:
-        text, first, first_lp = s.detok.text, 0, 0  # first: the first token (and logprob) this output holds
+        text, ids, logprobs = s.detok.text, s.token_ids, s.logprobs
         if kind == RequestOutputKind.DELTA:
             # text a stop string may still remove stays back until it cannot (the detokenizer cuts
             # only what starts within holdback characters of the end)
             end = len(text) if s.finish_reason is not None else max(s.sent_chars, len(text) - s.detok.holdback)
             text, s.sent_chars = text[s.sent_chars:end], end
-            first, s.sent_tokens = s.sent_tokens, len(s.token_ids)
-            first_lp, s.sent_logprobs = s.sent_logprobs, len(s.logprobs or ())
-        # the slices are copies (a final output may hand over its lists: nothing changes them again)
-        ids = s.token_ids if final and first == 0 else s.token_ids[first:]
-        logprobs = None
-        if s.logprobs is not None:
-            logprobs = s.logprobs if final and first_lp == 0 else s.logprobs[first_lp:]
+            # the sample holds only what no output has yet: handed over, and new lists begun
+            s.token_ids = []
+            if logprobs is not None:
+                s.logprobs = []
+        elif not final:  # copies: later tokens do not change this output (a final one hands its lists over)
+            ids = ids[:]
+            logprobs = logprobs[:] if logprobs is not None else None
         return CompletionOutput(index=index, text=text, token_ids=ids,
                                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                                 logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
