@@ -136,6 +136,24 @@ def _name_process(name: str) -> None:
         pass
 
 
+def _own_devices(index: int, tp: int, dp: int) -> list[Any]:
+    """Data-parallel core `index`'s devices, chosen before jax starts in this process: on GPUs it
+    sees only its own (CUDA_VISIBLE_DEVICES narrowed to group `index`, so that no other core's
+    memory is claimed here); a CPU's devices are the same cores in every process, so there it takes
+    group `index` of them."""
+    lo = index * tp
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(lo + tp)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[lo:lo + tp])
+    import jax
+
+    from jaxsched.core_client import replica_device_groups
+
+    if jax.devices()[0].platform == "gpu":
+        return jax.devices()[:tp]
+    return replica_device_groups(tp, dp)[index]
+
+
 def _wait_for(conn: Any, process: Any) -> tuple:
     """The child's start-up message, waiting as long as it runs (loading and warming up a model may
     take minutes)."""
@@ -156,15 +174,13 @@ def run_core_process(args: EngineArgs, index: int, in_addr: str, out_addr: str, 
     _name_process(f"jaxsched-core{index}")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s core{index} %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
-    dp = args.data_parallel_size
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
     try:
-        from jaxsched.engine_core import EngineCore
-
         devices = None
         if dp > 1:
-            from jaxsched.core_client import replica_device_groups
+            devices = _own_devices(index, tp, dp)
+        from jaxsched.engine_core import EngineCore
 
-            devices = replica_device_groups(args.tensor_parallel_size, dp)[index]
         core = EngineCore(dataclasses.replace(args, data_parallel_size=1, engine_core_process=False),
                           devices=devices, engine_index=index)
     except Exception as e:

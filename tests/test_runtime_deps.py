@@ -124,10 +124,9 @@ def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
                            "ignore_eos": True, "logprobs": 5}).encode()  # megabytes of events, 4 rows at a time
         stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        time.sleep(3)  # the server is now blocked writing to it
-        metrics = httpx.get(url + "/metrics", timeout=10).text
-        running = re.search(r"^jaxsched:num_requests_running\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
-        assert running and float(running.group(1)) > 0, metrics  # its request is still in flight
+        # the server is now blocked writing to it (the engine may be done with its request: the
+        # stream holds the rest, merged; "shutdown deadline" below says it was still open)
+        time.sleep(3)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(SHUTDOWN_TIMEOUT + 5)
