@@ -17,7 +17,9 @@ whole process group: the front end decides when the core stops.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -73,6 +75,11 @@ class ProcessClient(_LoopClient):
             raise RuntimeError(f"engine core {index} could not start: {rest[0]}")
         self.config, self.info, self._stats = rest
         self._stopping = False
+        self._shutdown_lock = threading.Lock()
+        self._closed = False
+        # before multiprocessing's own exit hook (hooks run last-registered first), which would end
+        # the daemonic core with SIGTERM: the core gets its Shutdown and exits by itself
+        atexit.register(self.shutdown)
         self._reader = threading.Thread(target=self._read, name=f"jaxsched-core{index}-reader", daemon=True)
         self._reader.start()
 
@@ -106,17 +113,22 @@ class ProcessClient(_LoopClient):
                 return
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        if self.process.is_alive() and not self._stopping:
+        with self._shutdown_lock:  # the server's shutdown thread and the exit hook may both come
+            if self._closed:
+                return
+            if self.process.is_alive() and not self._stopping:
+                self._stopping = True
+                with contextlib.suppress(Exception):  # it is going anyway
+                    self._send(Shutdown())
+                self.process.join(timeout)
+                if self.process.is_alive():
+                    logger.warning("engine core %d did not stop within %s s: killing it", self.index, timeout)
+                    self.process.kill()
+                    self.process.join(5)
             self._stopping = True
-            with contextlib.suppress(Exception):  # it is going anyway
-                self._send(Shutdown())
-            self.process.join(timeout)
-            if self.process.is_alive():
-                logger.warning("engine core %d did not stop within %s s: killing it", self.index, timeout)
-                self.process.kill()
-                self.process.join(5)
-        self._reader.join(2 * POLL_SECONDS + 1)
-        self._close()
+            self._reader.join(2 * POLL_SECONDS + 1)
+            self._close()
+            self._closed = True
 
     def _close(self) -> None:
         self._in.close(0)
@@ -193,6 +205,8 @@ def run_core_process(args: EngineArgs, index: int, in_addr: str, out_addr: str, 
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(out_addr)
+    gc.collect()  # the model, jax and the warm-up's objects live as long as the core: not walked again
+    gc.freeze()
     conn.send(("ready", core.config, core.info(), core.stats()))
     conn.close()
     decode = input_decoder().decode

@@ -7,8 +7,8 @@ completions (prompt 16 random tokens, --other-tokens tokens each, greedy, ignore
 as they come:
   without   the others alone
   prompt    plus one stream with n=16, --slow-tokens tokens each and logprobs=5, read as fast too
-  slow      the same stream, read one SSE event a second by a client with a 16 KiB receive buffer
-            (so the server cannot push the stream into the kernel's buffers and is made to hold it)
+  slow      the same stream, read one SSE event a second by a client with a 16 KiB receive buffer,
+            which hangs up after --hold seconds (at one event a second it would take hours to read)
 Prints, per phase, the others' p50 / p99 inter-token latency (between SSE events that carry text,
 per stream) and the server's peak RSS above its RSS before the phase (the server process and its
 children, sampled every 50 ms), plus the slow stream's events and tokens. The model must take
@@ -76,8 +76,9 @@ class Peak:
         return self.peak
 
 
-def slow_stream(port: int, body: dict, every: float, out: dict) -> None:
-    """One streamed request over a raw socket with a small receive buffer, one event per `every` s."""
+def slow_stream(port: int, body: dict, every: float, out: dict, stop: threading.Event) -> None:
+    """One streamed request over a raw socket with a small receive buffer, one event per `every` s,
+    until it ends or `stop` is set (the socket is then closed: the server aborts the request)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
     s.connect(("127.0.0.1", port))
@@ -86,7 +87,7 @@ def slow_stream(port: int, body: dict, every: float, out: dict) -> None:
               b"Content-Length: " + str(len(payload)).encode() + b"\r\nConnection: close\r\n\r\n" + payload)
     f = s.makefile("rb", buffering=1024)
     events = tokens = 0
-    while True:
+    while not stop.is_set():
         line = f.readline()
         if not line:
             break
@@ -99,7 +100,7 @@ def slow_stream(port: int, body: dict, every: float, out: dict) -> None:
         chunk = json.loads(data)
         for c in chunk.get("choices", []):
             tokens += len((c.get("logprobs") or {}).get("tokens") or [])
-        time.sleep(every)
+        stop.wait(every)
     out.update(events=events, tokens=tokens)
     s.close()
 
@@ -135,6 +136,9 @@ def main() -> int:
     p.add_argument("--other-tokens", type=int, default=400)
     p.add_argument("--slow-tokens", type=int, default=900)
     p.add_argument("--every", type=float, default=1.0, help="seconds between the slow client's reads")
+    p.add_argument("--hold", type=float, default=20.0,
+                   help="seconds the slow client reads before it hangs up (the engine is done with its request "
+                        "well before; what the server holds for it is then at its largest)")
     p.add_argument("--engine-flag", action="append", default=[], help="a flag for jaxsched serve (repeat)")
     ns = p.parse_args()
     port = free_port()
@@ -161,16 +165,19 @@ def main() -> int:
             base = rss_bytes(server.pid)
             peak = Peak(server.pid)
             got: dict = {}
-            reader = None
+            reader, stop = None, threading.Event()
             if phase != "without":
                 reader = threading.Thread(target=slow_stream, args=(port, slow_body, ns.every if phase == "slow"
-                                                                     else 0.0, got), daemon=True)
+                                                                     else 0.0, got, stop), daemon=True)
                 reader.start()
                 time.sleep(0.2)  # its samples are in the batch when the others arrive
             t0 = time.perf_counter()
             gaps = asyncio.run(others(url, ns.others, ns.other_tokens, vocab, 0))
             others_s = time.perf_counter() - t0
             if reader is not None:
+                if phase == "slow":  # the engine has generated all of it by now: the server holds it
+                    time.sleep(max(0.0, ns.hold - (time.perf_counter() - t0)))
+                    stop.set()
                 reader.join()
             grew = peak.stop() - base
             ms = sorted(g * 1e3 for g in gaps)

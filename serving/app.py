@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds a structured output's grammar may take to compile
+_YIELD_TOKENS = 16  # a stream's chunk of more tokens than this lets other streams run after it
 _enc = msgspec.json.Encoder()
 
 
@@ -327,6 +328,11 @@ class _Server:
                         choice = r.delta_choice(i, d)
                         if choice is not None:
                             yield sse(r.chunk([choice]))
+                            if len(d.token_ids) > _YIELD_TOKENS:
+                                # a delta merged while its client read slowly is a large chunk to
+                                # build: the other streams' turn comes between two of them (a send
+                                # that does not block would not let them run)
+                                await asyncio.sleep(0)
             if r.include_usage:
                 yield sse(r.chunk([], r.usage(completion_tokens)))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
