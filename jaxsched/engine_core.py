@@ -130,7 +130,7 @@ class StepFailure(Exception):
 class EngineCore:
     # the methods a UtilityRequest may name (a core in another process runs nothing else)
     UTILITIES = frozenset({"reset_prefix_cache", "set_async_scheduling", "take_cost_errors",
-                           "keep_cost_errors", "sleep"})
+                           "keep_cost_errors"})
 
     def __init__(self, args: EngineArgs | None = None, devices: Sequence[Any] | None = None,
                  engine_index: int = 0, **kwargs: Any) -> None:
@@ -394,10 +394,6 @@ class EngineCore:
     def take_cost_errors(self) -> list[tuple[float, float]]:
         errors, self.cost_errors = list(self.cost_errors or ()), [] if self.cost_errors is not None else None
         return errors
-
-    def sleep(self, seconds: float) -> None:
-        """Hold the loop for `seconds` (tests: a busy core)."""
-        time.sleep(seconds)
 
     def call(self, method: Any, args: Sequence[Any] = ()) -> Any:
         if callable(method):
