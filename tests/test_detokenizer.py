@@ -139,3 +139,55 @@ def test_the_check_catches_a_wrong_byte(tokenizer_dir, monkeypatch):
     d = IncrementalDetokenizer(tok, good, SamplingParams())
     with pytest.raises(AssertionError, match="byte-level detokenization gave 'dog'"):
         d.add_token(good[0])
+
+
+def test_decode_stream_path_gives_the_windows_text(tmp_path, monkeypatch):
+    """A SentencePiece-style tokenizer (not byte-level) decodes through tokenizers' DecodeStream:
+    over random ids (byte-fallback tokens that split characters, special tokens skipped and kept,
+    ids past the vocabulary) its new text is the window's token by token, and a request whose
+    stream raises (tokenizers' invalid prefix, seen with special tokens kept) goes on on the window
+    with the same text. JAXSCHED_VERIFY_DETOK=1 catches a stream that gives other text."""
+    import random
+
+    import pytest
+    from tiny import build_sentencepiece_tokenizer
+
+    from jaxsched.detokenizer import _DecodeStream, byte_table
+    from jaxsched.tokenizer import load_tokenizer
+
+    if _DecodeStream is None:
+        pytest.fail("tokenizers without DecodeStream(ids=...): the pinned version has it")
+    monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "0")  # compared here, not by the check
+    build_sentencepiece_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    assert byte_table(tok) is None
+    byte_ids = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(0x80, 0x100)]
+    special = sorted(tok.all_special_ids)
+    rng = random.Random(2)
+    on_stream, handed_over = 0, 0
+    for skip in (True, False):
+        for _ in range(300):
+            prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+            out = [rng.choice(special) if r < 0.05 else len(tok) + 3 if r < 0.07 else rng.choice(byte_ids) if r < 0.5
+                   else rng.randrange(len(tok)) for r in (rng.random() for _ in range(rng.randint(1, 16)))]
+            params = SamplingParams(skip_special_tokens=skip)
+            fast, slow = IncrementalDetokenizer(tok, prompt, params), IncrementalDetokenizer(tok, prompt, params)
+            slow._stream = None
+            started = fast._stream is not None
+            deltas = [[d.add_token(t, last=i == len(out) - 1) for i, t in enumerate(out)] for d in (fast, slow)]
+            assert deltas[0] == deltas[1], (prompt, out, skip)
+            on_stream += started
+            handed_over += started and fast._stream is None
+    assert on_stream >= 400 and handed_over >= 10
+
+    monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "1")
+    good = tok.encode("the cat", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, good, SamplingParams())
+
+    class Wrong:
+        def step(self, tokenizer, token_id):
+            return "dog"
+
+    d._stream = Wrong()
+    with pytest.raises(AssertionError, match="DecodeStream gave 'dog'"):
+        d.add_token(good[0])

@@ -51,6 +51,29 @@ def build_tokenizer(folder: str):
     return fast
 
 
+def build_sentencepiece_tokenizer(folder: str):
+    """A Llama-2-style fast tokenizer (vocab ~400): BPE over "▁"-joined words with the 256 byte
+    tokens <0x00>..<0xFF> as fallback, and SentencePiece's decoder (▁ to space, bytes fused, the
+    first space stripped); saved like build_tokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special + [f"<0x{b:02X}>" for b in range(256)],
+                                  show_progress=False)
+    tok.train_from_iterator([_WORDS.replace(" ", "▁")] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    os.makedirs(folder, exist_ok=True)
+    fast.save_pretrained(folder)
+    return fast
+
+
 def hf_config(kind: str, vocab_size: int, **overrides):
     """A tiny transformers config of one architecture family, float32."""
     import transformers as tf
