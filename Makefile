@@ -53,14 +53,14 @@ $(VENV312)/.kernels: $(VENV312)/.test $(KERNEL_SOURCES)
 	touch $@
 
 # `make test` (what CI runs, on 2 cores): leg 1 without the tests marked slow, so that it stays well
-# under 15 minutes on such a machine (docs/PERFORMANCE.md, "Sixteenth pass"). `make test-all`: both
+# under 15 minutes on such a machine (docs/PERFORMANCE.md, "Decisions in the code"). `make test-all`: both
 # legs, slow tests included in leg 1 (the demo model, multi-device and multi-host parity); run it
 # before closing work that touches the engine, the models, the kernels or jax's version.
 # Leg 1: Python 3.11 with the parity extra (torch, transformers' models as ground truth); GPU tests
 # skip themselves without a GPU. Leg 2: the GPU machine's Python 3.12 and jax 0.11.2, every test but
 # the slow ones and LEG2_LEG1_ONLY; tests that need torch skip, saying so. test-all sets up the two
 # virtualenvs and their kernels side by side first: pip and numba's compiler each keep about one
-# core busy (docs/PERFORMANCE.md, "Twelfth pass").
+# core busy (docs/PERFORMANCE.md, "Decisions in the code").
 test:
 	@$(MAKE) --no-print-directory -j2 $(VENV)/.kernels $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
@@ -101,7 +101,7 @@ bench: $(VENV)/.base
 clean:
 	rm -rf $(VENV) $(VENV312) .pytest_cache
 
-# The gRPC stubs (committed) from serving/proto/jaxsched.proto, with the test extras' grpcio-tools;
+# The gRPC stubs (committed) from jaxsched/proto/jaxsched.proto, with the test extras' grpcio-tools;
 # tests/test_grpc.py fails when the committed ones differ from what this writes.
 proto: $(VENV)/.test
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/proto/jaxsched.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. jaxsched/proto/jaxsched.proto

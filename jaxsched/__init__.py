@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import importlib
 
-from jaxsched import host_malloc
+from jaxsched.platforms import host_malloc
 
 host_malloc.keep_freed_memory()  # before jax's threads first allocate: host_malloc.py says why
 
 _EXPORTS = {
-    "LLM": "jaxsched.llm",
-    "LLMEngine": "jaxsched.engine",
+    "LLM": "jaxsched.engine.llm",
+    "LLMEngine": "jaxsched.engine.llm_engine",
     "EngineArgs": "jaxsched.config",
-    "SamplingParams": "jaxsched.request",
-    "RequestOutputKind": "jaxsched.request",
-    "RequestOutput": "jaxsched.outputs",
-    "CompletionOutput": "jaxsched.outputs",
-    "Logprob": "jaxsched.outputs",
+    "SamplingParams": "jaxsched.core.request",
+    "RequestOutputKind": "jaxsched.core.request",
+    "RequestOutput": "jaxsched.engine.outputs",
+    "CompletionOutput": "jaxsched.engine.outputs",
+    "Logprob": "jaxsched.engine.outputs",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "RequestOutputKind",
            "SamplingParams"]

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from jaxsched.models.model_config import ModelConfig
+
 if TYPE_CHECKING:
-    from jaxsched.parallel import HeadLayout
-    from jaxsched.policy import SchedulerPolicy
+    from jaxsched.core.policy import SchedulerPolicy
+    from jaxsched.parallel.mesh import HeadLayout
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class EngineArgs:
     # weights), "unrolled" (per-layer weights, no loop); "auto" takes the platform's choice
     # (pallas_kernels.tuning.layer_weights)
     layer_weights: str = "auto"
-    # how the sampler skips the parts a step does not need (jaxsched/sampler.py): "device" (one
+    # how the sampler skips the parts a step does not need (jaxsched/runner/sampler.py): "device" (one
     # program per sequence bucket, with lax.conds), "host" (a few programs without conds, the host
     # picks one per step), "mixed" (the argmax alone for all-greedy steps without logprobs,
     # penalties, a logit_bias or a mask, the program with conds for the others); "auto" takes the
@@ -71,7 +73,7 @@ class EngineArgs:
     preemption_mode: str = "auto"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     swap_threshold: float = 0.8  # above this KV usage no new request is admitted
-    scheduling_policy: Any = "fcfs"  # "fcfs", "priority" or a jaxsched.policy.SchedulerPolicy instance
+    scheduling_policy: Any = "fcfs"  # "fcfs", "priority" or a jaxsched.core.policy.SchedulerPolicy instance
     enable_prefix_caching: bool = True
     max_num_queued_requests: int | None = None  # None: unbounded
     max_paddings: int = 32  # padded tokens per step the scheduler tries to stay within
@@ -113,7 +115,7 @@ class EngineArgs:
     # on the CPU platform: cores kept for the host's Python threads (the engine loop, the server),
     # the model's threads (XLA's, numba's) on the others, as vLLM's CPU build reserves cores for
     # its front end (VLLM_CPU_NUM_OF_RESERVED_CPU). Pays for small models, whose steps are too short
-    # for a second device thread to gain what the host's core costs (jaxsched/cpu_affinity.py);
+    # for a second device thread to gain what the host's core costs (jaxsched/platforms/cpu_affinity.py);
     # 0: every thread on every core; "auto": one core where the model's work per token is small for
     # this machine's cores (cpu_affinity.auto_reserved_cores), else 0; None: "auto" for the
     # `jaxsched` commands, whose process is the engine's, 0 for the library (a reserve pins every
@@ -177,7 +179,7 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         if not 0.0 < self.swap_threshold <= 1.0:
             raise ValueError(f"swap_threshold must be in (0, 1], got {self.swap_threshold!r}")
-        from jaxsched.policy import make_policy  # plain Python; raises saying what a policy must be
+        from jaxsched.core.policy import make_policy  # plain Python; raises saying what a policy must be
 
         make_policy(self.scheduling_policy)
         if self.max_num_queued_requests is not None:
@@ -241,54 +243,6 @@ class EngineArgs:
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The decoder's architecture, read from a Hugging Face config.json (or GGUF metadata)."""
-
-    architecture: str  # HF name, e.g. "LlamaForCausalLM"
-    vocab_size: int
-    hidden_size: int  # D
-    intermediate_size: int  # F
-    num_layers: int  # L
-    num_heads: int  # N
-    num_kv_heads: int  # K
-    head_dim: int  # H
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: tuple[tuple[str, Any], ...] | None  # HF's rope_scaling dict as sorted items (hashable)
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
-    o_bias: bool = False  # Llama with attention_bias
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None  # Mistral / Qwen2 option; only allowed when >= max_model_len
-    dtype: str = "float32"  # the checkpoint's dtype
-
-    @property
-    def layer_params(self) -> int:
-        """Weights every token goes through in the decoder layers (the q, k, v, o projections and the
-        MLP's three matrices; norms and biases left out): a token costs twice that in FLOPs, plus the
-        lm_head's vocab_size * hidden_size for each token sampled."""
-        D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        return self.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * self.intermediate_size)
-
-    @property
-    def token_flops(self) -> int:
-        """FLOPs of one token through the weights, the lm_head included (attention over the context
-        left out): what recomputing a token, or sampling one, costs in matmuls."""
-        return 2 * (self.layer_params + self.vocab_size * self.hidden_size)
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_kv_heads})"
-            )
 
 
 @dataclass(frozen=True)
@@ -374,7 +328,7 @@ def reserved_cores(n: int | str | None, platform: str) -> int:
     if platform != "cpu":
         raise ValueError(f"cpu_reserved_cores={n} applies to the CPU platform only (on {platform} the model does not "
                          "run on the host's cores); leave it at 0 here")
-    from jaxsched.cpu_affinity import check
+    from jaxsched.platforms.cpu_affinity import check
 
     check(n)
     return n
@@ -388,10 +342,10 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     that dtype; memory() one device's (total, free) bytes (asked only when the pool is sized from
     memory). Raises ValueError saying what to change.
     """
-    from jaxsched.buckets import seq_buckets, token_buckets
-    from jaxsched.parallel import head_layout
-    from jaxsched.penalties import table_capacity
-    from jaxsched.policy import make_policy
+    from jaxsched.core.buckets import seq_buckets, token_buckets
+    from jaxsched.core.policy import make_policy
+    from jaxsched.parallel.mesh import head_layout
+    from jaxsched.runner.penalties import table_capacity
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
     from pallas_kernels import tuning
     from pallas_kernels.backends import choose

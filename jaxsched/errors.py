@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxsched.outputs import RequestOutput
+    from jaxsched.engine.outputs import RequestOutput
 
 
 class InvalidRequestError(ValueError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxsched.config import ModelConfig
+    from jaxsched.models.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

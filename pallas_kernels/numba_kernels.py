@@ -136,7 +136,7 @@ def _max_of(typingctx, arr, off, n, init):
     a time in vector max instructions, then the tail one by one. numba compiles a max reduction in
     a loop (mx = max(mx, x)) to scalar compares, each waiting for the one before: in a prefill
     tile's online softmax that loop took a large share of the kernel's time (docs/PERFORMANCE.md,
-    "Thirteenth pass")."""
+    "Decisions in the code")."""
     def codegen(context, builder, signature, args):
         data, start, count, first = _span_args(context, builder, signature, args)
         f32, idx = ir.FloatType(), start.type
@@ -194,8 +194,7 @@ def _exp_sum(typingctx, arr, off, n, mx):
     them), and their sum is returned; arr float32 and C-contiguous. 16 lanes at a time in vector
     instructions, then the tail one by one. numba vectorised the same loop over 8 lanes only (LLVM
     prefers 256-bit vectors on these CPUs), and with the polynomial's constants reloaded in every
-    pass the online softmax took ~30 % of a prefill tile (docs/PERFORMANCE.md, "Eighteenth
-    pass")."""
+    pass the online softmax took ~30 % of a prefill tile (docs/PERFORMANCE.md, "Decisions in the code")."""
     def codegen(context, builder, signature, args):
         data, start, count, top = _span_args(context, builder, signature, args)
         f32, idx = ir.FloatType(), start.type
@@ -307,7 +306,7 @@ def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
 # _page_dot_loops); only the small helpers of the inner loops are inlined at numba's level
 # (inline="always"). Inlining the large bodies too made the handlers' cold compile up to 2x longer
 # for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code" and
-# "Twelfth pass").
+# "Decisions in the code").
 @njit(fastmath=True, cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
@@ -346,10 +345,10 @@ def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_b
 # of 64 or 128 columns (at most 24 of the 32 vector registers), for G <= 3 query heads per KV head;
 # with G < 3 the rows past G are zeros, so that one row count serves all three (every tile shape
 # more is a loop of its own to compile, and a shape per G lengthened the float32 handler's cold
-# compile: docs/PERFORMANCE.md, "Eleventh pass"). Each prefetches the same rows of the next page
+# compile: docs/PERFORMANCE.md, "Decisions in the code"). Each prefetches the same rows of the next page
 # as it reads its own. On AVX2 (16 registers) these tiles spill part of their accumulators to the
 # stack, in cache; reading the pages bounds them there, and tiles of 32 columns that fit measured
-# level with them ("Nineteenth pass").
+# level with them ("Decisions in the code").
 _TILE_ROWS = 3
 _set64, _set128 = (make_tile(_TILE_ROWS, "strided", ahead=True, cols=w) for w in (64, 128))
 _add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True, cols=w) for w in (64, 128))
@@ -361,7 +360,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     multiple of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
     acc [G, H] += s [G, :n] . V page [:n, H]. In the loops every pass loads and stores its
     accumulators, and from memory the dots and the page reads did not overlap on a CPU whose
-    float32 rate is low beside its memory bandwidth (docs/PERFORMANCE.md, "Eleventh pass")."""
+    float32 rate is low beside its memory bandwidth (docs/PERFORMANCE.md, "Decisions in the code")."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     R = _TILE_ROWS  # rows G.. of qs, s and acc are zeros or unread

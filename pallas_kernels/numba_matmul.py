@@ -18,9 +18,9 @@ from one place instead of MR rows K apart.
 
 A second kernel, `matmul_silu_mul`, takes a fused gate/up weight and returns silu(gate) * up: the
 [T, 2 F] projection stays in a scratch tile in cache instead of going to memory for XLA to read
-back (docs/PERFORMANCE.md, "Sixth pass"). The plain kernel can also write W's columns to three
+back (docs/PERFORMANCE.md, "Decisions in the code"). The plain kernel can also write W's columns to three
 arrays, `matmul_split`: a fused q/k/v projection's q, k and v, which XLA would otherwise copy out of
-one output as slices for the next FFI call ("Seventh pass").
+one output as slices for the next FFI call ("Decisions in the code").
 
 Used by the "numba" attention backend's engines (runner.py packs the weights; models/layers.linear
 calls `matmul` on a packed weight, layers.qkv_projection `matmul_split`, layers.silu_gate_up
@@ -49,8 +49,8 @@ numba_parallel.install()  # before this module's parallel kernels compile (numba
 MB = 192  # rows per outer block (a multiple of MR): 192 x K float32 of x stays in a 1 MB L2 for K up to ~1300
 # Rows of the full row tile. AVX-512: 12 x NR = 24 of the 32 vector registers hold the tile through
 # the sum over K, each panel row loaded once per 12 broadcasts instead of 8 (8 rows ran slower; 14,
-# the most that fit, no faster than 12: docs/PERFORMANCE.md, "Thirteenth pass"). AVX2: 6 x NR = 12
-# of the 16 (6 x 16 is also BLIS's float32 tile for these CPUs; "Nineteenth pass").
+# the most that fit, no faster than 12: docs/PERFORMANCE.md, "Decisions in the code"). AVX2: 6 x NR = 12
+# of the 16 (6 x 16 is also BLIS's float32 tile for these CPUs; "Decisions in the code").
 MR = 12 if AVX512 else 6
 
 _tile_mr, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 4, 2, 1))
@@ -98,7 +98,7 @@ def pack_rows(xf, m0, m1, K, xp):
     2-3x slower. The tile is written in order, term by term, reading its r rows side by side: row
     by row, each pass wrote a line of every term, and a tile of rows 1536 terms long (74 KB) left
     L1 before the next row's pass came back to its lines (1.9x slower at K = 1536;
-    docs/PERFORMANCE.md, "Twenty-third pass")."""
+    docs/PERFORMANCE.md, "Decisions in the code")."""
     m = m0
     while m < m1:
         r = _tile_rows(m1 - m)
@@ -127,7 +127,7 @@ def _plan(M, P):
     and split the panels, each packing all the rows (a decode step's matmul: the weights, streamed
     from memory, are read once, each panel by one thread). Splitting the panels of a large M made
     each thread pack every row, which took 3-10 % of the multiply (docs/PERFORMANCE.md,
-    "Twenty-third pass")."""
+    "Decisions in the code")."""
     if M > MB and M // _THREADS >= MB // 2:
         return True, _THREADS
     return False, min(_THREADS, max(P, 1))
@@ -197,7 +197,7 @@ def _silu_mul(typingctx, gu, rows, out, o_off, ldo):
     C-contiguous), in 16-lane vectors: the sigmoid as 1 / (1 + e) or e / (1 + e) with e = exp(-|g|)
     (no overflow either way), chosen by g's sign in a select. numba compiled the same loop to 8
     lanes with a branch, and it took ~6 % of the gate/up matmul at T = 2048 (docs/PERFORMANCE.md,
-    "Twenty-third pass")."""
+    "Decisions in the code")."""
     def codegen(context, builder, signature, args):
         gu_a, n_rows, out_a, off, ld = args
         gp = context.make_array(signature.args[0])(context, builder, gu_a).data
@@ -348,7 +348,7 @@ def matmul_silu_mul(x, wp):
 # While a step's model is traced (runner.py): {rows of an operand: how many of them are real}, for
 # the step's T tokens and S sequences. A step's padding is at the end of both (batch.py), and a
 # matmul's cost is linear in its rows: a decode step of 100 rows in the 112 bucket multiplied 12
-# rows of zeros-to-be through every layer and the lm_head (docs/PERFORMANCE.md, "Eleventh pass").
+# rows of zeros-to-be through every layer and the lm_head (docs/PERFORMANCE.md, "Decisions in the code").
 _ROW_LIMITS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("numba_matmul_row_limits", default=None)
 
 

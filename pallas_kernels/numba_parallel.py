@@ -7,7 +7,7 @@ XLA's threads inside a compiled step (cpu_ffi.py), which do not hold it, so ever
 twice for the GIL. The thread that holds it is the engine's, scheduling and packing the next step,
 or the server's event loop; a Python thread gives the GIL up only when it blocks or at its switch
 interval (5 ms). So the device made no progress while the host ran Python, and overlapped
-scheduling could not overlap (docs/PERFORMANCE.md, "Overlapped scheduling").
+scheduling could not overlap (docs/PERFORMANCE.md, "Overlapped scheduling and the host's share of a step").
 
 install() makes the kernel ask PyGILState_Check() first: a caller that holds the GIL gets numba's
 release and re-acquire as before; one that does not (XLA's threads) runs the region without

@@ -7,9 +7,9 @@ a process-wide int under a C symbol, and every kernel's FFI handler calls `apply
 with a count set, the handler sets numba's per-thread count on the XLA thread it runs on, and the
 region launches that many threads (one: the calling thread alone, no wake-up of the pool).
 
-Why: with a core set aside for the host (jaxsched/cpu_affinity.py), the device's threads share
+Why: with a core set aside for the host (jaxsched/platforms/cpu_affinity.py), the device's threads share
 the rest, and a region that waits for a second pool thread on the same core costs more than it
-shares (docs/PERFORMANCE.md, "Thirtieth pass").
+shares (docs/PERFORMANCE.md, "Decisions in the code").
 
 The handlers reach the count through the symbol, not an address: their machine code is cached on
 disk (numba's cache) and loaded in later processes, where LLVM's linker resolves the name to this

@@ -48,8 +48,7 @@ def _target_has_avx512() -> bool:
 
 # A register tile must fit the vector registers with room for the row of b it multiplies and a
 # broadcast of a. Sized for AVX-512's 32, the tiles spill to the stack on AVX2's 16, where the
-# packed matmul then ran at half of numpy's speed or less (docs/PERFORMANCE.md, "Nineteenth
-# pass"): the tiles' shapes follow the target.
+# packed matmul then ran at half of numpy's speed or less (docs/PERFORMANCE.md, "Decisions in the code"): the tiles' shapes follow the target.
 AVX512 = _target_has_avx512()
 VECTOR_REGISTERS, LANES = (32, 16) if AVX512 else (16, 8)  # and float32 lanes in each
 NR = 32 if AVX512 else 16  # columns of a packed tile: two 16-lane vectors per row, else one
@@ -58,7 +57,7 @@ NR = 32 if AVX512 else 16  # columns of a packed tile: two 16-lane vectors per r
 # 2 is prefetcht1 (L2 and out). A prefetch one page or one panel ahead asks for as much data as
 # the tile is reading, while it reads it; sent to an L1 no larger than a page, it evicts the
 # lines in use, and decode attention and the small-T matmuls ran slower than with the same
-# prefetch sent to L2 (docs/PERFORMANCE.md, "Twenty-second pass"). A packed panel's prefetch
+# prefetch sent to L2 (docs/PERFORMANCE.md, "Decisions in the code"). A packed panel's prefetch
 # is dealt out over its row tiles (`every`): with SPREAD or more, each pass asks for little
 # enough that L1 measured a little faster, so only then does it go to L1.
 TO_L1, TO_L2 = 3, 2
@@ -180,7 +179,7 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
         if packed:
             # Two terms per pass: the loop's own instructions (counter, compare, the prefetch's
             # test) are paid once per 48 multiply-adds instead of 24, and with a's terms packed
-            # the addresses need no arithmetic per row (docs/PERFORMANCE.md, "Seventeenth pass").
+            # the addresses need no arithmetic per row (docs/PERFORMANCE.md, "Decisions in the code").
             loop, fetch, body, tail = (builder.append_basic_block(n) for n in ("k_loop", "k_fetch", "k_body", "k_tail"))
             spread = builder.icmp_signed(">=", every, const(SPREAD))  # the prefetch's level, once per call
             builder.branch(loop)

@@ -59,7 +59,7 @@ def packed_matmuls(platform: str, attention_backend: str, num_devices: int) -> b
 # xs; XLA:CPU copies that dynamic slice before each dot. "per_layer": separate arrays per layer,
 # reached through lax.switch on the layer index, whose branches read them in place: a little
 # faster on a CPU, for more peak memory (L copies of a layer's non-attention code in every program)
-# and about twice the cached warm-up (docs/PERFORMANCE.md, "Per-layer weights"). GPUs keep
+# and about twice the cached warm-up (docs/PERFORMANCE.md, "Decisions in the code"). GPUs keep
 # "stacked" for now: there a switch reads its index on the host (a sync per layer), and a stacked
 # step of the 1B model took 2.6-3.3 ms where its weights take 0.8 ms to read (docs/PERFORMANCE.md,
 # "GPU (H200)"), which a copy of each sliced weight would explain. "unrolled" (no loop, no slice,
@@ -68,7 +68,7 @@ def layer_weights(platform: str) -> str:
     return "per_layer" if platform == "cpu" else "stacked"
 
 
-# How the sampler's optional parts are chosen each step (jaxsched/sampler.py). "device": one
+# How the sampler's optional parts are chosen each step (jaxsched/runner/sampler.py). "device": one
 # program per S, each part under a lax.cond on a predicate the device computes. XLA:CPU evaluates a
 # cond where it stands, and one program per S keeps the warm-up short (docs/PERFORMANCE.md, "Decisions
 # in the code"). XLA:GPU copies a cond's predicate to the host and waits for the stream to drain, so
@@ -79,12 +79,11 @@ def layer_weights(platform: str) -> str:
 # ones with logprobs (evaluations), then everything but the filters (greedy structured output, and
 # any step with penalties, a logit_bias or a mask but no top-k/p/min-p), then everything but
 # penalties, logit_bias and masks, then everything. The filters' sort over [S, V] is the costly part
-# the first four leave out, by far the largest there is (docs/PERFORMANCE.md, "Twenty-seventh
-# pass"); each set is one more program per S to compile.
+# the first four leave out, by far the largest there is (docs/PERFORMANCE.md, "Decisions in the code"); each set is one more program per S to compile.
 # "mixed": the first of those (the argmax alone) for all-greedy steps without logprobs, penalties,
 # a logit_bias or a mask, the cond program for every other step. A CPU's choice: its call costs
 # 23-39 us against 78-114 for the cond program, and the call and its run 0.10-0.20 ms against
-# 0.22-0.37 (32 rows, the tiny and the demo model; docs/PERFORMANCE.md, "Twenty-ninth pass"), a
+# 0.22-0.37 (32 rows, the tiny and the demo model; docs/PERFORMANCE.md, "Decisions in the code"), a
 # share of a small model's step, for one more small program per S.
 SAMPLER_VARIANTS = (frozenset(), frozenset({"sample"}), frozenset({"logprobs"}),
                     frozenset({"sample", "logprobs", "adjust"}), frozenset({"sample", "filter", "logprobs"}),

@@ -21,9 +21,9 @@ import argparse
 import time
 
 from jaxsched.bench.workloads import _WORD_TEXT
-from jaxsched.detokenizer import IncrementalDetokenizer, _DecodeStream
-from jaxsched.request import SamplingParams
-from jaxsched.tokenizer import load_tokenizer
+from jaxsched.core.request import SamplingParams
+from jaxsched.engine.detokenizer import IncrementalDetokenizer, _DecodeStream
+from jaxsched.engine.tokenizer import load_tokenizer
 
 _EXTRA = ("café", "naïve", "你好", "世界", "🙂", "Straße", "ж")
 

@@ -10,7 +10,7 @@ greedy rows; --json also prints them as one JSON line (scripts/gpu_check.py read
 Per S: `sampler.sample` jitted as the engine's sampler program is (SamplerRows in, packed ints and
 floats out), on random [S, V] logits, every row greedy or every row at temperature 1 with seeds of
 its own, no penalties, bias, masks or logprobs. Prints the median and best of `--reps` calls, the
-minor page faults per call (host memory the run faulted in; jaxsched/host_malloc.py) and the
+minor page faults per call (host memory the run faulted in; jaxsched/platforms/host_malloc.py) and the
 program's temporary buffer. Run it with JAXSCHED_HOST_MALLOC=system to see glibc's default.
 """
 
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsched import host_malloc
-from jaxsched.batch import SamplerRows
-from jaxsched.sampler import sample
+from jaxsched.platforms import host_malloc
+from jaxsched.runner.batch import SamplerRows
+from jaxsched.runner.sampler import sample
 from pallas_kernels import tuning
 
 

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from bench_offline import make_llm, parser, workload
 
-from jaxsched.batch import BatchDescriptor
+from jaxsched.runner.batch import BatchDescriptor
 
 
 def _replay(runner, exe, batch_flat, S: int, reps: int) -> tuple[list[float], np.ndarray]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsched.sampler import apply_token_mask, argmax_rows
+from jaxsched.runner.sampler import apply_token_mask, argmax_rows
 
 
 def _median_ms(fn, *args) -> float:

@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     from jaxsched import LLM
-    from jaxsched.scheduler import SchedulerOutput
+    from jaxsched.core.scheduler import SchedulerOutput
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=64,

@@ -29,10 +29,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import jaxsched
+from jaxsched.core.request import SamplingParams
+from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError, QueueFullError
-from jaxsched.outputs import RequestOutput
-from jaxsched.request import SamplingParams
-from jaxsched.structured_output import StructuredOutputsParams
+from jaxsched.structured.params import StructuredOutputsParams
 from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from serving.chat_tools import DEFAULT_TOOL_PARSER, ChatTools
 from serving.convert import Converter

@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from jaxsched.config import EngineArgs
-from jaxsched.core_client import EngineCoreClient, EngineDeadError, ThreadClient, make_client
-from jaxsched.core_messages import CoreDead, EngineCoreOutputs
-from jaxsched.engine import LLMEngine
+from jaxsched.core.request import RequestOutputKind, SamplingParams
+from jaxsched.core.stats import EngineStats
+from jaxsched.engine.core_client import EngineCoreClient, EngineDeadError, ThreadClient
+from jaxsched.engine.core_messages import CoreDead, EngineCoreOutputs
+from jaxsched.engine.launch import make_client
+from jaxsched.engine.llm_engine import LLMEngine
+from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import QueueFullError
-from jaxsched.outputs import RequestOutput
-from jaxsched.request import RequestOutputKind, SamplingParams
-from jaxsched.stats import EngineStats
 from serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from jaxsched.errors import InvalidRequestError
-from jaxsched.structured_output import StructuredOutputsParams
+from jaxsched.structured.params import StructuredOutputsParams
 from serving.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,

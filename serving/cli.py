@@ -1,7 +1,7 @@
 """The `jaxsched` command line.
 
   jaxsched serve [MODEL] [--host H --port P] [--grpc-port G] [engine flags]  the OpenAI-compatible HTTP
-                                                            server (and gRPC, serving/proto/jaxsched.proto)
+                                                            server (and gRPC, jaxsched/proto/jaxsched.proto)
   jaxsched generate [MODEL] --prompt "..." [engine flags]   offline generation (chat template by default)
   jaxsched run-batch -i IN.jsonl -o OUT.jsonl [MODEL] [engine flags]  an OpenAI batch file, offline
   jaxsched bench throughput | serve | latency | scheduler [flags]    benchmarks: JSON results, --plot PNGs
@@ -19,55 +19,13 @@ import os
 import signal
 import sys
 import time
-import typing
 
 from jaxsched import bench as bench_cmd
-from jaxsched.config import EngineArgs
+from jaxsched.engine_flags import add_engine_flags, engine_args_from
 from serving import run_batch
 from serving.chat_tools import DEFAULT_TOOL_PARSER
 from serving.server import DEFAULT_SHUTDOWN_TIMEOUT
 from serving.tool_calls import PARSERS
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
-    """One flag per EngineArgs field, typed from its annotation, so the CLI never drifts from the API."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
-            continue
-        t = hints[f.name]
-        base = next((a for a in typing.get_args(t) if a is not type(None)), t)
-        if base is typing.Any:  # e.g. scheduling_policy: a name on the command line
-            base = str
-        elif base is int and any(typing.get_origin(a) is typing.Literal for a in typing.get_args(t)):
-            base = _count_or_name  # e.g. cpu_reserved_cores: 2 or auto
-        if base is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            default = _COMMAND_DEFAULTS.get(f.name, f.default)
-            parser.add_argument(_flag(f.name), dest=f.name, type=base, default=default, help=f"default: {default}")
-
-
-# the commands' own defaults where they differ from EngineArgs' (the library's): their process is the
-# engine's, so it may place its threads ("auto" reserves one core where the model is small for the cores)
-_COMMAND_DEFAULTS = {"cpu_reserved_cores": "auto"}
-
-
-def _count_or_name(value: str) -> int | str:
-    """A flag that takes a whole number or a name ("auto"); EngineArgs checks which names."""
-    try:
-        return int(value)
-    except ValueError:
-        return value
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})  # model is a positional
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -93,8 +51,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxsched.buckets import bucket_pairs
-    from jaxsched.engine import create_engine
+    from jaxsched.core.buckets import bucket_pairs
+    from jaxsched.engine.llm_engine import create_engine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
     from serving.server import serve
@@ -161,7 +119,7 @@ def serve_core_process_default() -> bool:
     the demo model at 1.00x its offline throughput against 0.95x in the server's process (medians of
     three rounds), the tiny host-bound model at 0.40x against 0.42x: its step loop no longer shares
     the server's GIL, which pays where steps are long enough for the model to want the cores
-    (docs/PERFORMANCE.md, "Engine core and front end"). On a GPU, whose steps the host bounds, the
+    (docs/PERFORMANCE.md, "Served"). On a GPU, whose steps the host bounds, the
     same holds with more cores to spare (not measured yet)."""
     return True
 
@@ -199,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--grpc-port", type=int, default=None,
-                     help="also serve gRPC (serving/proto/jaxsched.proto: token ids in and out) on this port, on "
+                     help="also serve gRPC (jaxsched/proto/jaxsched.proto: token ids in and out) on this port, on "
                           "the same engine and --host (default: off)")
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     srv.add_argument("--api-key", default=None,

@@ -16,12 +16,12 @@ from typing import Any
 
 import msgspec
 
+from jaxsched.core.request import RequestOutputKind, SamplingParams, short_repr
+from jaxsched.engine.gguf_tokenizer import byte_alphabet
+from jaxsched.engine.outputs import Logprob
+from jaxsched.engine.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
 from jaxsched.errors import InvalidRequestError
-from jaxsched.gguf_tokenizer import byte_alphabet
-from jaxsched.outputs import Logprob
-from jaxsched.request import RequestOutputKind, SamplingParams, short_repr
-from jaxsched.structured_output import StructuredOutputsParams, from_response_format
-from jaxsched.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
+from jaxsched.structured.params import StructuredOutputsParams, from_response_format
 from serving.chat_tools import as_text_call, template_takes_tools, tool_prompt
 from serving.protocol import (
     ChatCompletionRequest,

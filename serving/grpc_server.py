@@ -1,4 +1,4 @@
-"""The gRPC front end (serving/proto/jaxsched.proto), beside the HTTP server on its AsyncEngine.
+"""The gRPC front end (jaxsched/proto/jaxsched.proto), beside the HTTP server on its AsyncEngine.
 
     jaxsched serve --grpc-port 50051    # HTTP on --port, gRPC on 50051: one engine, one step loop
 
@@ -31,11 +31,11 @@ import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import jaxsched
-from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxsched.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxsched.proto import jaxsched_pb2 as pb
+from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 from serving.app import engine_failure
 from serving.async_engine import EngineDeadError, EngineStepError, RequestStream, merge_delta
-from serving.proto import jaxsched_pb2 as pb
-from serving.proto import jaxsched_pb2_grpc as pb_grpc
 from serving.protocol import CompletionRequest, RequestError
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from jaxsched.stats import HOST_PHASES, EngineStats
+from jaxsched.core.stats import HOST_PHASES, EngineStats
 
 PREFIX = "jaxsched:"
 

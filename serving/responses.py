@@ -12,7 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from jaxsched.outputs import CompletionOutput
+from jaxsched.engine.outputs import CompletionOutput
 from serving.chat_tools import ChatTools, finish_reason
 from serving.convert import Converter
 from serving.protocol import (

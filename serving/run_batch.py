@@ -353,7 +353,7 @@ def default_max_in_flight(args: Any) -> int:
 
 def cmd_run_batch(ns: argparse.Namespace, args: Any) -> int:
     """The `jaxsched run-batch` command; `args` are the EngineArgs of the command line."""
-    from jaxsched.engine import create_engine
+    from jaxsched.engine.llm_engine import create_engine
     from serving.app import build_app
     from serving.async_engine import AsyncEngine
 

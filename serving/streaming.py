@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from jaxsched.outputs import RequestOutput
+from jaxsched.engine.outputs import RequestOutput
 
 _enc = msgspec.json.Encoder()
 

@@ -12,11 +12,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny
 
 # Every step the batch packer builds from the last step's buffers (steady decoding) is checked
-# against packing it in full, in every engine the suite runs (jaxsched/batch.py, VERIFY_ENV); set
+# against packing it in full, in every engine the suite runs (jaxsched/runner/batch.py, VERIFY_ENV); set
 # before any engine exists. Subprocesses the tests start inherit it.
 os.environ.setdefault("JAXSCHED_VERIFY_PACK", "1")
 # every byte-level detokenized token checked against the tokenizer's own windowed decode
-# (jaxsched/detokenizer.py, VERIFY_ENV)
+# (jaxsched/engine/detokenizer.py, VERIFY_ENV)
 os.environ.setdefault("JAXSCHED_VERIFY_DETOK", "1")
 
 MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma")
@@ -62,6 +62,6 @@ def llama_dir(model_dirs) -> str:
 def pytest_collection_modifyitems(config, items):
     """Modules with slow tests run first (a stable sort; tests keep their order inside a module).
     `make test-all` deals whole modules to its workers in collection order (`--dist loadfile`): a long
-    module dealt last leaves the other worker idle until it ends (docs/PERFORMANCE.md, "Twelfth pass")."""
+    module dealt last leaves the other worker idle until it ends (docs/PERFORMANCE.md, "Decisions in the code")."""
     slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxsched import LLM, EngineArgs, SamplingParams
+from jaxsched.core.request import RequestOutputKind
+from jaxsched.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxsched.errors import QueueFullError
-from jaxsched.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxsched.request import RequestOutputKind
 from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, merge_delta
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}

@@ -10,11 +10,11 @@ from compiles import no_compilation
 from test_parity import SENTENCES
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.block_manager import BlockManager
-from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.request import Request
-from jaxsched.scheduler import Scheduler
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.request import Request
+from jaxsched.core.scheduler import Scheduler
 from pallas_kernels import tuning
 
 # the step-cost model off: it sizes steps from measured times, so batches (and the last bits of
@@ -122,16 +122,16 @@ def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
 
     import jax
 
-    from jaxsched import cpu_affinity
-    from jaxsched import engine_core as engine
     from jaxsched.bench.driver import set_overlap
+    from jaxsched.engine import core as engine
+    from jaxsched.platforms import cpu_affinity
 
     cpu = jax.default_backend() == "cpu"
     monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 0.0)
     asked = []
     decide = engine.auto_async_scheduling
     monkeypatch.setattr(engine, "auto_async_scheduling", lambda *a, **kw: asked.append(kw) or decide(*a, **kw))
-    with caplog.at_level(logging.INFO, logger="jaxsched.engine_core"):
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine.core"):
         llm = LLM(llama_dir, **BASE)
     assert asked == [{"cpu": cpu, "reserved": 0, "multi_host": False}]
     eng = llm.llm_engine
@@ -154,7 +154,7 @@ def test_the_auto_lines_nest():
     """reserve_count decides cpu_reserved_cores="auto" before async_scheduling is decided, taking an
     undecided overlap as on. That is consistent only while the overlap line lies below both reserve
     lines: a model that gets no core with overlap then runs synchronous, and gets none there either."""
-    from jaxsched import cpu_affinity as c
+    from jaxsched.platforms import cpu_affinity as c
 
     assert c.AUTO_OVERLAP_MAX_FLOPS_PER_CORE <= c.AUTO_MAX_FLOPS_PER_CORE_SYNC <= c.AUTO_MAX_FLOPS_PER_CORE
 
@@ -363,7 +363,7 @@ def test_cost_model_keeps_the_tokens(llama_dir):
 
 
 def _req(rid, n_prompt, max_tokens):
-    from jaxsched.request import SamplingParams as SP
+    from jaxsched.core.request import SamplingParams as SP
 
     return Request(rid, list(range(1, n_prompt + 1)), SP(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
@@ -423,7 +423,7 @@ def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, m
     against the full pack (tests/conftest.py); here it must run often, also after rows ended, the
     rows cross into new blocks (8-token blocks, up to 24 tokens each), and the outputs equal those
     with it switched off."""
-    from jaxsched.batch import BatchPacker
+    from jaxsched.runner.batch import BatchPacker
 
     def run():
         llm = LLM(llama_dir, **BASE, async_scheduling=overlap)
@@ -446,7 +446,7 @@ def test_steady_decode_steps_are_packed_from_the_last_step(llama_dir, overlap, m
 
 def test_steady_pack_check_catches_a_wrong_field(llama_dir, monkeypatch):
     """The check the suite runs can fail: a steady pack with one wrong output index stops the step."""
-    from jaxsched.batch import BatchPacker
+    from jaxsched.runner.batch import BatchPacker
 
     steady = BatchPacker._pack_steady
 

@@ -3,8 +3,8 @@
 import numpy as np
 from test_scheduler import make_sched
 
-from jaxsched.batch import BatchDescriptor, BatchPacker, flat_sizes
-from jaxsched.request import Request, SamplingParams
+from jaxsched.core.request import Request, SamplingParams
+from jaxsched.runner.batch import BatchDescriptor, BatchPacker, flat_sizes
 
 
 def test_pack_mixed_step():

@@ -299,7 +299,7 @@ def test_long_tail_workload():
 
 
 def test_datasets(tmp_path, tokenizer_dir):
-    from jaxsched.tokenizer import load_tokenizer
+    from jaxsched.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     jsonl = tmp_path / "p.jsonl"

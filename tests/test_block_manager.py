@@ -1,7 +1,7 @@
 import pytest
 
-from jaxsched.block_manager import NULL_BLOCK, BlockManager
-from jaxsched.request import Request, SamplingParams
+from jaxsched.core.block_manager import NULL_BLOCK, BlockManager
+from jaxsched.core.request import Request, SamplingParams
 
 
 def req(rid: str, n_prompt: int = 10) -> Request:

@@ -1,6 +1,13 @@
 import pytest
 
-from jaxsched.buckets import bucket_pairs, make_buckets, round_up, seq_buckets, seq_buckets_for, token_buckets
+from jaxsched.core.buckets import (
+    bucket_pairs,
+    make_buckets,
+    round_up,
+    seq_buckets,
+    seq_buckets_for,
+    token_buckets,
+)
 
 
 def test_token_buckets_double_up_to_the_limit():

@@ -25,7 +25,8 @@ import pytest
 from servers import free_port, wait_healthy
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.core_messages import (
+from jaxsched.core.stats import EngineStats
+from jaxsched.engine.core_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -35,8 +36,7 @@ from jaxsched.core_messages import (
     output_decoder,
 )
 from jaxsched.errors import InvalidRequestError
-from jaxsched.stats import EngineStats
-from jaxsched.structured_output import StructuredOutputsParams
+from jaxsched.structured.params import StructuredOutputsParams
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 PROMPTS = ["the capital of france is", "hello world , how are you", "one two three", "what is a cat ?"]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import random
 
-from jaxsched.block_manager import BlockManager
-from jaxsched.buckets import bucket_pairs, seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.request import Request, SamplingParams
-from jaxsched.scheduler import Scheduler
-from jaxsched.step_cost import StepCostModel, StepShape
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.buckets import bucket_pairs, seq_buckets, token_buckets
+from jaxsched.core.request import Request, SamplingParams
+from jaxsched.core.scheduler import Scheduler
+from jaxsched.core.step_cost import StepCostModel, StepShape
 
 BUDGET, SEQS = 256, 64
 

@@ -1,5 +1,5 @@
 """cpu_reserved_cores: the host's Python threads on their own core(s), the model's threads on the
-rest, numba's regions limited to those (jaxsched/cpu_affinity.py, pallas_kernels/numba_threads.py).
+rest, numba's regions limited to those (jaxsched/platforms/cpu_affinity.py, pallas_kernels/numba_threads.py).
 
 Placing threads is process-wide, so the engines run in a subprocess; it prints one JSON line.
 """
@@ -16,16 +16,16 @@ import textwrap
 
 import pytest
 
-from jaxsched import cpu_affinity
 from jaxsched.config import EngineArgs, ModelConfig, reserved_cores
-from jaxsched.cpu_affinity import available_cores, check
+from jaxsched.platforms import cpu_affinity
+from jaxsched.platforms.cpu_affinity import available_cores, check
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 SCRIPT = textwrap.dedent('''
     import json, logging, os, sys, threading
     from jaxsched import LLM, SamplingParams
-    from jaxsched.cpu_affinity import available_cores, pool_threads
+    from jaxsched.platforms.cpu_affinity import available_cores, pool_threads
     from pallas_kernels import numba_threads
 
     model = sys.argv[1]
@@ -33,11 +33,11 @@ SCRIPT = textwrap.dedent('''
     warnings, decisions = [], []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("jaxsched.cpu_affinity").addHandler(handler)
+    logging.getLogger("jaxsched.platforms.cpu_affinity").addHandler(handler)
     info = logging.Handler(logging.INFO)
     info.emit = lambda record: decisions.append(record.getMessage())
-    logging.getLogger("jaxsched.engine_core").addHandler(info)
-    logging.getLogger("jaxsched.engine_core").setLevel(logging.INFO)
+    logging.getLogger("jaxsched.engine.core").addHandler(info)
+    logging.getLogger("jaxsched.engine.core").setLevel(logging.INFO)
     cores = available_cores()
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=12,
               block_size=16)
@@ -180,7 +180,7 @@ def _llama(D: int, F: int, L: int, N: int, K: int, V: int) -> ModelConfig:
 
 TINY = _llama(64, 128, 2, 4, 4, 300)
 DEMO = _llama(576, 1536, 30, 9, 3, 49152)  # SmolLM2-135M's shapes
-# the ladder of docs/PERFORMANCE.md's "Thirty-second pass": 8.9 MFLOP a token gained from a
+# the ladder of docs/PERFORMANCE.md's "Decisions in the code": 8.9 MFLOP a token gained from a
 # reserved core on 2 cores, 17.9 lost
 GAINED, LOST = _llama(256, 512, 6, 4, 4, 2048), _llama(320, 896, 6, 5, 5, 4096)
 CLEAR = {"cpu": True, "jax_started": False, "own_devices": True, "async_scheduling": True}
@@ -270,12 +270,12 @@ def test_reserve_count_in_a_process_where_jax_started(caplog):
     import jax
     import numpy as np
 
-    from jaxsched.engine_core import reserve_count
+    from jaxsched.engine.core import reserve_count
 
     jax.devices()
     assert reserve_count(EngineArgs(), TINY, None) == 0
     assert reserve_count(EngineArgs(cpu_reserved_cores=1), TINY, None) == 1
-    with caplog.at_level(logging.INFO, logger="jaxsched.engine_core"):
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine.core"):
         assert reserve_count(EngineArgs(cpu_reserved_cores="auto"), TINY, None) == 0
         # given its devices (a data-parallel replica's group, as a list or a numpy array of them)
         for given in (jax.devices()[:1], np.array(jax.devices()[:1])):
@@ -292,7 +292,7 @@ def test_the_commands_default_to_auto_and_take_a_count_or_auto():
     the flag takes a count or "auto", and anything else gets EngineArgs' message."""
     import argparse
 
-    from serving.cli import add_engine_flags, engine_args_from
+    from jaxsched.engine_flags import add_engine_flags, engine_args_from
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

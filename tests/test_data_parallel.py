@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(r'''
     import jax
     from jaxsched import LLM, SamplingParams
     from jaxsched.bench.stub_runner import SleepingRunner
-    from jaxsched.core_client import DataParallelClient
+    from jaxsched.parallel.data_parallel import DataParallelClient
     from jaxsched.errors import StepFailedError
     from serving.async_engine import AsyncEngine
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jaxsched.detokenizer import IncrementalDetokenizer
-from jaxsched.request import SamplingParams
+from jaxsched.core.request import SamplingParams
+from jaxsched.engine.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:
@@ -41,8 +41,8 @@ def test_rust_decode_where_it_gives_the_wrappers_text(tokenizer_dir):
     cleans up spaces, keeps the wrapper."""
     import random
 
-    from jaxsched.detokenizer import decoder_of
-    from jaxsched.tokenizer import load_tokenizer
+    from jaxsched.engine.detokenizer import decoder_of
+    from jaxsched.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     assert decoder_of(tok) == tok._tokenizer.decode
@@ -84,8 +84,8 @@ def test_byte_level_path_gives_the_windows_text(tokenizer_dir, monkeypatch):
     gets no table."""
     import random
 
-    from jaxsched.detokenizer import byte_table
-    from jaxsched.tokenizer import load_tokenizer
+    from jaxsched.engine.detokenizer import byte_table
+    from jaxsched.engine.tokenizer import load_tokenizer
 
     monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "0")  # compared here, not by the check
     tok = load_tokenizer(tokenizer_dir)
@@ -117,7 +117,7 @@ def test_byte_level_path_gives_the_windows_text(tokenizer_dir, monkeypatch):
 
     tok.clean_up_tokenization_spaces = True  # transformers' wrapper decides the text: no table
     assert byte_table(load_tokenizer(tokenizer_dir)) is not None and byte_table(tok) is table  # cached
-    from jaxsched.detokenizer import _build_table
+    from jaxsched.engine.detokenizer import _build_table
 
     assert _build_table(tok) is None and byte_table(CharTokenizer()) is None
 
@@ -127,8 +127,8 @@ def test_the_check_catches_a_wrong_byte(tokenizer_dir, monkeypatch):
     the window's: here one id's bytes are wrong."""
     import pytest
 
-    from jaxsched.detokenizer import ByteTable, _tables
-    from jaxsched.tokenizer import load_tokenizer
+    from jaxsched.engine.detokenizer import ByteTable, _tables
+    from jaxsched.engine.tokenizer import load_tokenizer
 
     monkeypatch.setenv("JAXSCHED_VERIFY_DETOK", "1")
     tok = load_tokenizer(tokenizer_dir)
@@ -152,8 +152,8 @@ def test_decode_stream_path_gives_the_windows_text(tmp_path, monkeypatch):
     import pytest
     from tiny import build_sentencepiece_tokenizer
 
-    from jaxsched.detokenizer import _DecodeStream, byte_table
-    from jaxsched.tokenizer import load_tokenizer
+    from jaxsched.engine.detokenizer import _DecodeStream, byte_table
+    from jaxsched.engine.tokenizer import load_tokenizer
 
     if _DecodeStream is None:
         pytest.fail("tokenizers without DecodeStream(ids=...): the pinned version has it")

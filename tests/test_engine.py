@@ -281,7 +281,7 @@ def test_stats_time_the_host_phases_and_count_kv_waste(llm):
 def test_exit_waits_for_the_step_in_flight(llm):
     """The exit hook waits for a step still running (jax's CPU client torn down under a running
     computation deadlocked the process), and the engine is registered with it."""
-    from jaxsched import engine_core as engine_mod
+    from jaxsched.engine import core as engine_mod
 
     eng = llm.llm_engine
     assert eng.core in engine_mod._CORES and engine_mod._at_exit_registered
@@ -407,9 +407,9 @@ def test_chat_uses_the_template(llm):
     assert len(out.outputs[0].token_ids) >= 1
 
 
-HOST_ONLY = ["jaxsched/scheduler.py", "jaxsched/block_manager.py", "jaxsched/request.py", "jaxsched/buckets.py",
-             "jaxsched/policy.py", "jaxsched/penalties.py", "jaxsched/batch.py", "jaxsched/detokenizer.py",
-             "jaxsched/output_processor.py", "jaxsched/config.py", "jaxsched/sizing.py", "jaxsched/stats.py",
+HOST_ONLY = ["jaxsched/core/scheduler.py", "jaxsched/core/block_manager.py", "jaxsched/core/request.py", "jaxsched/core/buckets.py",
+             "jaxsched/core/policy.py", "jaxsched/runner/penalties.py", "jaxsched/runner/batch.py", "jaxsched/engine/detokenizer.py",
+             "jaxsched/engine/output_processor.py", "jaxsched/config.py", "jaxsched/sizing.py", "jaxsched/core/stats.py",
              "jaxsched/errors.py", "jaxsched/paths.py"]
 
 
@@ -422,7 +422,7 @@ def test_host_modules_do_not_import_jax():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "jax" or n.startswith(("jax.", "flax")) for n in names), f"{rel} imports {names}"
-    code = ("import sys, jaxsched.scheduler, jaxsched.batch, jaxsched.output_processor, jaxsched.sizing; "
+    code = ("import sys, jaxsched.core.scheduler, jaxsched.runner.batch, jaxsched.engine.output_processor, jaxsched.sizing; "
             "print('jax' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     assert res.stdout.strip() == "False", "importing the scheduler must not load jax"
@@ -436,7 +436,7 @@ def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch
     monkeypatch.setattr(tuning, "compiler_options", lambda platform, backend: {"xla_cpu_no_such_option_here": "1"})
     monkeypatch.setattr(runner, "_use_compiler_options", True)
     T, S = runner.bucket_pairs()[0]
-    with caplog.at_level("WARNING", logger="jaxsched.runner"):
+    with caplog.at_level("WARNING", logger="jaxsched.runner.model_runner"):
         exe = runner.compile(T, S)
     assert exe is not None and runner._use_compiler_options is False
     assert any("rejects the XLA options" in r.message for r in caplog.records)
@@ -478,7 +478,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
 
 @pytest.mark.parametrize("flags,expected", [((), True), (("--no-warm-up-runs",), False)])
 def test_serve_runs_every_program_at_warm_up_unless_told_not_to(monkeypatch, flags, expected):
-    import jaxsched.engine
+    import jaxsched.engine.llm_engine
     from serving import cli
 
     class Built(Exception):
@@ -487,7 +487,7 @@ def test_serve_runs_every_program_at_warm_up_unless_told_not_to(monkeypatch, fla
     def create_engine(args):
         raise Built(args)
 
-    monkeypatch.setattr(jaxsched.engine, "create_engine", create_engine)
+    monkeypatch.setattr(jaxsched.engine.llm_engine, "create_engine", create_engine)
     with pytest.raises(Built) as e:
         cli.main(["serve", "some-model", *flags])
     assert e.value.args[0].warm_up_runs is expected

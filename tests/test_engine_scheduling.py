@@ -8,8 +8,8 @@ from compiles import no_compilation
 from test_parity import SENTENCES
 
 from jaxsched import LLM, SamplingParams
+from jaxsched.core.policy import SchedulerPolicy
 from jaxsched.errors import QueueFullError
-from jaxsched.policy import SchedulerPolicy
 
 BASE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 

@@ -1,4 +1,4 @@
-"""The tokenizer a GGUF file describes, built without torch (jaxsched/gguf_tokenizer.py): the same
+"""The tokenizer a GGUF file describes, built without torch (jaxsched/engine/gguf_tokenizer.py): the same
 ids, text and chat prompts as transformers' own GGUF converter (which needs torch), on tiny files of
 both tokenizer models and on the demo model; and the tiny Llama loaded from GGUF generates what the
 same weights give from their Hugging Face folder."""
@@ -12,8 +12,8 @@ import tiny
 import tiny_gguf
 from conftest import USER_CACHE
 
-from jaxsched.gguf_tokenizer import merges_from_scores
-from jaxsched.tokenizer import gguf_file_tokenizer, load_tokenizer
+from jaxsched.engine.gguf_tokenizer import merges_from_scores
+from jaxsched.engine.tokenizer import gguf_file_tokenizer, load_tokenizer
 
 TEXTS = [
     "the capital of france is paris .",

@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import uvicorn_thread
 
 from jaxsched import LLM, SamplingParams
+from jaxsched.proto import jaxsched_pb2 as pb
+from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 from serving.app import build_app
 from serving.async_engine import AsyncEngine
 from serving.grpc_server import SERVICE, GrpcFrontEnd
-from serving.proto import jaxsched_pb2 as pb
-from serving.proto import jaxsched_pb2_grpc as pb_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8}
@@ -72,12 +72,12 @@ def tokens(msgs: list[pb.GenerateResponse], index: int = 0) -> list[int]:
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
-    """The stubs in serving/proto are what `make proto` writes from jaxsched.proto today."""
+    """The stubs in jaxsched/proto are what `make proto` writes from jaxsched.proto today."""
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
-                    f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", "serving/proto/jaxsched.proto"],
+                    f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", "jaxsched/proto/jaxsched.proto"],
                    cwd=ROOT, check=True, capture_output=True, timeout=120)
     names = ["jaxsched_pb2.py", "jaxsched_pb2.pyi", "jaxsched_pb2_grpc.py"]
-    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "serving" / "proto", os.path.join(ROOT, "serving", "proto"),
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "jaxsched" / "proto", os.path.join(ROOT, "jaxsched", "proto"),
                                                names, shallow=False)
     assert match == names, f"stale gRPC stubs {mismatch + errors}: run `make proto` and commit them"
 

@@ -1,4 +1,4 @@
-"""jaxsched/host_malloc.py: on a CPU backend, freed host memory stays in the process, so a program
+"""jaxsched/platforms/host_malloc.py: on a CPU backend, freed host memory stays in the process, so a program
 with a large temporary buffer does not fault its pages in again at every run."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from jaxsched import host_malloc
+from jaxsched.platforms import host_malloc
 
 _PROBE = """
 import resource, statistics, jaxsched, jax, jax.numpy as jnp
-from jaxsched import host_malloc
+from jaxsched.platforms import host_malloc
 # intermediates of 48 MiB each, which XLA keeps in the executable's temporary buffer
 f = jax.jit(lambda x: jnp.cumsum(x * 2.0, axis=0).sum())
 x = jnp.ones((1024, 12288), jnp.float32)
@@ -67,8 +67,9 @@ def test_system_leaves_malloc_alone_and_a_bad_choice_says_what_to_write():
 
 _ENGINE_PROBE = """
 import json, sys
-from jaxsched import LLM, SamplingParams, host_malloc
-from jaxsched.runner import largest_temporary_bytes
+from jaxsched import LLM, SamplingParams
+from jaxsched.platforms import host_malloc
+from jaxsched.runner.model_runner import largest_temporary_bytes
 kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 res = {"arenas_before": host_malloc.arena_count()}
 bounds, largest = [], []
@@ -111,9 +112,9 @@ def test_an_engine_with_small_programs_gives_threads_their_own_arenas(llama_dir)
 
 def test_a_program_too_large_for_a_thread_heap_keeps_one_arena():
     """The demo model's default run (V = 49152, 128 rows): its sampled sampler's temporary buffer
-    does not fit a thread arena's heap, so the one arena stays (the page faults of "Tenth pass")."""
-    from jaxsched.config import ModelConfig
-    from jaxsched.runner import temporary_bytes_bound
+    does not fit a thread arena's heap, so the one arena stays (the page faults of "Decisions in the code")."""
+    from jaxsched.models.model_config import ModelConfig
+    from jaxsched.runner.model_runner import temporary_bytes_bound
 
     demo = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,

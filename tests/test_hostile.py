@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from servers import uvicorn_thread
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.core_messages import EngineCoreRequest
+from jaxsched.engine.core_messages import EngineCoreRequest
 from serving.app import build_app
 from serving.async_engine import AsyncEngine, EngineStepError
 
@@ -438,7 +438,7 @@ def test_chains_of_refs_and_rules_as_long_as_the_size_limit_allows_compile(serve
     """llguidance reads a grammar with native recursion: a chain of ~2,500 $refs or rules used to
     overflow the compiling thread's stack and kill the server (SIGSEGV). The longest chain the size
     limit lets through must compile (or be refused), with the server alive."""
-    from jaxsched.structured_output import MAX_GRAMMAR_CHARS
+    from jaxsched.structured.params import MAX_GRAMMAR_CHARS
 
     for so in ({"json": _ref_chain(3000)}, {"json": _ref_chain(MAX_GRAMMAR_CHARS // 36)},
                {"grammar": _rule_chain(MAX_GRAMMAR_CHARS - 16)}):
@@ -481,7 +481,7 @@ def test_the_body_nesting_limit_is_stated_and_exact(server):
 def test_a_schema_object_nested_past_pythons_encoder_is_refused_where_it_enters():
     """Offline, a schema object goes to json.dumps without the server's body limit."""
     from jaxsched.errors import InvalidRequestError
-    from jaxsched.structured_output import StructuredOutputsParams
+    from jaxsched.structured.params import StructuredOutputsParams
 
     with pytest.raises(InvalidRequestError, match="nested too deeply") as e:
         StructuredOutputsParams(json={"type": "array", "items": _nested(5000)})

@@ -39,7 +39,7 @@ def test_auto_picks_numba_on_cpu_and_matches_xla(llama_dir):
 
 def test_without_numba_auto_falls_back_and_explicit_numba_says_why(llama_dir, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
-    with caplog.at_level(logging.WARNING, logger="jaxsched.engine_core"):
+    with caplog.at_level(logging.WARNING, logger="jaxsched.engine.core"):
         llm = LLM(llama_dir, **ENGINE)
     assert llm.llm_engine.config.attention_backend == "xla"
     assert "using 'xla' because numba is not importable" in caplog.text

@@ -150,7 +150,7 @@ def test_leading_axes_and_no_rows():
 
 def test_the_matmul_and_prefill_tiles_fit_the_targets_vector_registers():
     # a tile that spills its accumulators to the stack ran at about a third of the speed (AVX-512's
-    # shapes on AVX2: docs/PERFORMANCE.md, "Nineteenth pass"); every row tile of the matmul and the
+    # shapes on AVX2: docs/PERFORMANCE.md, "Decisions in the code"); every row tile of the matmul and the
     # prefill tiles' page dots fit the target numba compiles for
     from pallas_kernels import numba_kernels, numba_tile
 

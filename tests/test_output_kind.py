@@ -10,8 +10,8 @@ import pytest
 from test_parity import SENTENCES
 
 from jaxsched import LLM, RequestOutputKind, SamplingParams
+from jaxsched.engine.output_processor import OutputProcessor
 from jaxsched.errors import InvalidRequestError
-from jaxsched.output_processor import OutputProcessor
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 K = RequestOutputKind

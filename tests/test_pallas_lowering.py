@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from jaxsched.buckets import bucket_pairs, seq_buckets, token_buckets
+from jaxsched.core.buckets import bucket_pairs, seq_buckets, token_buckets
 from pallas_kernels import paged_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

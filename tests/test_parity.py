@@ -24,15 +24,15 @@ from conftest import MODEL_KINDS
 from flax import nnx
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.batch import BatchDescriptor, BatchPacker
-from jaxsched.block_manager import BlockManager, cdiv
-from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
+from jaxsched.core.block_manager import BlockManager, cdiv
+from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.request import Request
+from jaxsched.core.request import SamplingParams as SP
+from jaxsched.core.scheduler import Scheduler
 from jaxsched.models.layers import LAYER_WEIGHTS
 from jaxsched.models.loader import build_model, load_model_source
-from jaxsched.request import Request
-from jaxsched.request import SamplingParams as SP
-from jaxsched.scheduler import Scheduler
+from jaxsched.runner.batch import BatchDescriptor, BatchPacker
 from pallas_kernels import backends, tuning
 
 SENTENCES = [

@@ -12,10 +12,10 @@ from test_parity import SENTENCES, hf_model
 from tiny import needs_torch
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.batch import BatchDescriptor, flat_sizes
-from jaxsched.penalties import MASKED, PenaltyTables, check_penalty_capacity, table_capacity
-from jaxsched.request import Request
-from jaxsched.sampler import SamplerOutput, apply_penalties, sample
+from jaxsched.core.request import Request
+from jaxsched.runner.batch import BatchDescriptor, flat_sizes
+from jaxsched.runner.penalties import MASKED, PenaltyTables, check_penalty_capacity, table_capacity
+from jaxsched.runner.sampler import SamplerOutput, apply_penalties, sample
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
 

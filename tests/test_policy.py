@@ -9,10 +9,10 @@ import re
 import pytest
 from test_scheduler import EOS, make_sched, step
 
-from jaxsched.block_manager import BlockManager
-from jaxsched.policy import FCFSPolicy, PriorityPolicy, SchedulerPolicy, make_policy
-from jaxsched.request import Request, SamplingParams
-from jaxsched.scheduler import Scheduler
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.policy import FCFSPolicy, PriorityPolicy, SchedulerPolicy, make_policy
+from jaxsched.core.request import Request, SamplingParams
+from jaxsched.core.scheduler import Scheduler
 
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from servers import uvicorn_thread
 
-import jaxsched.engine
+import jaxsched.engine.llm_engine
 from jaxsched import LLM, SamplingParams
 from serving import cli
 from serving.app import build_app
@@ -94,7 +94,7 @@ def run(llm, monkeypatch, tmp_path):
         built.append(args)
         return eng
 
-    monkeypatch.setattr(jaxsched.engine, "create_engine", create_engine)
+    monkeypatch.setattr(jaxsched.engine.llm_engine, "create_engine", create_engine)
     monkeypatch.setattr(eng, "stats", counting_stats)
 
     def go(lines: list[str], *flags: str) -> tuple[int, list[dict], object, int]:
@@ -213,7 +213,7 @@ def test_files_that_cannot_be_opened_fail_before_the_model_loads(tmp_path, monke
     def no_engine(args):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(jaxsched.engine, "create_engine", no_engine)
+    monkeypatch.setattr(jaxsched.engine.llm_engine, "create_engine", no_engine)
     src = tmp_path / "in.jsonl"
     src.write_text("{}\n")
     missing = str(tmp_path / "nope.jsonl")

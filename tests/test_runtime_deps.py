@@ -89,8 +89,8 @@ def test_serve_runs_without_test_dependencies(served):
 def test_grpc_serves_beside_http_without_test_dependencies(served):
     import grpc
 
-    from serving.proto import jaxsched_pb2 as pb
-    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+    from jaxsched.proto import jaxsched_pb2 as pb
+    from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 
     *_, target = served
     with grpc.insecure_channel(target) as channel:
@@ -104,8 +104,8 @@ def test_sigterm_exits_within_the_deadline_despite_a_stalled_stream(served):
     """Runs last in this module: it ends the server. A gRPC stream that is never read holds on too."""
     import grpc
 
-    from serving.proto import jaxsched_pb2 as pb
-    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+    from jaxsched.proto import jaxsched_pb2 as pb
+    from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 
     proc, url, log, target = served
     # no BDP probing: the flow-control window stays at 64 KiB, so the unread stream stalls the

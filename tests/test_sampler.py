@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsched.batch import BatchDescriptor, flat_sizes
-from jaxsched.sampler import SamplerOutput, argmax_rows, sample
+from jaxsched.runner.batch import BatchDescriptor, flat_sizes
+from jaxsched.runner.sampler import SamplerOutput, argmax_rows, sample
 
 
 def make_batch(S: int, **fields) -> BatchDescriptor:
@@ -140,7 +140,13 @@ def test_the_filters_without_a_sort_keep_what_sorting_the_rows_keeps():
     row's largest logits, or by bisection over whole rows, and never sorts. Both must keep the tokens
     the sorted rows keep, up to rounding at the nucleus' edge (the mass is summed in another order):
     rows of three peakednesses, so that some steps take each path."""
-    from jaxsched.sampler import FILTER_TOP, _threshold, _threshold_bisect, _threshold_cond, _threshold_top
+    from jaxsched.runner.sampler import (
+        FILTER_TOP,
+        _threshold,
+        _threshold_bisect,
+        _threshold_cond,
+        _threshold_top,
+    )
 
     rng = np.random.default_rng(0)
     S, V = 48, 8192
@@ -168,7 +174,7 @@ def test_the_filters_without_a_sort_keep_what_sorting_the_rows_keeps():
 def test_top_p_one_is_off_on_a_peaked_row():
     # float32's running sum of a peaked row's probabilities reaches 1.0 before its last ranks: with
     # top_p = 1 (no nucleus) top_k = 50 must still keep 50 tokens
-    from jaxsched.sampler import _threshold, _threshold_cond
+    from jaxsched.runner.sampler import _threshold, _threshold_cond
 
     x = (np.random.default_rng(1).standard_normal((4, 1000)) * 8).astype(np.float32)
     args = (jnp.asarray(x), jnp.full(4, 0.7), jnp.full(4, 50, jnp.int32), jnp.ones(4), jnp.zeros(4))

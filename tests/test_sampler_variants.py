@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsched.batch import BatchDescriptor, flat_sizes
-from jaxsched.grammar import mask_words
-from jaxsched.sampler import ADJUST, FEATURES, FILTER, LOGPROBS, SAMPLE, SamplerOutput, needs, sample
+from jaxsched.runner.batch import BatchDescriptor, flat_sizes
+from jaxsched.runner.sampler import ADJUST, FEATURES, FILTER, LOGPROBS, SAMPLE, SamplerOutput, needs, sample
+from jaxsched.structured.grammar import mask_words
 from pallas_kernels import tuning
 
 S, V, W, LB, K = 16, 700, 8, 4, 3  # V over 512 and not a multiple of it: both argmax levels, a padded block

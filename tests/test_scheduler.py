@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from jaxsched.block_manager import BlockManager
-from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.request import Request, RequestStatus, SamplingParams
-from jaxsched.scheduler import Scheduler
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.request import Request, RequestStatus, SamplingParams
+from jaxsched.core.scheduler import Scheduler
 
 EOS = 2
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxsched.block_manager import BlockManager
-from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.policy import PriorityPolicy
-from jaxsched.request import Request, RequestStatus, SamplingParams
-from jaxsched.scheduler import Scheduler
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.policy import PriorityPolicy
+from jaxsched.core.request import Request, RequestStatus, SamplingParams
+from jaxsched.core.scheduler import Scheduler
 
 EOS = 1
 AGING = 8

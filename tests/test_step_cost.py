@@ -1,4 +1,4 @@
-"""The step-cost model (jaxsched/step_cost.py): fits, drift, unobserved pairs, monotonicity in T,
+"""The step-cost model (jaxsched/core/step_cost.py): fits, drift, unobserved pairs, monotonicity in T,
 exact round trips through JSON, determinism, the error report and bad input. Synthetic timings only."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from jaxsched.buckets import bucket_pairs, seq_buckets, token_buckets
-from jaxsched.step_cost import StepCostModel, StepShape
+from jaxsched.core.buckets import bucket_pairs, seq_buckets, token_buckets
+from jaxsched.core.step_cost import StepCostModel, StepShape
 
 PAIRS = bucket_pairs(token_buckets(512, 64), seq_buckets(64))
 

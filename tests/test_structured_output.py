@@ -13,9 +13,9 @@ import pytest
 from compiles import no_compilation
 
 from jaxsched import LLM, SamplingParams
+from jaxsched.core.request import MAX_LOGIT_BIAS
 from jaxsched.errors import InvalidRequestError
-from jaxsched.request import MAX_LOGIT_BIAS
-from jaxsched.structured_output import StructuredOutputsParams as SO
+from jaxsched.structured.params import StructuredOutputsParams as SO
 
 # max_model_len leaves room for JSON with the default whitespace (up to 16 characters between two
 # tokens, which a greedy random model uses to the last one). The step-cost model is off: it sizes
@@ -570,8 +570,8 @@ def test_a_constrained_request_goes_to_the_other_hosts(llm):
     own matcher from them (matchers do not cross processes)."""
     import msgspec
 
-    from jaxsched.core_messages import encoder
-    from jaxsched.distributed import StepInputs
+    from jaxsched.engine.core_messages import encoder
+    from jaxsched.parallel.multihost import StepInputs
 
     eng = llm.llm_engine
     sent = []

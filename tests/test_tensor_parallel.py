@@ -14,7 +14,7 @@ import pytest
 from tiny import build_model, needs_torch
 
 from jaxsched.config import EngineArgs, ModelConfig
-from jaxsched.parallel import head_layout
+from jaxsched.parallel.mesh import head_layout
 
 HERE = Path(__file__).parent
 
@@ -92,7 +92,7 @@ def test_multi_host_flags_are_checked_up_front(kwargs, match):
 
 
 def test_sizing_is_per_device():
-    from jaxsched.runner import weights_bytes
+    from jaxsched.runner.model_runner import weights_bytes
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory
 
     cfg = _cfg(8, 4, F=256)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxsched.bench.workloads import BenchRequest
-from jaxsched.request import SamplingParams
-from jaxsched.stats import EngineStats
+from jaxsched.core.request import SamplingParams
+from jaxsched.core.stats import EngineStats
 
 BATCHING = ("continuous", "static")
 # EngineStats fields that are gauges (a value now), not counters (a total since start)

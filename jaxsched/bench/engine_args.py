@@ -1,5 +1,5 @@
 """The engine an offline bench command measures: the model and every engine flag of `jaxsched
-serve` (serving/cli.py, one flag per EngineArgs field), with the offline benchmark's defaults where
+serve` (jaxsched/engine_flags.py, one flag per EngineArgs field), with the offline benchmark's defaults where
 they differ, so that figures stay comparable with scripts/bench_offline.py's."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import argparse
 import time
 from typing import Any
 
+from jaxsched.engine_flags import add_engine_flags, engine_args_from
+
 # scripts/bench_offline.py's engine settings (docs/PERFORMANCE.md's figures were measured with them)
 BENCH_DEFAULTS = {"dtype": "float32", "max_model_len": 1024, "max_num_batched_tokens": 2048}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    from serving.cli import add_engine_flags  # here, not at import: serving imports this package
-
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="HF folder or .gguf file (default: the demo model); --model works too")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -28,8 +28,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 def build_engine(ns: argparse.Namespace) -> tuple[Any, float]:
     """(the engine `ns` describes, seconds to build and warm it up)."""
-    from jaxsched.engine import create_engine
-    from serving.cli import engine_args_from
+    from jaxsched.engine.llm_engine import create_engine
 
     ns.model = ns.model or ns.model_pos
     t0 = time.perf_counter()

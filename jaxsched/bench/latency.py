@@ -23,7 +23,7 @@ import numpy as np
 from jaxsched.bench.driver import seats_of
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit, summarize
-from jaxsched.request import SamplingParams
+from jaxsched.core.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxsched.batch import BatchPacker
 from jaxsched.bench.results import add_output_arguments, emit
-from jaxsched.block_manager import BlockManager, cdiv
-from jaxsched.buckets import seq_buckets, token_buckets
 from jaxsched.config import SchedulerConfig
-from jaxsched.request import Request, SamplingParams
-from jaxsched.scheduler import Scheduler
+from jaxsched.core.block_manager import BlockManager, cdiv
+from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.request import Request, SamplingParams
+from jaxsched.core.scheduler import Scheduler
+from jaxsched.runner.batch import BatchPacker
 
 
 def add_arguments(p: argparse.ArgumentParser, output: bool = True) -> None:

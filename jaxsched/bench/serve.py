@@ -14,12 +14,12 @@ Per request: TTFT (to the first chunk that carries text), ITL (between such chun
 ((latency - TTFT) / (output tokens - 1)) and end-to-end latency; over the run their mean, median,
 p90 and p99, request and token throughput, goodput under --goodput SLOs, and errors with their
 messages. Field names are vLLM's (mean_ttft_ms, p99_itl_ms, output_throughput, ...). With --grpc
-the requests are jaxsched's gRPC Generate calls (serving/proto/jaxsched.proto: token ids, no text),
+the requests are jaxsched's gRPC Generate calls (jaxsched/proto/jaxsched.proto: token ids, no text),
 timed by their token messages, so one server's two front ends can be compared on one workload.
 
 Priority classes: --priority-share 0.2 marks that share of the requests (drawn with --seed; the
 same requests whatever the rate) as "high" and sends them with "priority": --high-priority, the
-others with --low-priority. Lower runs first (vLLM's convention; jaxsched/policy.py). A fcfs
+others with --low-priority. Lower runs first (vLLM's convention; jaxsched/core/policy.py). A fcfs
 jaxsched server accepts and ignores the field; vLLM's fcfs server refuses a non-zero priority, so
 --no-priority-field sends none while still reporting the classes, which is how the same arrivals
 are measured under fcfs. Metrics are reported overall and per class.
@@ -246,8 +246,8 @@ _GRPC_TOP_LEVEL = ("priority", "truncate_prompt_tokens", "cache_salt", "add_spec
 
 
 def grpc_request(body: dict[str, Any]) -> Any:
-    """The gRPC GenerateRequest of an HTTP completions body (serving/proto/jaxsched.proto)."""
-    from serving.proto import jaxsched_pb2 as pb
+    """The gRPC GenerateRequest of an HTTP completions body (jaxsched/proto/jaxsched.proto)."""
+    from jaxsched.proto import jaxsched_pb2 as pb
 
     if "messages" in body:
         raise ValueError("--grpc sends completions (text or token ids): leave --endpoint at /v1/completions")
@@ -399,7 +399,7 @@ async def benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
     parse_goodput(ns.goodput)  # a bad SLO fails before any request is sent
     tokenizer = None
     if ns.tokenizer:
-        from jaxsched.tokenizer import load_tokenizer
+        from jaxsched.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(ns.tokenizer)
     reqs = workloads.build(ns, vocab_size=None, tokenizer=tokenizer)
@@ -427,8 +427,8 @@ async def _benchmark_grpc(ns: argparse.Namespace, rates: list[float], reqs: list
                           classes: list[str], key: str | None) -> list[dict[str, Any]]:
     import grpc
 
-    from serving.proto import jaxsched_pb2 as pb
-    from serving.proto import jaxsched_pb2_grpc as pb_grpc
+    from jaxsched.proto import jaxsched_pb2 as pb
+    from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
     async with grpc.aio.insecure_channel(ns.grpc) as channel:

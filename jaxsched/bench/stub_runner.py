@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxsched.runner import InFlight, StepResult
-from jaxsched.sampler import SamplerOutput
-from jaxsched.scheduler import SchedulerOutput
+from jaxsched.core.scheduler import SchedulerOutput
+from jaxsched.runner.model_runner import InFlight, StepResult
+from jaxsched.runner.sampler import SamplerOutput
 
 
 class SleepingRunner:

@@ -26,9 +26,9 @@ from jaxsched.bench import driver, workloads
 from jaxsched.bench.driver import Run
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit
-from jaxsched.request import RequestOutputKind, SamplingParams
-from jaxsched.step_cost import WITHIN  # the "close enough" share of the cost model's error report
-from jaxsched.structured_output import StructuredOutputsParams
+from jaxsched.core.request import RequestOutputKind, SamplingParams
+from jaxsched.core.step_cost import WITHIN  # the "close enough" share of the cost model's error report
+from jaxsched.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -36,6 +35,7 @@ from jaxsched.models.layers import (
     split_gate_up,
     vocab_logits,
 )
+from jaxsched.models.model_config import ModelConfig
 
 
 def gemma_config(hf: dict[str, Any], architecture: str) -> ModelConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxsched.config import ModelConfig
+from jaxsched.models.model_config import ModelConfig
 
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple | None]:

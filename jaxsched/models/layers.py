@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.config import ModelConfig
-from jaxsched.parallel import shard_interleave
+from jaxsched.models.model_config import ModelConfig
+from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, tuning, write_kv
 
 LAYER_WEIGHTS = ("stacked", "per_layer", "unrolled")
@@ -198,7 +198,7 @@ def vocab_logits(hs, w, mesh=None):
     """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
     cross between devices, never the weight (left to itself, XLA gathered the weight instead to
-    produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices").
+    produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices (simulated on the CPU)").
     A w packed by pack_linear_weights (one device) goes through numba_matmul's kernel."""
     if w.ndim == 3:
         from pallas_kernels import numba_matmul
@@ -274,7 +274,7 @@ def qkv_projection(p: dict, x, N: int, K: int, H: int, shards: int = 1):
     """The fused q/k/v projection of x [T, D] -> q [T, N, H], k, v [T, K, H]. A weight packed by
     pack_linear_weights, without a bias, on one shard, goes through numba_matmul.matmul_split, which
     writes q, k and v to buffers of their own: the kernels after it take them as they are, where the
-    slices of one [T, (N + 2 K) H] output were copies (docs/PERFORMANCE.md, "Seventh pass")."""
+    slices of one [T, (N + 2 K) H] output were copies (docs/PERFORMANCE.md, "Decisions in the code")."""
     w = p["qkv"]
     if w.ndim == 3 and "qkv_bias" not in p and shards == 1:
         from pallas_kernels import numba_matmul

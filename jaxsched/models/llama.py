@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.config import ModelConfig
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -34,6 +33,7 @@ from jaxsched.models.layers import (
     silu_gate_up,
     vocab_logits,
 )
+from jaxsched.models.model_config import ModelConfig
 
 
 # -- config adapters (config.json dict -> ModelConfig), one per registry entry ----------------------

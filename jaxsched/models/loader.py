@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxsched.config import ModelConfig
 from jaxsched.models.layers import Put, shards_of
+from jaxsched.models.model_config import ModelConfig
 from jaxsched.models.registry import architecture_of_gguf, model_class, model_config_from_hf
-from jaxsched.parallel import HeadLayout, param_spec, place
+from jaxsched.parallel.mesh import HeadLayout, param_spec, place
 
 logger = logging.getLogger(__name__)
 

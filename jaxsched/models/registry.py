@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxsched.config import ModelConfig
 from jaxsched.models.gemma import GemmaForCausalLM, gemma_config
 from jaxsched.models.llama import LlamaForCausalLM, llama_config, qwen2_config, qwen3_config
+from jaxsched.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

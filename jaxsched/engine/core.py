@@ -1,0 +1,668 @@
+"""EngineCore: the scheduler and the model runner in one loop, token ids in and token ids out.
+
+What runs each step (EngineCore.step):
+    out     = scheduler.schedule()              who runs, how many tokens each, which buckets, block moves
+    step    = runner.dispatch(out)              block moves, then the jitted calls: model + sampler
+    res     = runner.collect(step)              wait for it, read the sampled tokens
+    got     = scheduler.update(out, sampled)    append tokens, stop token ids, max_tokens, free blocks
+    outputs = [EngineCoreOutput ...]            per request: its new token ids, logprob arrays, finish
+
+The core knows no text: a request comes in as an EngineCoreRequest (token ids and checked sampling
+parameters, core_messages.py) and leaves as EngineCoreOutputs. Detokenizing, stop strings and
+n > 1 grouping are the front end's (frontend.py); a stop string found there comes back as an abort.
+The same object runs in the caller's thread (LLMEngine, tests), on a thread of its own or in a
+process of its own (core_client.py: run_loop is the loop both use).
+
+Overlapped scheduling (async_scheduling, vLLM's --async-scheduling): step() schedules and
+dispatches step N+1 *before* it collects step N, so the host's work (scheduling, packing, reading)
+runs while the device computes, and the device finds the next step queued when it finishes one.
+Step N+1 is scheduled as if every running request got its token from step N; its decode rows take
+those tokens on the device (runner.py), and the host reads them one step later. A request that
+step N ends (EOS, a stop token, or a stop string the front end finds) costs one wasted row in step
+N+1, whose token update() drops; one that ends by length is not scheduled again. The outputs are
+the synchronous engine's. Penalty tables are built on the host from the tokens read, and the
+sampler folds a row's pending token in on the device (batch.pending_src), so penalties do not
+wait. A grammar's next token mask needs the token its row samples (grammar.py,
+depends_on_tokens), so the step after one with such a row waits for it (reads its tokens before
+scheduling); a fixed mask (allowed_token_ids) does not. A step that swaps a request out waits too:
+the copy needs the pages of the step in flight. The default (None) is on, except on a CPU where
+no core is reserved for the host and the model keeps every core busy: there the host's work only
+delays the device's threads (cpu_affinity.auto_async_scheduling).
+
+Everything is decided once, up front: cpu_reserved_cores' and async_scheduling's defaults by
+__init__ (they need the model, the platform and the process's cores), the rest by config.resolve();
+__init__ then only builds the pieces.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
+from jaxsched.core.request import Request, RequestStatus
+from jaxsched.core.stats import HOST_PHASES, EngineStats
+from jaxsched.core.step_cost import StepShape
+from jaxsched.engine.core_messages import (
+    AbortRequests,
+    CoreInfo,
+    CoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LogprobArrays,
+    Shutdown,
+    UtilityOutput,
+    UtilityRequest,
+)
+from jaxsched.errors import InvalidRequestError
+from jaxsched.platforms import host_malloc
+from jaxsched.platforms.cpu_affinity import (
+    auto_async_scheduling,
+    auto_reserved_cores,
+    reserve,
+    reserved_now,
+    size_xla_pools,
+)
+
+if TYPE_CHECKING:
+    from jaxsched.core.scheduler import SchedulerOutput
+    from jaxsched.runner.model_runner import InFlight, StepResult
+
+logger = logging.getLogger(__name__)
+
+# Cores that may have a step running on the device (overlapped scheduling leaves the last one
+# unread when the work ends by abort, or when the caller stops stepping). jax's CPU client, torn down
+# at interpreter exit while a computation still runs, deadlocks: the process hung for minutes after
+# 43 steps of 2,048 tokens with 2,000 requests queued. So at exit each such step is waited for first.
+_CORES: weakref.WeakSet = weakref.WeakSet()
+_at_exit_registered = False
+
+
+def _wait_for_steps_in_flight() -> None:
+    import jax
+
+    for core in list(_CORES):
+        step = core._in_flight
+        if step is not None and step.ints is not None:
+            with contextlib.suppress(Exception):  # a failed step has nothing left to wait for
+                jax.block_until_ready((step.ints, step.floats))
+
+
+def _register(core: EngineCore) -> None:
+    """Track `core` for _wait_for_steps_in_flight. The exit hook is registered once, after jax
+    was imported (here, at the first core): atexit runs hooks last-registered first, so it runs
+    before jax's own."""
+    global _at_exit_registered
+    _CORES.add(core)
+    if not _at_exit_registered:
+        atexit.register(_wait_for_steps_in_flight)
+        _at_exit_registered = True
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids an n > 1 request's samples run under in the core ("{i}_{id}", as vLLM names them)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
+    return (seed + index * 0x9E3779B1) % (2**31 - 1)
+
+
+class StepFailure(Exception):
+    """A step failed on the device; the core ended the requests whose KV it may have spoiled
+    (`outputs`, each with error set). Every other request is intact."""
+
+    def __init__(self, outputs: list[EngineCoreOutput], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.outputs = outputs
+        self.cause = cause
+
+
+class EngineCore:
+    # the methods a UtilityRequest may name (a core in another process runs nothing else)
+    UTILITIES = frozenset({"reset_prefix_cache", "set_async_scheduling", "take_cost_errors",
+                           "keep_cost_errors"})
+
+    def __init__(self, args: EngineArgs | None = None, devices: Sequence[Any] | None = None,
+                 engine_index: int = 0, **kwargs: Any) -> None:
+        """devices: the jax devices this core runs on, tensor_parallel_size of them (a data-parallel
+        core's group); None: the first tensor_parallel_size devices (of every process, with
+        several hosts)."""
+        import jax
+
+        from jaxsched.core.block_manager import BlockManager
+        from jaxsched.core.buckets import bucket_pairs
+        from jaxsched.core.scheduler import Scheduler
+        from jaxsched.core.step_cost import StepCostModel
+        from jaxsched.engine.tokenizer import load_tokenizer
+        from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
+        from jaxsched.parallel.mesh import engine_devices, make_mesh
+        from jaxsched.runner.model_runner import (
+            ModelRunner,
+            device_memory,
+            largest_temporary_bytes,
+            temporary_bytes_bound,
+            weights_bytes,
+        )
+        from jaxsched.structured.grammar import GrammarCompiler
+
+        args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
+        self.engine_index = engine_index
+        if args.model is None:
+            from jaxsched.models.demo import demo_model_path
+
+            path = str(demo_model_path())
+        else:
+            path = args.model
+        t0 = time.perf_counter()
+        model_cfg, getter, _kind = load_model_source(path)
+        # before anything starts jax's backends, whose threads take their malloc arena when they first
+        # allocate, and whose CPU pools are sized then (host_malloc.py, cpu_affinity.py)
+        max_len = args.max_model_len or model_cfg.max_position_embeddings
+        self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
+        host_malloc.allow_thread_arenas(self.temporary_bound)
+        auto = args.cpu_reserved_cores == "auto"
+        args = dataclasses.replace(args, cpu_reserved_cores=reserve_count(args, model_cfg, devices))
+        size_xla_pools(args.cpu_reserved_cores)
+        devices = engine_devices(args.tensor_parallel_size, devices)
+        tp = len(devices)
+        mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
+        platform = devices[0].platform
+        if auto and args.cpu_reserved_cores and platform != "cpu":  # jax found an accelerator after all
+            logger.info("cpu_reserved_cores=auto: 0 after all (jax runs the model on %s, not the host's cores)", platform)
+            args = dataclasses.replace(args, cpu_reserved_cores=0)
+        if args.async_scheduling is None:
+            on, why = auto_async_scheduling(model_cfg, cpu=platform == "cpu", reserved=args.cpu_reserved_cores or 0,
+                                            multi_host=args.distributed_coordinator is not None)
+            (logger.info if platform == "cpu" else logger.debug)("async_scheduling: %s (%s)", "on" if on else "off", why)
+            args = dataclasses.replace(args, async_scheduling=on)
+        # this process's devices of the engine (all of them on one host): memory is sized from them
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        cfg = resolve(args, model_cfg, path, platform,
+                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
+                      memory=lambda: device_memory(local[0], len(local)))
+        if jax.process_count() > 1:  # every host must allocate (and schedule for) the same pool
+            from jaxsched.parallel.hosts import same_pool_on_every_host
+
+            cfg = same_pool_on_every_host(cfg)
+        self.config: EngineConfig = cfg
+        # the core's tokenizer serves grammars only (llguidance reads its vocabulary): no text here
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
+                            layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if tp > 1 else None)
+        forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
+        logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
+        if tp > 1:
+            logger.info("tensor parallel over %d devices (%s): %s", tp, ", ".join(str(d) for d in devices),
+                        cfg.heads.describe(model_cfg))
+        self.devices = tuple(devices)
+        self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
+                                          enable_prefix_caching=cfg.enable_prefix_caching)
+        self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets)) \
+            if cfg.step_cost_model else None
+        target = cfg.target_tpot_ms / 1e3 if cfg.target_tpot_ms is not None else None
+        self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
+                                   cost_model=self.cost_model, target_step_seconds=target)
+        self.runner = ModelRunner(model, cfg, mesh)
+        del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
+        # before warm-up, so that the cost model's seeds are timed as the steps will run; 0 undoes an
+        # earlier engine's reserve in this process (and does nothing otherwise, or on a GPU)
+        reserve(cfg.cpu_reserved_cores)
+        self.runner.warm_up(run=cfg.warm_up_runs)
+        if host_malloc.thread_arenas:
+            largest = largest_temporary_bytes(self.runner.step_programs())
+            if largest > host_malloc.THREAD_HEAP_BYTES // 2:  # the bound fell short: say so, and how to avoid it
+                logger.warning("a program's temporary buffer is %.1f MiB, over the %.0f MiB a thread arena holds, "
+                               "and threads allocate from arenas of their own (an engine of this process with "
+                               "smaller programs chose them, or the bound fell short): its host memory is mapped "
+                               "afresh at every run. Set JAXSCHED_HOST_MALLOC=keep to keep one arena",
+                               largest / 2**20, host_malloc.THREAD_HEAP_BYTES // 2 / 2**20)
+            logger.info("host malloc: threads allocate from arenas of their own (%d arenas; the largest program "
+                        "temporary buffer %.1f MiB)", host_malloc.arena_count(), largest / 2**20)
+        # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
+        self.cost_seeds: list[tuple[int, int, float]] = []
+        if self.cost_model is not None:
+            sc = cfg.scheduler
+            self.cost_seeds = self.runner.time_pairs(
+                [self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
+                 for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
+            for T, S, seconds in self.cost_seeds:
+                self.cost_model.seed(T, S, seconds)
+        if cfg.cpu_reserved_cores:  # again: threads started during warm-up
+            reserve(cfg.cpu_reserved_cores)
+        # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
+        # them to the other hosts, whose models must stay identical: distributed.py)
+        self.cost_feed: list[tuple[int, int, int, float]] | None = None
+        self.measure_costs = True  # False: the model is fed from elsewhere (a multi-host follower)
+        # step times measured, applied to the model at the start of the next step() (a fixed point:
+        # a multi-host leader sends them before that step, so every host schedules with the same)
+        self._costs: list[tuple[StepShape, float]] = []
+        # when a list: (predicted, measured) seconds of every step timed, the prediction made before
+        # the model saw that step (bench_offline.py reports the error distribution)
+        self.cost_errors: list[tuple[float, float]] | None = None
+        self._last_done = 0.0  # when the last step's results were read (step-time estimates)
+        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
+                    "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
+                    cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
+                    cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
+        eos = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
+        self.runner.packer.grammar_executor = lambda: self.grammars.executor
+        self._groups: dict[str, list[str]] = {}  # n > 1: request id -> its samples' ids
+        # several hosts (distributed.py): a leader hands each input it applied to the followers, and
+        # sends them ahead of each step
+        self.on_input: Callable[[EngineCoreRequest | AbortRequests], None] | None = None
+        self.before_step: Callable[[], None] | None = None
+        self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
+        self._device_seconds = 0.0
+        self._busy_seconds = 0.0  # stats().device_busy_seconds / _steps
+        self._busy_steps = 0
+        self._phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)  # host work by phase
+        self.async_scheduling = cfg.async_scheduling
+        self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
+        _register(self)
+
+    # -- what the front end reads once ---------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        """The checkpoint's architecture (head counts as in its config.json)."""
+        return self.config.checkpoint_model
+
+    def kv_bytes_per_device(self) -> int:
+        """The KV pool's bytes on each of this core's devices (every block, null page included)."""
+        from jaxsched.sizing import kv_bytes_per_block
+
+        c = self.config
+        return c.cache.num_blocks * kv_bytes_per_block(c.model, c.cache.block_size, c.cache.dtype,
+                                                       c.tensor_parallel_size)
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(list(self.eos_token_ids), self.runner.warmup_seconds, self.kv_bytes_per_device(),
+                        len(self.devices))
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request checked by the front end (frontend.InputProcessor). With n > 1 its samples
+        run as sibling Requests ("{i}_{id}") that share the prompt's KV blocks; all are queued or
+        none is. Raises InvalidRequestError when its id (or a sample's) is in flight, QueueFullError
+        when max_num_queued_requests wait already."""
+        params = req.sampling_params
+        rid, n = req.request_id, params.n
+        ids = sample_ids(rid, n)
+        taken = next((i for i in ([rid, *ids] if n > 1 else ids)
+                      if i in self.scheduler.requests or i in self._groups), None)
+        if taken is not None:
+            raise InvalidRequestError(f"request_id {taken!r} is already in flight; use a unique id", "request_id")
+        base = Request(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=params,
+                       arrival_time=req.arrival_time, priority=req.priority, eos_token_ids=self.eos_token_ids,
+                       sample_seed=req.sample_seed, constraint=self.constraint(params), cache_salt=req.cache_salt)
+        if n == 1:
+            samples = [base]
+        else:
+            # With prefix caching off, the samples share blocks only among themselves.
+            salt = req.cache_salt if self.config.enable_prefix_caching else int.from_bytes(
+                hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
+            samples = [dataclasses.replace(base, request_id=sid, sample_seed=sample_seed(req.sample_seed, i),
+                                           group_id=rid, group_size=n, output_token_ids=[], block_hashes=[],
+                                           cache_salt=salt, constraint=base.constraint and base.constraint.fork())
+                       for i, sid in enumerate(ids)]
+        added: list[str] = []
+        try:
+            for s in samples:
+                self.scheduler.add_request(s)
+                added.append(s.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        if n > 1:
+            self._groups[rid] = ids
+        if self.on_input is not None:
+            self.on_input(req)
+
+    def constraint(self, params):
+        """The TokenConstraint of a request's params (grammar.py), or None. A grammar the front end
+        compiled with this core's compiler (in process) costs nothing here; else it is compiled
+        now, once per grammar text (GrammarCompiler's cache)."""
+        from jaxsched.structured.grammar import AllowedTokens
+
+        if params.allowed_token_ids is not None:
+            return AllowedTokens(params.allowed_token_ids, self.model_config.vocab_size)
+        if params.structured_outputs is None:
+            return None
+        banned = self.eos_token_ids if params.ignore_eos else ()
+        return self.grammars.compile(params.structured_outputs).constraint(banned)
+
+    def _members(self, rid: str) -> list[str]:
+        """The sample ids that end with `rid`: an n > 1 request's (by its id or a sample's), else itself."""
+        req = self.scheduler.requests.get(rid)
+        gid = req.group_id if req is not None and req.group_id is not None else rid
+        return list(self._groups.get(gid, [rid]))
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """End requests: by a request's id (with n > 1 all its samples), or by a sample's id (that
+        sample alone: the front end ends a sample whose text reached a stop string). Unknown ids are
+        ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ended = [s for rid in ids for s in self._groups.get(rid, (rid,))]
+        gids = {r.group_id for s in ended if (r := self.scheduler.requests.get(s)) is not None and r.group_id}
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
+        for gid in gids | (set(ids) & self._groups.keys()):
+            if not any(s in self.scheduler.requests for s in self._groups.get(gid, ())):
+                self._groups.pop(gid, None)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._in_flight.idle_after = True  # read at the next step, whenever that comes: not timed
+        if self.on_input is not None:
+            self.on_input(AbortRequests(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is still in flight. (A step still running on the device whose requests
+        all ended does not count: the next step() reads it.)"""
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names),
+        and the steps' wall and device-wait seconds."""
+        return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
+                                   device_seconds=self._device_seconds, device_busy_seconds=self._busy_seconds,
+                                   device_busy_steps=self._busy_steps,
+                                   **{f"{k}_seconds": v for k, v in self._phase_seconds.items()})
+
+    # -- utilities (UtilityRequest names these) ------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def set_async_scheduling(self, on: bool) -> None:
+        self.async_scheduling = bool(on)
+
+    def keep_cost_errors(self) -> None:
+        """Start keeping (predicted, measured) seconds of every timed step (take_cost_errors reads them)."""
+        if self.cost_model is not None:
+            self.cost_errors = []
+
+    def take_cost_errors(self) -> list[tuple[float, float]]:
+        errors, self.cost_errors = list(self.cost_errors or ()), [] if self.cost_errors is not None else None
+        return errors
+
+    def call(self, method: Any, args: Sequence[Any] = ()) -> Any:
+        if callable(method):
+            return method(self, *args)
+        if method not in self.UTILITIES:
+            raise ValueError(f"unknown engine core utility {method!r}: one of {', '.join(sorted(self.UTILITIES))}")
+        return getattr(self, method)(*args)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """One step: the outputs of the requests that got tokens or ended. With overlapped
+        scheduling these are the tokens of the step dispatched by the previous call; this call's
+        step runs on. Raises StepFailure (carrying the outputs of the step, the failed requests'
+        with error set) when a step failed on the device."""
+        t0 = time.perf_counter()
+        self.apply_cost_observations()
+        if self.before_step is not None:
+            self.before_step()
+        outputs: list[EngineCoreOutput] = []
+        device = 0.0
+        prev = self._in_flight
+        if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
+            self._in_flight = None
+            outputs, device = self._complete(prev, [prev])
+            prev = None
+        t1 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._phase_seconds["schedule"] += time.perf_counter() - t1
+        alone = prev is None  # nothing in flight: the device starts on this step at once
+        try:
+            try:
+                step = self.runner.dispatch(out)
+                self._phase_seconds["pack"] += step.pack_seconds
+                self._phase_seconds["launch"] += step.launch_seconds
+            except Exception as e:  # on the device: end the requests whose KV it may have spoiled
+                if prev is not None:  # its tokens were computed before the failed call: apply them
+                    self._in_flight = None
+                    try:
+                        outputs, device = self._complete(prev, [prev])
+                    except StepFailure as failed_too:
+                        failed_too.outputs += self._failed([out], e).outputs
+                        raise
+                raise self._failed([out], e) from e
+            step.call_start = t0
+            if prev is not None:  # the device runs `step` while the host reads and processes `prev`
+                self._in_flight = None
+                outputs, device = self._complete(prev, [prev, step])
+            if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
+                self._in_flight = step
+            else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
+                more, d = self._complete(step, [step], alone=alone)
+                outputs += more
+                device += d
+        except StepFailure as e:  # outputs already built (a previous step's final ones) go out too
+            e.outputs[:0] = outputs
+            raise
+        self._step_seconds += time.perf_counter() - t0
+        self._device_seconds += device
+        return outputs
+
+    def _complete(self, step: InFlight, in_flight: list[InFlight],
+                  alone: bool = False) -> tuple[list[EngineCoreOutput], float]:
+        """Read a dispatched step's tokens and apply them: (outputs, seconds waited on the device).
+        in_flight: every step dispatched and not yet applied, which a failure spoils too. alone:
+        read right after its dispatch, with nothing before it in flight (its device time is timed)."""
+        try:
+            res = self.runner.collect(step)
+        except Exception as e:
+            raise self._failed([s.out for s in in_flight], e) from e
+        # (a step with block moves is left out: its copies were queued before the model's program)
+        if alone and res.done and not step.first_run and not step.out.has_block_moves:
+            self._busy_seconds += res.done - step.device_start
+            self._busy_steps += 1
+        if res.done:
+            self._observe(step, res)
+        t0 = time.perf_counter()
+        failed = self.fail(res.rejected)  # before update: the tokens of their rows do not count
+        got = self.scheduler.update(step.out, res.sampled.sampled)
+        t1 = time.perf_counter()
+        outputs = failed + self._outputs(step.out, got, res)
+        self._phase_seconds["update"] += t1 - t0
+        self._phase_seconds["output"] += time.perf_counter() - t1
+        return outputs, res.device_seconds
+
+    def _outputs(self, out: SchedulerOutput, got: list[int], res: StepResult) -> list[EngineCoreOutput]:
+        """The outputs of the requests that got a token in step `out` (rows `got`). The step's start
+        is each row's first scheduling time; a sample that failed ends its siblings."""
+        rows = list(out.scheduled.values())
+        for row in rows:
+            if not row.request.first_scheduled_time:
+                row.request.first_scheduled_time = res.started
+        sampled = res.sampled
+        outputs = []
+        broken: dict[str, str] = {}
+        for i in got:
+            req = rows[i].request
+            k = req.sampling_params.logprobs
+            first = not req.first_token_time
+            if first:
+                req.first_token_time = time.monotonic()
+            o = EngineCoreOutput(req.request_id, [req.output_token_ids[-1]])
+            if k is not None:
+                o.logprobs = LogprobArrays(sampled.logprob[i:i + 1], sampled.rank[i:i + 1],
+                                           sampled.top_ids[i:i + 1, :k], sampled.top_logprobs[i:i + 1, :k])
+            if first:
+                o.first_scheduled_time = req.first_scheduled_time
+            if req.is_finished:
+                self._finished(req, o)
+                if req.error is not None and req.group_id is not None:
+                    broken[req.group_id] = req.error
+            outputs.append(o)
+        for gid, why in broken.items():  # a sample's grammar refused its token: the request fails whole
+            outputs += self.fail({s: f"a sample of this request failed: {why}" for s in self._groups.get(gid, ())})
+        return outputs
+
+    def _finished(self, req: Request, o: EngineCoreOutput) -> None:
+        reason = req.finish_reason
+        o.finish_reason = reason.value if reason is not None else None
+        o.stop_reason = req.stop_reason if isinstance(req.stop_reason, int) else None
+        o.error, o.error_param = req.error, req.error_param
+        o.num_preemptions = req.num_preemptions
+        if req.group_id is not None and all(s not in self.scheduler.requests for s in self._groups.get(req.group_id, ())):
+            self._groups.pop(req.group_id, None)
+
+    def fail(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
+        """End requests that failed (sample id -> why), with their sibling samples: FINISHED_ERROR,
+        and their final outputs, with error set."""
+        ended: dict[str, str] = {}
+        for rid, why in reasons.items():
+            if rid not in self.scheduler.requests:
+                continue
+            logger.error("request %s failed: %s", rid, why)
+            for s in self._members(rid):
+                if s in self.scheduler.requests and s not in ended:
+                    ended[s] = why if s == rid else f"a sample of this request failed: {why}"
+        if not ended:
+            return []
+        reqs = [self.scheduler.requests[s] for s in ended]
+        for req in reqs:
+            req.error, req.error_param = ended[req.request_id], None
+        self.scheduler.finish_requests(list(ended), RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for req in reqs:
+            o = EngineCoreOutput(req.request_id, [])
+            self._finished(req, o)
+            outputs.append(o)
+        return outputs
+
+    def fail_all(self, why: str) -> list[EngineCoreOutput]:
+        """End every request in flight with an error (after a failure on the host, outside a step's
+        device work, no request's state can be trusted)."""
+        return self.fail(dict.fromkeys(list(self.scheduler.requests), why))
+
+    def _observe(self, step: InFlight, res: StepResult) -> None:
+        """Feed the cost model what the step cost the engine: from the start of the step() call
+        that dispatched it, or the read of the step before it if that came later (with overlap, the
+        steps' reads are one step's wall time apart: host or device, whichever bounds it), to the
+        read of its results. A step that ran a model or sampler program for the first time (one-time
+        costs) is not fed."""
+        seconds = res.done - max(step.call_start, self._last_done)
+        self._last_done = res.done
+        out = step.out
+        if step.first_run:
+            return
+        if self.cost_model is not None and self.measure_costs and not step.idle_after:
+            self._costs.append((StepShape(out.token_bucket, out.seq_bucket, out.context), seconds))
+
+    def apply_cost_observations(self) -> None:
+        """Feed the step times measured since the last step to the cost model (and cost_feed)."""
+        for shape, seconds in self._costs:
+            if self.cost_errors is not None:
+                self.cost_errors.append((self.cost_model.predict(shape), seconds))
+            self.cost_model.observe(shape, seconds)
+            if self.cost_feed is not None:
+                self.cost_feed.append((shape.T, shape.S, shape.context, seconds))
+        self._costs.clear()
+
+    def _failed(self, outs: list[SchedulerOutput], e: Exception) -> StepFailure:
+        """A step failed on the device: end every request whose KV it may have spoiled, and drop
+        the steps in flight with it."""
+        self._in_flight = None
+        why = f"the step failed on the device: {type(e).__name__}: {e}"
+        spoiled: dict[str, str] = {}
+        for out in outs:
+            spoiled.update(dict.fromkeys(self.scheduler.recover(out), why))
+        return StepFailure(self.fail(spoiled), e)
+
+    # -- the loop of a core that runs on its own (a thread or a process: core_client.py) -----------
+    def handle(self, msg: CoreInput) -> EngineCoreOutputs | None:
+        """Apply one input between steps; a reply for the client, when there is one. A request the
+        core refuses (a duplicate id, a full queue) is answered with its error output."""
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                self.add_request(msg)
+            except Exception as e:  # noqa: BLE001 - the front end checked it; a refusal ends it alone
+                param = getattr(e, "param", None)
+                return EngineCoreOutputs([EngineCoreOutput(msg.request_id, [], finish_reason="error",
+                                                           error=str(e), error_param=param)],
+                                         engine_index=self.engine_index)
+            return None
+        if isinstance(msg, AbortRequests):
+            self.abort_requests(msg.request_ids)
+            return None
+        if isinstance(msg, UtilityRequest):
+            try:
+                result, error = self.call(msg.method, msg.args), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, f"{type(e).__name__}: {e}"
+            return EngineCoreOutputs(utility=UtilityOutput(msg.call_id, result, error), engine_index=self.engine_index)
+        raise TypeError(f"an engine core cannot handle a {type(msg).__name__}")
+
+    def run_loop(self, receive: Callable[[bool], CoreInput | None], send: Callable[[EngineCoreOutputs], None]) -> None:
+        """Step while there is work, applying inputs between steps, until a Shutdown comes.
+        receive(block): the next input, or None when none is waiting and block is False. send: a
+        step's outputs (with the core's stats), or a reply. A step that fails on the device has
+        ended its requests (their outputs carry the error); a failure anywhere else on the host
+        ends every request in flight with an error; the loop goes on either way."""
+        applied = False  # inputs applied since the stats last went out
+        while True:
+            block = not self.scheduler.has_unfinished_requests()
+            if block and applied:  # idle now: the front end sees the queues as they are (an abort's)
+                send(EngineCoreOutputs(stats=self.stats(), engine_index=self.engine_index))
+                applied = False
+            while (msg := receive(block)) is not None:
+                if isinstance(msg, Shutdown):
+                    return
+                reply = self.handle(msg)
+                if reply is not None:
+                    send(reply)
+                block, applied = False, True
+            if not self.scheduler.has_unfinished_requests():
+                continue
+            applied = False
+            failed_all = step_failure = None
+            try:
+                outputs = self.step()
+            except StepFailure as e:
+                logger.error("a step failed on the device: %s", e, exc_info=e.cause)
+                outputs, step_failure = e.outputs, str(e)
+            except Exception as e:
+                logger.exception("engine step failed on the host; failing every request in flight")
+                failed_all = (f"an engine step failed ({type(e).__name__}: {e}); the request was aborted "
+                              "(retry it)")
+                try:
+                    outputs = self.fail_all(failed_all)
+                except Exception:
+                    logger.exception("could not end the requests in flight")
+                    outputs = []
+            send(EngineCoreOutputs(outputs, self.stats(), engine_index=self.engine_index, step_failure=step_failure,
+                                   failed_all=failed_all))
+
+
+def reserve_count(args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[Any] | None) -> int:
+    """EngineArgs.cpu_reserved_cores as a count, "auto" decided (and logged) before jax starts; None
+    is the library's default, 0."""
+    n = args.cpu_reserved_cores
+    if n != "auto":
+        return n or 0
+    import jax
+    from jax._src import xla_bridge
+
+    started = xla_bridge.backends_are_initialized()
+    if devices is not None:  # any sequence of devices (a list, a numpy array of them)
+        cpu = next(iter(devices)).platform == "cpu"
+    else:
+        cpu = jax.default_backend() == "cpu" if started else host_malloc.cpu_backend_expected()
+    own = devices is None and args.tensor_parallel_size == 1 and args.distributed_coordinator is None
+    n, why = auto_reserved_cores(model_cfg, cpu=cpu, jax_started=started, own_devices=own,
+                                 async_scheduling=args.async_scheduling is not False, reserved=reserved_now())
+    logger.info("cpu_reserved_cores=auto: %d (%s)", n, why)
+    return n
+

@@ -1,0 +1,190 @@
+"""The front end: one service between the callers (LLM, LLMEngine, the HTTP and gRPC servers,
+run-batch) and the engine cores, whatever runs them (core_client.py).
+
+    make_request   a prompt (text, token ids) + SamplingParams -> a checked EngineCoreRequest: every
+                   check a request gets, in one place, each error naming its field
+    add            track its outputs, hand it to a core
+    process        a core's EngineCoreOutputs -> RequestOutputs (output_processor.py: detokenizing,
+                   stop strings, logprobs, n > 1 groups); samples ended by a stop string are
+                   aborted in their core
+    abort          end requests here and in their core
+
+A FrontEnd is not thread-safe: one thread drives it (LLMEngine: the caller; the server: its lock,
+serving/async_engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.core.request import SamplingParams
+from jaxsched.core.scheduler import check_fits
+from jaxsched.engine.core_client import EngineCoreClient
+from jaxsched.engine.core_messages import EngineCoreOutputs, EngineCoreRequest
+from jaxsched.engine.output_processor import OutputProcessor
+from jaxsched.engine.outputs import RequestOutput
+from jaxsched.errors import InvalidRequestError
+from jaxsched.runner.penalties import check_penalty_capacity
+
+PromptType = str | dict[str, Any]
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A checked request: what its core gets, and the prompt's text (outputs repeat it; cores never see it)."""
+
+    core: EngineCoreRequest
+    prompt: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.core.request_id
+
+
+class FrontEnd:
+    def __init__(self, client: EngineCoreClient, tokenizer: Any = None, grammars: Any = None) -> None:
+        """tokenizer / grammars: an in-process core's own (its compiled grammars are then shared);
+        None loads the tokenizer from the config and compiles grammars here."""
+        from jaxsched.engine.tokenizer import load_tokenizer
+        from jaxsched.structured.grammar import GrammarCompiler
+
+        self.client = client
+        self.config: EngineConfig = client.config
+        self.info = client.info
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.config.tokenizer_path)
+        self.eos_token_ids = tuple(client.info.eos_token_ids)
+        self.grammars = grammars if grammars is not None else GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._rng = np.random.default_rng(self.config.seed)
+        self._next_id = 0
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The checkpoint's architecture (head counts as in its config.json)."""
+        return self.config.checkpoint_model
+
+    @property
+    def cache_config(self):
+        return self.config.cache
+
+    @property
+    def scheduler_config(self):
+        return self.config.scheduler
+
+    def kv_bytes_per_device(self) -> int:
+        return self.info.kv_bytes_per_device
+
+    # -- requests in ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType | Sequence[int]) -> tuple[list[int], str | None]:
+        """A prompt as token ids (+ its text). Raises InvalidRequestError on an empty or malformed prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: pass at least one character or token id", "prompt")
+            return list(self.tokenizer.encode(prompt)), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise InvalidRequestError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)",
+                                          "prompt")
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = prompt, None
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}", "prompt")
+        V = self.model_config.vocab_size
+        ids = list(ids)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids is empty: pass at least one token id", "prompt")
+        for t in ids:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
+                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {t!r}",
+                                          "prompt")
+        return [int(t) for t in ids], text
+
+    def make_request(self, request_id: str, prompt: PromptType | Sequence[int],
+                     params: SamplingParams | None = None, arrival_time: float | None = None,
+                     priority: int = 0) -> NewRequest:
+        """Check a request and build what its core gets, without adding it (so a batch can be
+        checked up front). Every check a request gets is here (the server's own are about the
+        HTTP request's shape), each raising InvalidRequestError that names the field."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InvalidRequestError(f"priority must be a 64-bit integer (lower runs first), got {priority!r}",
+                                      "priority")
+        cfg = self.config
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs must be <= max_logprobs ({cfg.max_logprobs}), got {params.logprobs}", "logprobs")
+        V = self.model_config.vocab_size
+        for name, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids),
+                                ("logit_bias", "logit_bias keys", [t for t, _ in params.logit_bias or ()])):
+            for t in ids or ():
+                if t >= V:
+                    raise InvalidRequestError(f"{what} must be token ids in [0, {V}) (the vocab size), got {t}", name)
+        if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
+            params = dataclasses.replace(params, top_k=0)
+        ids, text = self.tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        check_penalty_capacity(params, ids, self.eos_token_ids, cfg.scheduler.max_model_len, V, cfg.penalty_capacity)
+        check_fits(len(ids), params.max_tokens, cfg.scheduler, cfg.cache.block_size, cfg.cache.num_usable_blocks)
+        if params.structured_outputs is not None:  # a definition that does not compile is refused here
+            self.grammars.compile(params.structured_outputs)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+        core = EngineCoreRequest(
+            request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time, priority,
+            sample_seed=seed % (2**31 - 1),
+            # prefix caching: requests share cached blocks only with requests of the same salt
+            cache_salt=int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") if salt else 0)
+        return NewRequest(core, text)
+
+    def add(self, req: NewRequest) -> None:
+        """Queue a checked request (make_request). With n > 1 its samples run as sibling requests in
+        one core, sharing the prompt's KV blocks; all are queued or none is."""
+        self.outputs.add(req.core, req.prompt)  # refuses an id (or a sample's id) already in flight
+        try:
+            self.client.add_request(req.core)
+        except BaseException:
+            self.outputs.forget(req.request_id)
+            raise
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests (an n > 1 request, or any of its samples, ends all its samples): their final
+        outputs, finish_reason "abort". Unknown ids are ignored."""
+        outputs, running = self.outputs.abort(request_ids)
+        self.client.abort_requests(running)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.outputs) > 0
+
+    def next_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    # -- outputs -------------------------------------------------------------------------------
+    def process(self, outs: EngineCoreOutputs) -> list[RequestOutput]:
+        """The RequestOutputs of a core's message; a sample whose text reached a stop string is
+        aborted in its core."""
+        outputs, ended = self.outputs.process(outs.outputs)
+        if ended:
+            self.client.abort_requests(ended)
+        return outputs

@@ -1,0 +1,55 @@
+"""ModelConfig: a decoder's architecture, as every model file, the mesh layout and the engine read it.
+Plain Python: importable without jax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's architecture, read from a Hugging Face config.json (or GGUF metadata)."""
+
+    architecture: str  # HF name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None  # HF's rope_scaling dict as sorted items (hashable)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral / Qwen2 option; only allowed when >= max_model_len
+    dtype: str = "float32"  # the checkpoint's dtype
+
+    @property
+    def layer_params(self) -> int:
+        """Weights every token goes through in the decoder layers (the q, k, v, o projections and the
+        MLP's three matrices; norms and biases left out): a token costs twice that in FLOPs, plus the
+        lm_head's vocab_size * hidden_size for each token sampled."""
+        D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        return self.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * self.intermediate_size)
+
+    @property
+    def token_flops(self) -> int:
+        """FLOPs of one token through the weights, the lm_head included (attention over the context
+        left out): what recomputing a token, or sampling one, costs in matmuls."""
+        return 2 * (self.layer_params + self.vocab_size * self.hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )

@@ -1,0 +1,152 @@
+"""Keep freed host memory in the process on a CPU backend, so that each step does not fault it in again.
+
+XLA:CPU allocates an executable's temporary buffer (all its intermediates, in one block) at every
+run and frees it afterwards. glibc serves a block over 32 MiB, and any block larger than a worker
+thread's arena can hold, with a fresh mmap, and gives it back with munmap at free: every run then
+pays a page fault and the zeroing of each page it touches, on the step's critical path. The
+sampler's temporary buffer holds several [S, V] arrays, so a sampled step of many rows spent a large
+share of its time in the kernel (docs/PERFORMANCE.md, "Decisions in the code").
+
+The cure is glibc's own switches, set before any worker thread allocates: one arena (whose heap can
+grow with brk), no mmap for large blocks, and a trim threshold that keeps up to 1 GiB of freed
+memory at the top of the heap. The process keeps its peak host memory instead of returning it to
+the kernel after each step, as a caching allocator would (vLLM's CPU build asks for tcmalloc for the
+same reason).
+
+This runs at `import jaxsched` because it must come before jax's threads first allocate, which is
+before the engine knows its devices. (glibc fixes the arena count when a thread other than the
+main one first allocates; imported after that, only the mmap switches take effect, and the large
+blocks of the other threads' arenas are still mapped afresh.) So the choice comes from the
+environment: JAXSCHED_HOST_MALLOC=keep applies it, =system leaves glibc as it is, and the default,
+auto, applies it when jax will run on the CPU (JAX_PLATFORMS starts with cpu, or no GPU or TPU
+plugin is installed). On a GPU the large buffers live in device memory, which XLA pools already.
+Only Linux with glibc has these switches.
+
+One arena has a cost of its own: every allocation of the device's threads and of the host's Python
+thread takes the same lock, and memory one thread frees is handed to the other. With overlapped
+scheduling both allocate at the same time, and a small model's step is slowed by it (the tiny
+model's overlapped step: docs/PERFORMANCE.md, "Decisions in the code"). The one arena is only needed
+where a program's temporary buffer is too large for a thread arena's heap. So an engine that is
+built before jax starts its threads calls `allow_thread_arenas` with the largest temporary buffer
+its programs can take, and where that fits, every thread that allocates from then on (jax's among
+them) gets an arena of its own again. JAXSCHED_HOST_MALLOC=keep keeps one arena whatever the engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import platform
+import sys
+
+logger = logging.getLogger(__name__)
+
+ENV = "JAXSCHED_HOST_MALLOC"
+CHOICES = ("auto", "keep", "system")
+
+# mallopt parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+TRIM_THRESHOLD = 1 << 30
+# glibc's HEAP_MAX_SIZE on 64-bit: a thread arena's heaps are this large at most, and a block that
+# does not fit one is mapped afresh at every allocation, whatever M_MMAP_MAX says
+THREAD_HEAP_BYTES = 64 << 20
+
+# modules present when jax can run on something other than the CPU
+_ACCELERATOR_MODULES = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
+
+applied = False  # whether this process's malloc was set up here
+choice_made = "system"  # the JAXSCHED_HOST_MALLOC choice keep_freed_memory() applied, as it read it
+thread_arenas = False  # whether allow_thread_arenas() gave threads their own arenas back
+
+
+def _glibc():
+    """This process's C library when it is glibc on Linux (whose switches this module sets), else None."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6")
+
+
+def cpu_backend_expected(environ=os.environ) -> bool:
+    """Whether jax will run on the CPU, decided without starting jax."""
+    platforms = environ.get("JAX_PLATFORMS", environ.get("JAX_PLATFORM_NAME", "")).strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_MODULES)
+
+
+def keep_freed_memory(environ=os.environ) -> bool:
+    """Apply the settings above when JAXSCHED_HOST_MALLOC asks for them; True when they were set."""
+    global applied, choice_made
+    choice = environ.get(ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={environ[ENV]!r} is not one of {', '.join(CHOICES)}: keep sets glibc's malloc up "
+                         "to keep freed memory (in one arena), system leaves it alone, auto keeps it when jax runs on "
+                         "the CPU and lets an engine with small programs give threads arenas of their own")
+    if choice == "system" or (choice == "auto" and not cpu_backend_expected(environ)):
+        return False
+    libc = _glibc()
+    if libc is None:
+        if choice == "keep":
+            logger.warning("%s=keep needs Linux with glibc; this is %s with %s: left as it is", ENV, sys.platform,
+                           platform.libc_ver()[0] or "another C library")
+        return False
+    # the arena count first: glibc fixes it when a second thread first allocates
+    ok = all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
+                                                  (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+    if not ok:
+        logger.warning("glibc refused a mallopt setting; host memory is returned to the kernel after each step")
+    applied = ok
+    choice_made = choice if ok else "system"
+    return ok
+
+
+def allow_thread_arenas(largest_block: int) -> bool:
+    """Give every thread that first allocates from now on an arena of its own (glibc's default
+    count), where keep_freed_memory() set one arena under the `auto` choice and no block of
+    `largest_block` bytes (an engine's largest program temporary buffer) would be too large for a
+    thread arena's heap. Returns whether it did.
+
+    Threads keep the arena they first allocated from, and glibc fixes its arena limit when a thread
+    other than the main one first allocates: called before jax starts its threads (the engine does
+    it before anything else touches jax), it moves jax's; called later, only threads started after
+    it, if any, and none where the limit was already fixed: so it does nothing once jax has started.
+    Process-wide: the first engine decides."""
+    global thread_arenas
+    if not applied or choice_made != "auto" or largest_block > THREAD_HEAP_BYTES // 2:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a jax without it: assume started (the one arena stays)
+        started = True
+    if started:  # jax's threads have taken the one arena, and glibc has fixed its limit
+        return False
+    libc = _glibc()  # not None: applied
+    # glibc's default limit (NARENAS_FROM_NCORES); mallopt takes no 0 for "the default"
+    thread_arenas = libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) == 1
+    return thread_arenas
+
+
+def arena_count() -> int:
+    """How many malloc arenas this process has (glibc's malloc_info); 0 where that cannot be read."""
+    libc = _glibc()
+    if libc is None:
+        return 0
+    import tempfile
+
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    with tempfile.NamedTemporaryFile("r", suffix=".xml") as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        if not fp:
+            return 0
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        return f.read().count("<heap nr=")

@@ -1,0 +1,605 @@
+"""ModelRunner: the weights and the KV pool on the device, one compiled model program per (T, S)
+bucket and the sampler's program(s) per S, and dispatch(scheduler output) / collect(step) -> sampled
+tokens.
+
+A step is a SchedulerOutput: its block moves (swap out, copy-on-write, swap in), then the batch
+packed into fixed-shape arrays and two calls dispatched back to back: the model's program, whose
+logits stay on the device, then the sampler's. The sampler does not depend on T, so it is compiled
+once per S rather than into every pair's program: it was about half of each pair's compile time
+(docs/PERFORMANCE.md, "Decisions in the code"). Where XLA turns a lax.cond into a wait for the device
+(a GPU), the sampler is a few programs without conds and the host picks one per step; on a CPU the
+host picks between the argmax alone and the program with conds (tuning.sampler_branches). All
+compilation happens in warm_up(), ahead of time;
+a step only looks its executables up, so it can never compile. The KV pool is donated to every
+call and updated in place.
+Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
+(sampled ids + logprobs, packed).
+
+dispatch() starts a step and returns at once; collect() waits for it and reads its tokens. Each
+step also leaves its sampled ids on the device (prev_ids), where the next step's decode rows take
+their input token from: that is what lets the engine schedule step N+1 before reading step N's
+tokens (overlapped scheduling, engine.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.core.buckets import bucket_pairs
+from jaxsched.core.request import MAX_LOGIT_BIAS
+from jaxsched.core.scheduler import SchedulerOutput
+from jaxsched.models.layers import pack_linear_weights, untie_lm_head
+from jaxsched.parallel.mesh import place
+from jaxsched.paths import cache_dir
+from jaxsched.runner.batch import SAMPLER_I32, BatchDescriptor, BatchPacker, SamplerRows, flat_sizes
+from jaxsched.runner.sampler import SamplerOutput, sample
+from jaxsched.runner.sampler import needs as sampler_needs
+from jaxsched.structured.grammar import mask_words
+from pallas_kernels import backends, tuning
+
+logger = logging.getLogger(__name__)
+
+SWAP_CHUNKS = (8, 32, 128)  # blocks per swap copy call
+
+
+@dataclass
+class StepResult:
+    """What executing one SchedulerOutput gives back."""
+
+    sampled: SamplerOutput  # S rows (none for a step with no rows)
+    started: float  # time.monotonic() when the step began
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be stored
+    # seconds the host waited on the device: from collect() until the results were read, and the
+    # block moves (a swap-out copy waits for the step in flight, as its pages must be final)
+    device_seconds: float = 0.0
+    done: float = 0.0  # time.perf_counter() when its results were read (0: no rows)
+
+
+@dataclass
+class InFlight:
+    """A step dispatched to the device whose results the host has not read yet (ModelRunner.dispatch;
+    collect() reads them). With overlapped scheduling the next step is scheduled meanwhile."""
+
+    out: SchedulerOutput
+    started: float  # time.monotonic() when the step began
+    S: int = 0  # its sequence bucket; 0: no rows (block moves only, or nothing)
+    ints: object = None  # the step's device outputs (SamplerOutput packed), read by collect()
+    floats: object = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    device_seconds: float = 0.0  # block moves waited for at dispatch
+    pack_seconds: float = 0.0  # host time packing its batch
+    launch_seconds: float = 0.0  # host time dispatching its programs (they run on after it)
+    device_start: float = 0.0  # time.perf_counter() when its model program's call returned (the device had it)
+    call_start: float = 0.0  # time.perf_counter() when the engine's step() that dispatched it began
+    # a constrained row's next token mask is built on the host from this step's token: the next
+    # step must wait for it (Engine.step)
+    needs_tokens: bool = False
+    idle_after: bool = False  # the engine had no requests left after dispatching it (an abort)
+    first_run: bool = False  # its model or sampler program ran for the first time (one-time costs)
+
+
+def _chunked(pairs: list[tuple[int, int]]):
+    """Split block pairs into chunks of the compiled sizes: (pairs, padded size) each."""
+    i = 0
+    while i < len(pairs):
+        rest = len(pairs) - i
+        C = next((c for c in SWAP_CHUNKS if c >= rest), SWAP_CHUNKS[-1])
+        yield pairs[i : i + C], C
+        i += C
+
+
+def _with_blocks(pool_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A pool's shape [L, NB, ...] (either page layout) with n blocks instead of NB."""
+    return (pool_shape[0], n, *pool_shape[2:])
+
+
+def device_memory(dev=None, sharing: int = 1) -> tuple[int, int]:
+    """(total, free) bytes of `dev` (default: the first device). On a CPU, host memory divided among
+    the `sharing` simulated devices that hold one engine's shards (they all live in it)."""
+    dev = dev or jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total, total - int(stats.get("bytes_in_use", 0))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total // sharing, free // sharing
+
+
+def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int:
+    """The model's weights in `dtype` on one of `shards` devices (the split weights' 1 / shards,
+    the replicated ones whole), from its shapes alone (nothing is allocated)."""
+    from jaxsched.models.loader import build_model
+    from jaxsched.parallel.mesh import param_spec
+
+    abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract))):
+        split = "model" in param_spec(str(path[-1].key), x.ndim, model_config.vocab_size % shards == 0)
+        total += x.size * x.dtype.itemsize // (shards if split else 1)
+    return total
+
+
+def temporary_bytes_bound(model_config: ModelConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                          max_model_len: int) -> int:
+    """An upper bound of the temporary buffer (all intermediates, one host block per run on a CPU)
+    of the largest program an engine of these sizes compiles, from shapes alone, before jax starts
+    (host_malloc.allow_thread_arenas). The sampled sampler holds five [S, V] float32 arrays (six
+    counted here); a model program ~(2F + 4D) floats per token (6D counted) and its [S, V] logits;
+    XLA's attention, where it runs (the numba kernels keep theirs out of the buffer, counted anyway:
+    "auto" is not resolved yet), four [T, N, max_model_len] arrays of scores and a [S, max_model_len,
+    K, H] chunk of each pool at most. Checked against compiled programs' own figures in
+    tests/test_host_malloc.py."""
+    S, T, V = max_num_seqs, max_num_batched_tokens, model_config.vocab_size
+    sampler = 6 * S * V
+    attention = 4 * T * model_config.num_heads * max_model_len \
+        + 2 * S * max_model_len * model_config.num_kv_heads * model_config.head_dim
+    model = T * (2 * model_config.intermediate_size + 6 * model_config.hidden_size) + 2 * S * V + attention
+    return 4 * max(sampler, model)
+
+
+def largest_temporary_bytes(executables) -> int:
+    """The largest temporary buffer of these compiled programs, as XLA reports it (0 where it does not)."""
+    largest = 0
+    for exe in executables:
+        analysis = exe.memory_analysis()
+        largest = max(largest, getattr(analysis, "temp_size_in_bytes", 0) if analysis is not None else 0)
+    return largest
+
+
+# Programs that compile faster than this are not written to the persistent cache. jax's default
+# (1 s) left out the model's programs of small buckets (0.4-1.3 s each once the sampler is a program
+# of its own); the block-copy programs (~0.1 s) compile about as fast as they would load.
+CACHE_MIN_COMPILE_SECONDS = 0.2
+
+
+def enable_compilation_cache() -> None:
+    """Turn on jax's persistent compilation cache (in the jaxsched cache folder) unless the user
+    chose a folder already, so a second start of the same model and buckets skips compilation."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
+
+
+class ModelRunner:
+    def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None) -> None:
+        """mesh: the engine's ("data", "model") mesh (parallel.make_mesh), which the model's weights
+        were placed on; None: one default device."""
+        self.config = config
+        self.mesh = mesh
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
+        # the pool is split on its KV-head axis (axis 2 in both page layouts)
+        self._pool_sharding = None if mesh is None else NamedSharding(mesh, P(None, None, "model"))
+        # a multi-process mesh takes global arrays only: host data is placed shard by shard (parallel.place)
+        self._multiprocess = jax.process_count() > 1
+        self._platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        self.model_config = cfg = config.model
+        self.cache_config = cache = config.cache
+        self.scheduler_config = sched = config.scheduler
+        self.max_logprobs = config.max_logprobs
+        n_devices = 1 if mesh is None else mesh.devices.size
+        self.packed_matmuls = tuning.packed_matmuls(self._platform, config.attention_backend, n_devices)
+        if self.packed_matmuls:  # a tied lm_head gets its own copy, packed below (layers.vocab_logits)
+            untie_lm_head(model)
+        self.graphdef, state = nnx.split(model)
+        if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
+            state = pack_linear_weights(state)
+        self.state = state
+        self.max_blocks_per_seq = M = cache.max_blocks_per_seq
+        self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
+                                  config.penalty_capacity, cfg.vocab_size)
+        backend = backends.get(config.attention_backend)
+        # [L, NB, K, P, H] each, K pages transposed for the CPU backends; a bfloat16 pool is uint16
+        # bits for them (pool_storage.py)
+        self._pool_shapes = backend.pool_shapes(cfg.num_layers, cache.num_blocks, cfg.num_kv_heads,
+                                                cache.block_size, cfg.head_dim)
+        dt = backend.pool_dtype(cache.dtype)
+        self.kv = self._new_pool(dt)
+        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
+        # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
+        # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
+        self.sampler_variants: tuple[frozenset[str] | None, ...] = tuning.SAMPLER_PROGRAMS[config.sampler_branches]
+        self._samplers: dict[int, tuple] = {}
+        self._use_compiler_options = True  # off once jaxlib rejects them (_compiled())
+        self.warmup_seconds = 0.0
+        self.ran: set[tuple[int, int]] = set()  # bucket pairs whose program has run (first runs are slow)
+        self.model_dispatched = 0.0  # time.perf_counter() when the last model program's call returned
+        self.sampler_ran: set[tuple[int, int]] = set()  # (S, variant index) of the sampler programs run
+        # The swap pool: host memory laid out like the device pool, NBh blocks instead of NB.
+        nh = sched.num_host_blocks
+        self.host_kv = tuple(np.zeros(_with_blocks(x.shape, nh), dt) for x in self.kv) if nh else None
+        self._swap_out_exe: dict[int, object] = {}
+        self._swap_in_exe: dict[int, object] = {}
+        self._copy_exe: dict[int, object] = {}
+        self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
+        # per S: the penalty and constraint tables of a step where no row uses them, kept on the device
+        self._idle_tables: dict[int, tuple] = {}
+
+    @property
+    def state(self):
+        """The model's weights (an nnx State, as nnx.split gives it)."""
+        return jax.tree_util.tree_unflatten(self._state_def, self._state_leaves)
+
+    @state.setter
+    def state(self, state) -> None:
+        # The programs take the weights as a flat tuple of arrays: a compiled call flattens its
+        # arguments at every dispatch, and an nnx State's Variables flatten in Python, a tuple in C++
+        # (docs/PERFORMANCE.md, "Decisions in the code")
+        leaves, self._state_def = jax.tree_util.tree_flatten(state)
+        self._state_leaves = tuple(leaves)
+
+    def _new_pool(self, dt):
+        def zeros():
+            return tuple(jnp.zeros(shape, dt) for shape in self._pool_shapes)
+
+        if self.mesh is None:
+            return zeros()
+        # allocated by a jit with out_shardings: each device allocates only its own shard
+        return jax.jit(zeros, out_shardings=(self._pool_sharding,) * 2)()
+
+    def _input(self, shape: tuple[int, ...], dtype, sharding=None) -> jax.ShapeDtypeStruct:
+        """The abstract input of a compiled call: replicated on the mesh unless `sharding` says."""
+        if self.mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self._replicated)
+
+    def _put(self, x: np.ndarray, sharding=None):
+        """Host data for a compiled call. On one process the call places numpy input itself; on
+        several, every input must be a global array (each process supplies its local shards)."""
+        if not self._multiprocess:
+            return x
+        return place(x, sharding or self._replicated)
+
+    def _fetch(self, *xs) -> list[np.ndarray]:
+        """Replicated (or single-device) results in host memory, in one transfer; with several
+        processes each one reads its own replica."""
+        if not self._multiprocess:
+            # jax.device_get's way (every copy started before the first is waited for) without its
+            # tree walk and profiler wrapper, which cost more than the copies (docs/PERFORMANCE.md,
+            # "Decisions in the code")
+            for x in xs:
+                x.copy_to_host_async()
+            return [np.asarray(x) for x in xs]
+        return [np.asarray(x.addressable_data(0)) for x in xs]
+
+    def _table_shapes(self, S: int) -> list[tuple[tuple[int, int], object]]:
+        """(shape, dtype) of the step's tables besides the flat buffers, in the order _step takes
+        them: penalty ids and counts, token mask, logit_bias ids and values."""
+        W, V = self.penalty_capacity, self.model_config.vocab_size
+        return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
+                ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
+
+    def _forward(self, weights, kv, prev_ids, flat_i32, *, T: int, S: int):
+        """The model's part of a step. weights: the state's leaves (the `state` setter). prev_ids:
+        i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
+        scheduled before the host read them take them from here (batch.from_prev), and so do
+        penalised rows' tables (batch.pending_src). Returns the pool, the logits f32[S, V] and the
+        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S])."""
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
+        # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
+        _, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
+        batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
+        src = batch.from_prev
+        batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
+        src = batch.pending_src
+        batch.pending_token = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], -1)
+        with self._row_limits(batch, T, S):
+            logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
+        return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32])
+
+    def _row_limits(self, batch, T: int, S: int):
+        """With packed matmuls: the step's real tokens and sequences, so that the kernels skip its
+        padding rows (numba_matmul.row_limits; padding comes last in both). T == S: the tokens'
+        count, at least the sequences'."""
+        if not self.packed_matmuls:
+            return contextlib.nullcontext()
+        from pallas_kernels import numba_matmul
+
+        return numba_matmul.row_limits({S: batch.num_seqs[0], T: batch.query_start_loc[-1]})
+
+    def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int, features: frozenset[str] | None):
+        """The sampler's part of a step, a program of its own per S and variant (the model's is per
+        (T, S)): tables: _table_shapes's arrays. Returns the packed sampler output, and this step's
+        prev_ids (i32[Smax]) for the next."""
+        rows = SamplerRows.from_flat(rows_i32, flat_f32, S, *tables)
+        ints, floats = sample(logits, rows, self.max_logprobs, features)
+        # SamplerOutput: the sampled ids come first
+        next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:S].set(ints[:S])
+        return ints, floats, next_ids
+
+    def compile(self, T: int, S: int):
+        """The model's program for bucket pair (T, S)."""
+        n_i32, _ = flat_sizes(T, S, self.max_blocks_per_seq)
+        # with a mesh: the pool stays split on its heads, the logits and rows replicated
+        out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
+                                                              self._replicated)}
+        fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1,), **out)
+        return self._compiled(fn.lower(self._state_leaves, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
+                                       self._input((n_i32,), jnp.int32), T=T, S=S))
+
+    def compile_sampler(self, S: int, features: frozenset[str] | None = None):
+        """The sampler's program for S rows and one variant (sampler.sample's `features`): shared by
+        every T."""
+        # with a mesh: the sampled ids and logprobs replicated (each process of a multi-host engine
+        # reads its own copy)
+        out = {} if self.mesh is None else {"out_shardings": (self._replicated,) * 3}
+        fn = jax.jit(self._sample, static_argnames=("S", "features"), **out)
+        _, n_f32 = flat_sizes(0, S, 0)  # the float32 buffer holds row fields only (as SamplerRows reads it)
+        tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
+        return self._compiled(fn.lower(self._input((S, self.model_config.vocab_size), jnp.float32),
+                                       self._input((len(SAMPLER_I32) * S,), jnp.int32),
+                                       self._input((n_f32,), jnp.float32), tables, S=S, features=features))
+
+    def _compiled(self, lowered):
+        options = tuning.compiler_options(self._platform, self.config.attention_backend) \
+            if self._use_compiler_options else {}
+        if not options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=options)
+        except Exception as e:  # XLA raises a plain XlaRuntimeError for an unknown option
+            if "option" not in str(e):
+                raise
+            # The options are experimental XLA flags; a jaxlib without them must still run (slower).
+            logger.warning("this jaxlib rejects the XLA options %s (%s); compiling without them, which is "
+                           "slower on a CPU (docs/PERFORMANCE.md)", sorted(options), str(e).splitlines()[0][:200])
+            self._use_compiler_options = False
+            return lowered.compile()
+
+    # -- swapping ------------------------------------------------------------------------------
+    # Block copies run in chunks of a few fixed sizes (compiled at warm-up like the step), each
+    # chunk one device call for all layers: no host round trip per block.
+    @staticmethod
+    def _gather_blocks(kv, ids):  # ids i32[C] -> both pools' blocks ids, any page layout: [L, C, ...]
+        return kv[0][:, ids], kv[1][:, ids]
+
+    @staticmethod
+    def _scatter_blocks(kv, ids, k, v):  # padding ids point at the null page, which takes zeros
+        return kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)
+
+    def _swap_chunks(self) -> tuple[int, ...]:
+        return SWAP_CHUNKS if self.host_kv is not None else ()
+
+    def _compile_swaps(self) -> None:
+        for C in SWAP_CHUNKS:  # copy-on-write copies, needed with or without a swap pool
+            if C not in self._copy_exe:
+                ids = self._input((C,), jnp.int32)
+                self._copy_exe[C] = jax.jit(self._copy_blocks, donate_argnums=(0,)).lower(
+                    self.kv, ids, ids).compile()
+        for C in self._swap_chunks():
+            if C in self._swap_out_exe:
+                continue
+            ids = self._input((C,), jnp.int32)
+            k, v = (self._input(_with_blocks(x.shape, C), x.dtype, self._pool_sharding) for x in self.kv)
+            self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
+            self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
+                self.kv, ids, k, v).compile()
+
+    @staticmethod
+    def _copy_blocks(kv, src, dst):  # device to device; padding copies the null page onto itself
+        return kv[0].at[:, dst].set(kv[0][:, src]), kv[1].at[:, dst].set(kv[1][:, src])
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
+             blocks_to_copy: list[tuple[int, int]] = ()) -> None:
+        """Copy (device block, host block) pairs out, then device blocks (src, dst) for copy-on-write,
+        then (host block, device block) pairs in. Out goes first: a block it frees may be the
+        destination of a copy or a swap-in; copies go before swap-ins, whose destination may be a
+        copy's source freed later in the same step."""
+        for pairs_chunk, C in _chunked(blocks_to_swap_out):
+            dev = np.zeros(C, np.int32)
+            dev[: len(pairs_chunk)] = [d for d, _ in pairs_chunk]
+            k, v = jax.device_get(self._swap_out_exe[C](self.kv, self._put(dev)))
+            host = [h for _, h in pairs_chunk]
+            self.host_kv[0][:, host] = k[:, : len(host)]
+            self.host_kv[1][:, host] = v[:, : len(host)]
+        for pairs_chunk, C in _chunked(list(blocks_to_copy)):
+            src = np.zeros(C, np.int32)
+            dst = np.zeros(C, np.int32)
+            src[: len(pairs_chunk)] = [s for s, _ in pairs_chunk]
+            dst[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
+            self.kv = self._copy_exe[C](self.kv, self._put(src), self._put(dst))
+        for pairs_chunk, C in _chunked(blocks_to_swap_in):
+            dev = np.zeros(C, np.int32)
+            dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
+            host = [h for h, _ in pairs_chunk]
+            k, v = (np.zeros(_with_blocks(x.shape, C), x.dtype) for x in self.host_kv)
+            k[:, : len(host)] = self.host_kv[0][:, host]
+            v[:, : len(host)] = self.host_kv[1][:, host]
+            self.kv = self._swap_in_exe[C](self.kv, self._put(dev), self._put(k, self._pool_sharding),
+                                           self._put(v, self._pool_sharding))
+
+    def step_programs(self) -> list:
+        """The compiled programs of a step: the model's of every bucket pair and every sampler variant."""
+        return list(self._executables.values()) + [p for programs in self._samplers.values() for p in programs]
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        sc = self.scheduler_config
+        return bucket_pairs(sc.token_buckets, sc.seq_buckets)
+
+    def warm_up(self, run: bool = False) -> float:
+        """Compile every (T, S) bucket pair, and with `run` run each program once on a batch of
+        padding (EngineArgs.warm_up_runs). Returns the seconds it took (also logged)."""
+        enable_compilation_cache()
+        t0 = time.perf_counter()
+        pairs = self.bucket_pairs()
+        for T, S in pairs:
+            if (T, S) not in self._executables:
+                self._executables[(T, S)] = self.compile(T, S)
+            if S not in self._samplers:
+                self._samplers[S] = tuple(self.compile_sampler(S, f) for f in self.sampler_variants)
+        self._compile_swaps()
+        V = self.model_config.vocab_size
+        for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
+            (pi, pc, m, bi, bv) = self._table_shapes(S)
+            self._idle_tables[S] = (self._device(np.zeros(*pi)), self._device(np.zeros(*pc)),
+                                    self._device(np.full(m[0], -1, m[1])),  # all ones: every token allowed
+                                    self._device(np.full(bi[0], V, bi[1])),  # id V: no entry
+                                    self._device(np.zeros(*bv)))
+        self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
+        compiled = time.perf_counter() - t0
+        if run:
+            for T, S in pairs:
+                self.run_once(T, S)
+            self._run_sampler_variants()
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s%s", len(pairs),
+                    list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets), compiled,
+                    f", ran each once in {self.warmup_seconds - compiled:.1f} s" if run else "")
+        return self.warmup_seconds
+
+    def _run_sampler_variants(self) -> None:
+        """Run every sampler variant run_once did not (it runs the cheapest) once, on zeros."""
+        V = self.model_config.vocab_size
+        for S, programs in self._samplers.items():
+            _, n_f32 = flat_sizes(0, S, 0)
+            args = (self._device(np.zeros((S, V), np.float32)), self._device(np.zeros(len(SAMPLER_I32) * S, np.int32)),
+                    self._device(np.zeros(n_f32, np.float32)), self._idle_tables[S])
+            self._fetch(*(p(*args)[0] for p in programs[1:]))
+            self.sampler_ran.update((S, k) for k in range(len(programs)))
+
+    def run_once(self, T: int, S: int) -> None:
+        """Run (T, S)'s program on a batch of padding, waiting for it (attention reads nothing and
+        the pool's real blocks are untouched: padding writes the null page)."""
+        self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))))
+
+    def dispatch(self, out: SchedulerOutput) -> InFlight:
+        """Start one step: its block moves (even an empty step may have some), then its rows, without
+        waiting for the device to finish them. Steps run on the device in the order dispatched."""
+        started = time.monotonic()
+        step = InFlight(out, started)
+        try:
+            if out.has_block_moves:
+                t0 = time.perf_counter()
+                self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+                step.device_seconds = time.perf_counter() - t0
+            if out.is_empty:
+                self.packer.penalties.forget(out.finished_ids)
+                return step
+            t0 = time.perf_counter()
+            batch = self.packer.pack(out)
+            t1 = time.perf_counter()
+            step.pack_seconds = t1 - t0
+            seen = len(self.ran) + len(self.sampler_ran)
+            step.ints, step.floats = self.run(batch)
+            step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
+            step.launch_seconds = time.perf_counter() - t1
+            step.device_start = self.model_dispatched
+            step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
+            return step
+        except Exception:
+            self.recover_pool()
+            raise
+
+    def collect(self, step: InFlight) -> StepResult:
+        """Wait for a dispatched step and read its sampled tokens (and logprobs)."""
+        if not step.S:
+            return StepResult(SamplerOutput.unpack(np.zeros(0, np.int32), np.zeros(0, np.float32), 0,
+                                                   self.max_logprobs), step.started, device_seconds=step.device_seconds)
+        t0 = time.perf_counter()
+        try:
+            ints, floats = self._fetch(step.ints, step.floats)
+        except Exception:
+            self.recover_pool()
+            raise
+        done = time.perf_counter()
+        return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
+                          step.rejected, step.device_seconds + done - t0, done)
+
+    def run(self, batch: BatchDescriptor):
+        """Dispatch the model's and the sampler's programs over one packed batch: its packed sampler output,
+        still on the device (an array being computed)."""
+        T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
+        exe = self._executables.get((T, S))
+        if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
+            raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
+        # tables no row uses are not sent: their idle copies stay on the device (never read, or neutral)
+        idle = self._idle_tables[S]
+        pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts)) if batch.has_penalties else idle[:2]
+        mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
+        bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
+        tables = (*pen, *mask, *bias)
+        ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
+                                                   self._put(batch.flat_f32), tables, self.step_needs(batch))
+        self.ran.add((T, S))
+        return ints, floats
+
+    def step_needs(self, batch: BatchDescriptor) -> frozenset[str] | None:
+        """The sampler features a packed batch needs (sampler.needs); None where S has one program."""
+        if len(self.sampler_variants) == 1:
+            return None
+        return sampler_needs(batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.num_logprobs,
+                             batch.has_penalties or batch.has_mask or batch.has_bias)
+
+    def launch(self, exe, S: int, prev_ids, flat_i32, flat_f32, tables, needs: frozenset[str] | None = None):
+        """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
+        then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
+        Updates the pool; returns (ints, floats, next prev_ids), on the device."""
+        self.kv, logits, rows_i32 = exe(self._state_leaves, self.kv, prev_ids, flat_i32)
+        self.model_dispatched = time.perf_counter()
+        return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
+
+    def sampler_for(self, S: int, needs: frozenset[str] | None):
+        """S's sampler program for a step that needs `needs` (None: any step): the first variant that
+        holds them, the last (every feature) otherwise. Recorded in sampler_ran, as it is about to run."""
+        k = next((k for k, features in enumerate(self.sampler_variants)
+                  if features is None or (needs is not None and needs <= features)), len(self.sampler_variants) - 1)
+        self.sampler_ran.add((S, k))
+        return self._samplers[S][k]
+
+    def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
+        """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the
+        step-cost model's cold start (attention then reads nothing; the weights' work is all there)."""
+        times = []
+        for T, S in pairs:
+            if (T, S) not in self.ran:  # a program's first run pays one-time costs: not timed
+                self.run_once(T, S)
+            batch = self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self._fetch(*self.run(batch))
+                best = min(best, time.perf_counter() - t0)
+            times.append((T, S, best))
+        return times
+
+    def recover_pool(self) -> None:
+        """After a failed step: the pool was donated to the call that failed and may be gone; its
+        contents are lost either way (the caller ends every request that had KV in it:
+        scheduler.recover). The previous step's sampled ids go too: an error that surfaced when
+        the step was read is carried by every output of the call, and the next step reads both."""
+        try:
+            lost = any(x.is_deleted() for x in self.kv)
+            if not lost:
+                jax.block_until_ready(self.kv)
+        except Exception:  # noqa: BLE001 - the failed call's outputs hold its error
+            lost = True
+        if lost:
+            logger.error("the KV pool was lost with the failed step; allocating a fresh one")
+            self.kv = self._new_pool(self.kv[0].dtype)
+        self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
+        self.packer.forget_prev()
+
+    def _device(self, x: np.ndarray):
+        """A constant input kept on the device(s), replicated."""
+        if self.mesh is None:
+            return jax.device_put(x)
+        return place(x, self._replicated)

@@ -1,0 +1,1 @@
+"""Structured outputs: what a request asks its output to match, and the token masks that enforce it."""
