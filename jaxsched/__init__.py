@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import importlib
 
-from jaxsched.platforms import host_malloc
-
-host_malloc.keep_freed_memory()  # before jax's threads first allocate: host_malloc.py says why
-
 _EXPORTS = {
     "LLM": "jaxsched.engine.llm",
     "LLMEngine": "jaxsched.engine.llm_engine",

@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from jaxsched import platforms
 from jaxsched.models.model_config import ModelConfig
+from jaxsched.platforms.cpu_affinity import auto_async_scheduling
 
 if TYPE_CHECKING:
     from jaxsched.core.policy import SchedulerPolicy
@@ -59,13 +61,13 @@ class EngineArgs:
     # how the model holds and runs its layers (jaxsched/models/layers.py): "stacked" (one scan over
     # weights with a leading layer axis), "per_layer" (a scan that switches between per-layer
     # weights), "unrolled" (per-layer weights, no loop); "auto" takes the platform's choice
-    # (pallas_kernels.tuning.layer_weights)
+    # (the platform record's layer_weights: jaxsched/platforms/platform.py)
     layer_weights: str = "auto"
     # how the sampler skips the parts a step does not need (jaxsched/runner/sampler.py): "device" (one
     # program per sequence bucket, with lax.conds), "host" (a few programs without conds, the host
     # picks one per step), "mixed" (the argmax alone for all-greedy steps without logprobs,
     # penalties, a logit_bias or a mask, the program with conds for the others); "auto" takes the
-    # platform's choice (pallas_kernels.tuning.sampler_branches)
+    # platform's choice (jaxsched/platforms/platform.py)
     sampler_branches: str = "auto"
     # how a request gives its KV blocks back when the pool runs dry: "recompute" drops them and
     # prefills again later; "swap" copies them to host memory; "auto" swaps when recomputing would
@@ -301,8 +303,8 @@ class EngineConfig:
     checkpoint_model: ModelConfig
     tensor_parallel_size: int
     heads: HeadLayout  # how the heads are laid out over the tensor_parallel_size devices
-    layer_weights: str  # models/layers.py's layout, never "auto" (tuning.layer_weights decides it)
-    sampler_branches: str = "device"  # "device", "host" or "mixed" (tuning.sampler_branches decides "auto")
+    layer_weights: str  # models/layers.py's layout, never "auto" (the platform record decides "auto")
+    sampler_branches: str = "device"  # "device", "host" or "mixed" (the platform record decides "auto")
     async_scheduling: bool = True  # overlapped scheduling (engine.py)
     step_cost_model: bool = False  # steps sized by predicted cost (scheduler.py, step_cost.py)
     target_tpot_ms: float | None = None
@@ -317,15 +319,22 @@ def token_budget(args: EngineArgs, max_len: int) -> int:
     return args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len, args.max_num_seqs)
 
 
-def reserved_cores(n: int | str | None, platform: str) -> int:
-    """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores ("auto"
-    is the engine's to decide before jax starts: engine.reserve_count; None is 0)."""
+def reserved_cores(n: int | str | None, platform: str, counted: int | None = None) -> int:
+    """EngineArgs.cpu_reserved_cores, checked against the platform and this process's cores. "auto"
+    is counted before jax starts (engine/core.reserve_count) and comes in as `counted`; it is 0 where
+    the model does not run on the host's cores after all. None is 0."""
+    if n == "auto":
+        if counted is None:
+            raise ValueError("cpu_reserved_cores='auto' is counted before jax starts (engine/core.reserve_count); "
+                             "resolve() takes that count as reserved=")
+        if counted and not platforms.of(platform).host_runs_model:
+            logger.info("cpu_reserved_cores=auto: 0 after all (jax runs the model on %s, not the host's cores)",
+                        platform)
+            return 0
+        n = counted
     if not n:
         return 0
-    if n == "auto":
-        raise ValueError("cpu_reserved_cores='auto' is decided by the engine before jax starts; resolve() takes a "
-                         "count (engine.reserve_count)")
-    if platform != "cpu":
+    if not platforms.of(platform).host_runs_model:
         raise ValueError(f"cpu_reserved_cores={n} applies to the CPU platform only (on {platform} the model does not "
                          "run on the host's cores); leave it at 0 here")
     from jaxsched.platforms.cpu_affinity import check
@@ -334,27 +343,41 @@ def reserved_cores(n: int | str | None, platform: str) -> int:
     return n
 
 
+def decide_async_scheduling(args: EngineArgs, model: ModelConfig, platform: str, reserved: int) -> bool:
+    """EngineArgs.async_scheduling, None decided by the platform's rule (logged with why)."""
+    if args.async_scheduling is not None:
+        return args.async_scheduling
+    host = platforms.of(platform).host_runs_model
+    on, why = auto_async_scheduling(model, cpu=host, reserved=reserved,
+                                    multi_host=args.distributed_coordinator is not None)
+    (logger.info if host else logger.debug)("async_scheduling: %s (%s)", "on" if on else "off", why)
+    return on
+
+
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
-            weights_bytes: Callable[[ModelConfig, str], int], memory: Callable[[], tuple[int, int]]) -> EngineConfig:
+            weights_bytes: Callable[[ModelConfig, str], int], memory: Callable[[], tuple[int, int]],
+            reserved: int | None = None) -> EngineConfig:
     """Decide every "auto" and None of `args` for `model` on `platform` ("cpu" / "gpu"), once.
 
     weights_bytes(model, dtype) is the weights' size per device for the (run) model config in
     that dtype; memory() one device's (total, free) bytes (asked only when the pool is sized from
-    memory). Raises ValueError saying what to change.
+    memory). reserved: cpu_reserved_cores="auto" as counted before jax started. Raises ValueError
+    saying what to change.
     """
     from jaxsched.core.buckets import seq_buckets, token_buckets
     from jaxsched.core.policy import make_policy
     from jaxsched.parallel.mesh import head_layout
     from jaxsched.runner.penalties import table_capacity
     from jaxsched.sizing import kv_bytes_per_block, num_blocks_for_memory, swap_min_tokens
-    from pallas_kernels import tuning
     from pallas_kernels.backends import choose
 
+    plat = platforms.of(platform)
+    n_reserved = reserved_cores(args.cpu_reserved_cores, platform, reserved)
     dtype = args.dtype
     if dtype == "auto":
-        # XLA:CPU runs float32 matmuls faster than bfloat16 ones; accelerators get the checkpoint's
-        # 16-bit dtype (float16 checkpoints run in bfloat16, which has float32's range).
-        dtype = "float32" if platform == "cpu" or model.dtype in ("float32", "float64") else "bfloat16"
+        # the platform's dtype, else the checkpoint's 16-bit one (float16 checkpoints run in
+        # bfloat16, which has float32's range); float32 checkpoints stay float32
+        dtype = plat.dtype or ("float32" if model.dtype in ("float32", "float64") else "bfloat16")
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     tp = args.tensor_parallel_size
     checkpoint, heads = model, head_layout(model, tp)
@@ -389,14 +412,21 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(model, dtype), budget, max_seqs,
         max_useful, tp)
     num_host_blocks = 0
+    preemption_mode = args.preemption_mode
+    if args.distributed_coordinator is not None:
+        # several hosts: each would swap only its own shards, which is not implemented; recompute
+        if preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not available with several hosts (each host would swap "
+                             "only its own shards, which is not implemented); use 'recompute' or 'auto'")
+        preemption_mode = "recompute"
     # the swap pool is host memory of this process, holding every shard (one host)
-    if args.preemption_mode != "recompute" and args.swap_space > 0:
+    elif args.preemption_mode != "recompute" and args.swap_space > 0:
         num_host_blocks = min(int(args.swap_space * 2**30 // kv_bytes_per_block(model, P, kv_dtype)), 2 * max_useful)
     sched = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
         enable_chunked_prefill=args.enable_chunked_prefill, token_buckets=token_buckets(budget, max_seqs),
-        seq_buckets=seq_buckets(max_seqs), preemption_mode=args.preemption_mode,
-        swap_min_tokens=swap_min_tokens(model, kv_dtype, platform), num_host_blocks=num_host_blocks,
+        seq_buckets=seq_buckets(max_seqs), preemption_mode=preemption_mode,
+        swap_min_tokens=swap_min_tokens(model, kv_dtype, plat), num_host_blocks=num_host_blocks,
         swap_threshold=args.swap_threshold, max_paddings=args.max_paddings,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_queued_requests=args.max_num_queued_requests)
@@ -407,10 +437,9 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         attention_backend=backend.name, penalty_capacity=table_capacity(max_len, model.vocab_size),
         max_logprobs=args.max_logprobs, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=make_policy(args.scheduling_policy), checkpoint_model=checkpoint, tensor_parallel_size=tp,
-        # the engine decides a None first (cpu_affinity.auto_async_scheduling); None here is on
-        heads=heads, async_scheduling=args.async_scheduling is not False,
+        heads=heads, async_scheduling=decide_async_scheduling(args, checkpoint, platform, n_reserved),
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
-        cpu_reserved_cores=reserved_cores(args.cpu_reserved_cores, platform),
-        layer_weights=tuning.layer_weights(platform) if args.layer_weights == "auto" else args.layer_weights,
-        sampler_branches=tuning.sampler_branches(platform) if args.sampler_branches == "auto" else args.sampler_branches)
+        cpu_reserved_cores=n_reserved,
+        layer_weights=plat.layer_weights if args.layer_weights == "auto" else args.layer_weights,
+        sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches)

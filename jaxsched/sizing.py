@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxsched.models.model_config import ModelConfig
+    from jaxsched.platforms import Platform
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -47,7 +48,7 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtyp
     return min(n, max_useful)
 
 
-def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
+def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: Platform) -> int:
     """Context length from which swapping a victim out and back costs less than recomputing it.
 
     Recompute costs about 2 * params FLOPs per token (plus attention, ignored: it only favours
@@ -55,7 +56,7 @@ def swap_min_tokens(cfg: ModelConfig, dtype: str, platform: str) -> int:
     fixed cost per swap (two copy calls and the scheduling around them). Rates are coarse
     per-platform figures; the decision only needs their order of magnitude.
     """
-    flops, link_bw, overhead_s = (2e14, 2e10, 2e-3) if platform == "gpu" else (1e11, 5e9, 2e-3)
+    flops, link_bw, overhead_s = platform.flops, platform.link_bytes_per_second, platform.swap_overhead_seconds
     L = cfg.num_layers
     recompute = cfg.token_flops / flops
     copy = 2 * 2 * L * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] / link_bw

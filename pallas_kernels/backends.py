@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 
 # numba_attention imports numba only when its kernel is first called or its support is checked
+from jaxsched import platforms
 from pallas_kernels import numba_attention
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.pallas_attention import unsupported_reason as pallas_unsupported
@@ -70,7 +71,8 @@ def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
 
 
 def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
-    if platform not in ("gpu", "cpu"):
+    plat = platforms.of(platform)
+    if not (plat.triton or plat.host_runs_model):  # Triton, or Pallas' interpreter on the host
         return (f"attention backend 'pallas' runs its Triton kernels on a GPU (interpreted on a CPU, for "
                 f"tests), not on {platform!r}")
     if jnp.dtype(kv_dtype) != jnp.dtype(dtype):

@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxsched import platforms
+
 
 def unsupported_reason(platform: str) -> str | None:
     """None when the backend can run on `platform` (jax's name: "cpu", "gpu", ...), else why not.
@@ -27,7 +29,7 @@ def unsupported_reason(platform: str) -> str | None:
         import numba  # noqa: F401
     except ImportError as e:
         return f"numba is not importable ({e}); install it with `pip install numba`"
-    if platform != "cpu":
+    if not platforms.of(platform).host_runs_model:
         return "the numba kernels run on a CPU only"
     return None
 

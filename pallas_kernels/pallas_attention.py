@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxsched import platforms
 from pallas_kernels import tuning
 
 try:  # the Triton backend of Pallas; deprecated from jax 0.11 on but still shipped
@@ -201,7 +202,7 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
                      sm_scale: float, interpret: bool | None = None, config: tuning.PallasConfig | None = None):
     """Ragged paged attention with the Pallas kernels; interpret=None means interpret on CPU only."""
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = not platforms.of(jax.default_backend()).triton
     T, N, H = q.shape
     _, _, K, P, _ = k_cache.shape
     S, M = block_tables.shape

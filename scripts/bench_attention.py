@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import backends, tuning
+from jaxsched import platforms
+from pallas_kernels import backends
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.pool_storage import to_pool
 
@@ -67,8 +68,8 @@ def main() -> None:
             return carry + 1e-9 * o.sum(), None
         return jax.lax.scan(one, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0]
 
-    # compiled with the XLA options the engine's step uses (tuning.compiler_options)
-    fn = jax.jit(layers, compiler_options=tuning.compiler_options(jax.devices()[0].platform, args.backend))
+    # compiled with the XLA options the engine's step uses (the platform record's)
+    fn = jax.jit(layers, compiler_options=platforms.of(jax.devices()[0].platform).step_compiler_options(args.backend))
     cases = {
         f"decode S={args.seqs} ctx={args.ctx}": ([1] * args.seqs, [args.ctx - 1] * args.seqs, args.seqs),
         f"prefill T={args.prefill} (4 prompts)": ([args.prefill // 4] * 4 + [0] * 4, [0] * 8, 4),

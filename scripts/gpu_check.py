@@ -366,12 +366,12 @@ def orchestrate(args) -> int:
             # the device saw it (the host's timings only say how long it was blocked). Then the same
             # backend with the layers unrolled in the program (layers.py: no scan slicing stacked
             # weights, which XLA may copy before each dot, and no per-layer switch, a host sync on a
-            # GPU; a longer warm-up): tuning.layer_weights keeps "stacked" on GPUs until this says
+            # GPU; a longer warm-up): the platform record keeps "stacked" on GPUs until this says
             # otherwise. It runs before the other backends, whose figures are known, so that a
             # budget cut falls on those: each run may take all the time left (an even split would
             # cut the unrolled run, whose warm-up compiles L layers into every program).
             # Before it, with overlap on, the sampler as the other platform's choice
-            # (tuning.sampler_branches): on a GPU "device", one program with lax.conds, whose
+            # (the platform record's sampler_branches): on a GPU "device", one program with lax.conds, whose
             # predicates XLA:GPU reads back to the host, so the call waits for the step's model
             # program; against the first run's default "host" (cond-free programs the host picks).
             other = "host" if args.dry_run else "device"  # the dry run's CPU default is "device"

@@ -113,7 +113,7 @@ def test_outputs_equal_the_synchronous_engine(llama_dir, extra):
 
 
 def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
-    """async_scheduling=None is decided when the engine starts (cpu_affinity.auto_async_scheduling,
+    """async_scheduling=None is decided by config.resolve (cpu_affinity.auto_async_scheduling,
     asked with this engine's platform, reserve and hosts): on a CPU, off (logged, with why) once the
     model counts as keeping every core busy, here by moving the line to 0, and the tokens are the
     overlapped engine's; an explicit True is kept all the same. (The tiny model's default, on, is
@@ -122,16 +122,16 @@ def test_the_default_is_the_engines_choice(llama_dir, monkeypatch, caplog):
 
     import jax
 
+    from jaxsched import config
     from jaxsched.bench.driver import set_overlap
-    from jaxsched.engine import core as engine
     from jaxsched.platforms import cpu_affinity
 
     cpu = jax.default_backend() == "cpu"
     monkeypatch.setattr(cpu_affinity, "AUTO_OVERLAP_MAX_FLOPS_PER_CORE", 0.0)
     asked = []
-    decide = engine.auto_async_scheduling
-    monkeypatch.setattr(engine, "auto_async_scheduling", lambda *a, **kw: asked.append(kw) or decide(*a, **kw))
-    with caplog.at_level(logging.INFO, logger="jaxsched.engine.core"):
+    decide = config.auto_async_scheduling
+    monkeypatch.setattr(config, "auto_async_scheduling", lambda *a, **kw: asked.append(kw) or decide(*a, **kw))
+    with caplog.at_level(logging.INFO, logger="jaxsched.config"):
         llm = LLM(llama_dir, **BASE)
     assert asked == [{"cpu": cpu, "reserved": 0, "multi_host": False}]
     eng = llm.llm_engine

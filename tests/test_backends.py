@@ -144,9 +144,9 @@ def test_importing_the_registry_does_not_import_numba():
 
 def test_xla_options_only_where_they_pay():
     """YNNPACK's elementwise fusion speeds the "xla" backend's attention on a CPU and slows the rest
-    of the step otherwise: only that pair gets it (tuning.compiler_options)."""
-    from pallas_kernels import tuning
+    of the step otherwise: only that pair gets it (the platform record's step_compiler_options)."""
+    from jaxsched import platforms
 
-    assert "xla_cpu_experimental_ynn_fusion_type" in tuning.compiler_options("cpu", "xla")
-    assert tuning.compiler_options("cpu", "numba") == {}
-    assert tuning.compiler_options("gpu", "xla") == tuning.compiler_options("gpu", "pallas") == {}
+    assert "xla_cpu_experimental_ynn_fusion_type" in platforms.CPU.step_compiler_options("xla")
+    assert platforms.CPU.step_compiler_options("numba") == {}
+    assert platforms.GPU.step_compiler_options("xla") == platforms.GPU.step_compiler_options("pallas") == {}

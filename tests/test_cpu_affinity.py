@@ -283,7 +283,7 @@ def test_reserve_count_in_a_process_where_jax_started(caplog):
     why = ("jax started before the engine" if jax.default_backend() == "cpu"
            else "does not run on the host's cores")
     assert f"cpu_reserved_cores=auto: 0 ({why}" in caplog.text
-    with pytest.raises(ValueError, match="decided by the engine before jax starts"):
+    with pytest.raises(ValueError, match="is counted before jax starts"):
         reserved_cores("auto", "cpu")
 
 

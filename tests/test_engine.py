@@ -430,10 +430,11 @@ def test_host_modules_do_not_import_jax():
 
 def test_compile_falls_back_when_jaxlib_rejects_the_xla_options(llm, monkeypatch, caplog):
     """The step's XLA options are experimental flags; a jaxlib that lacks one must still compile."""
-    from pallas_kernels import tuning
+    import dataclasses
 
     runner = llm.llm_engine.core.runner
-    monkeypatch.setattr(tuning, "compiler_options", lambda platform, backend: {"xla_cpu_no_such_option_here": "1"})
+    monkeypatch.setattr(runner, "platform", dataclasses.replace(
+        runner.platform, compiler_options={runner.config.attention_backend: {"xla_cpu_no_such_option_here": "1"}}))
     monkeypatch.setattr(runner, "_use_compiler_options", True)
     T, S = runner.bucket_pairs()[0]
     with caplog.at_level("WARNING", logger="jaxsched.runner.model_runner"):
@@ -516,9 +517,9 @@ def test_unrolled_layers_give_the_default_layouts_tokens(llm, llama_dir):
 
 def test_sampler_branches_is_the_platforms_choice_unless_named():
     """"auto" picks between the argmax alone and one sampler program with lax.conds on a CPU, and
-    among cond-free ones elsewhere (tuning.sampler_branches); a bad name says what the choices are."""
-    from pallas_kernels import tuning
+    among cond-free ones elsewhere (the platform record's sampler_branches); a bad name says what the choices are."""
+    from jaxsched import platforms
 
-    assert tuning.sampler_branches("cpu") == "mixed" and tuning.sampler_branches("gpu") == "host"
+    assert platforms.CPU.sampler_branches == "mixed" and platforms.GPU.sampler_branches == "host"
     with pytest.raises(ValueError, match=r"sampler_branches must be 'auto' or one of \('device', 'host', 'mixed'\)"):
         EngineArgs(sampler_branches="gpu")

@@ -14,8 +14,10 @@ import pytest
 from jaxsched.platforms import host_malloc
 
 _PROBE = """
-import resource, statistics, jaxsched, jax, jax.numpy as jnp
+import resource, statistics
 from jaxsched.platforms import host_malloc
+host_malloc.apply_once()  # as an engine does when it starts, before jax
+import jax, jax.numpy as jnp
 # intermediates of 48 MiB each, which XLA keeps in the executable's temporary buffer
 f = jax.jit(lambda x: jnp.cumsum(x * 2.0, axis=0).sum())
 x = jnp.ones((1024, 12288), jnp.float32)
@@ -52,10 +54,12 @@ def test_a_large_temporary_buffer_is_not_faulted_in_at_every_run():
 
 
 def test_the_cpu_is_told_apart_without_starting_jax():
-    assert host_malloc.cpu_backend_expected({"JAX_PLATFORMS": "cpu"})
-    assert host_malloc.cpu_backend_expected({"JAX_PLATFORMS": "CPU,cuda"})
-    assert not host_malloc.cpu_backend_expected({"JAX_PLATFORMS": "cuda,cpu"})
-    assert not host_malloc.cpu_backend_expected({"JAX_PLATFORM_NAME": "gpu"})
+    from jaxsched import platforms
+
+    assert platforms.expected({"JAX_PLATFORMS": "cpu"}) is platforms.CPU
+    assert platforms.expected({"JAX_PLATFORMS": "CPU,cuda"}) is platforms.CPU
+    assert platforms.expected({"JAX_PLATFORMS": "cuda,cpu"}) is platforms.GPU
+    assert platforms.expected({"JAX_PLATFORM_NAME": "gpu"}) is platforms.GPU
 
 
 def test_system_leaves_malloc_alone_and_a_bad_choice_says_what_to_write():
@@ -138,4 +142,4 @@ def test_thread_arenas_only_under_auto_with_small_programs_before_jax_starts(mon
     jax.devices()  # started: the threads have their arena
     assert host_malloc.allow_thread_arenas(1 << 20) is False
     monkeypatch.setattr(host_malloc, "applied", False)
-    assert host_malloc.allow_thread_arenas(1 << 20) is False  # nothing was set at import
+    assert host_malloc.allow_thread_arenas(1 << 20) is False  # nothing was set

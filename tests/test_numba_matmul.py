@@ -15,7 +15,6 @@ import pytest
 import tiny
 
 from pallas_kernels import numba_matmul as nm
-from pallas_kernels import tuning
 
 
 @pytest.mark.parametrize("K,N", [(64, 32), (1, 32), (37, 64), (96, 160), (576, 1728)])  # 1, 37: odd K
@@ -173,13 +172,15 @@ def test_numbas_target_features_choose_the_tile_shapes(features, want):
 
 
 def test_what_can_be_packed():
+    from jaxsched import platforms
+
     assert nm.packable(np.zeros((8, 64), np.float32))
     assert not nm.packable(np.zeros((8, nm.NR * 3 // 2), np.float32))  # not a whole number of panels
     assert not nm.packable(np.zeros((8, 64), np.float16))
     assert not nm.packable(np.zeros((64,), np.float32))
-    assert tuning.packed_matmuls("cpu", "numba", 1)
-    assert not tuning.packed_matmuls("cpu", "xla", 1) and not tuning.packed_matmuls("cpu", "numba", 2)
-    assert not tuning.packed_matmuls("gpu", "pallas", 1)
+    assert platforms.CPU.packed_matmuls("numba", 1)
+    assert not platforms.CPU.packed_matmuls("xla", 1) and not platforms.CPU.packed_matmuls("numba", 2)
+    assert not platforms.GPU.packed_matmuls("pallas", 1)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3 tied, vocab 320"])

@@ -1,5 +1,5 @@
 """The sampler's variants without lax.cond (sampler.sample's `features`; a GPU engine's host picks one per
-step, tuning.sampler_branches): each gives the cond program's outputs for every step it covers,
+step, the platform record's sampler_branches): each gives the cond program's outputs for every step it covers,
 `needs` names what a step needs, a variant that lacks a needed part gives other outputs, and no
 variant holds a cond (which XLA:GPU would turn into a wait for the device)."""
 

@@ -29,9 +29,10 @@ the copy needs the pages of the step in flight. The default (None) is on, except
 no core is reserved for the host and the model keeps every core busy: there the host's work only
 delays the device's threads (cpu_affinity.auto_async_scheduling).
 
-Everything is decided once, up front: cpu_reserved_cores' and async_scheduling's defaults by
-__init__ (they need the model, the platform and the process's cores), the rest by config.resolve();
-__init__ then only builds the pieces.
+Everything is decided once, up front, by config.resolve() from the platform's record
+(jaxsched/platforms): cpu_reserved_cores="auto" alone is counted before jax starts (reserve_count:
+XLA sizes its CPU pools when it starts), and resolve() takes that count. __init__ then only
+builds the pieces.
 """
 
 from __future__ import annotations
@@ -46,10 +47,15 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
+from jaxsched.core.block_manager import BlockManager
+from jaxsched.core.buckets import bucket_pairs
 from jaxsched.core.request import Request, RequestStatus
+from jaxsched.core.scheduler import Scheduler
 from jaxsched.core.stats import HOST_PHASES, EngineStats
-from jaxsched.core.step_cost import StepShape
+from jaxsched.core.step_cost import StepCostModel, StepShape
 from jaxsched.engine.core_messages import (
     AbortRequests,
     CoreInfo,
@@ -61,16 +67,26 @@ from jaxsched.engine.core_messages import (
     Shutdown,
     UtilityOutput,
     UtilityRequest,
+    sample_ids,
+    sample_seed,
 )
+from jaxsched.engine.tokenizer import load_tokenizer
 from jaxsched.errors import InvalidRequestError
-from jaxsched.platforms import host_malloc
-from jaxsched.platforms.cpu_affinity import (
-    auto_async_scheduling,
-    auto_reserved_cores,
-    reserve,
-    reserved_now,
-    size_xla_pools,
+from jaxsched.models.demo import demo_model_path
+from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
+from jaxsched.parallel.hosts import same_pool_on_every_host
+from jaxsched.parallel.mesh import engine_devices, make_mesh
+from jaxsched.platforms import expected, host_malloc
+from jaxsched.platforms import of as platform_of
+from jaxsched.platforms.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
+from jaxsched.runner.model_runner import (
+    ModelRunner,
+    device_memory,
+    largest_temporary_bytes,
+    temporary_bytes_bound,
+    weights_bytes,
 )
+from jaxsched.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from jaxsched.core.scheduler import SchedulerOutput
@@ -87,8 +103,6 @@ _at_exit_registered = False
 
 
 def _wait_for_steps_in_flight() -> None:
-    import jax
-
     for core in list(_CORES):
         step = core._in_flight
         if step is not None and step.ints is not None:
@@ -105,16 +119,6 @@ def _register(core: EngineCore) -> None:
     if not _at_exit_registered:
         atexit.register(_wait_for_steps_in_flight)
         _at_exit_registered = True
-
-
-def sample_ids(request_id: str, n: int) -> list[str]:
-    """The ids an n > 1 request's samples run under in the core ("{i}_{id}", as vLLM names them)."""
-    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
-    return (seed + index * 0x9E3779B1) % (2**31 - 1)
 
 
 class StepFailure(Exception):
@@ -137,74 +141,22 @@ class EngineCore:
         """devices: the jax devices this core runs on, tensor_parallel_size of them (a data-parallel
         core's group); None: the first tensor_parallel_size devices (of every process, with
         several hosts)."""
-        import jax
-
-        from jaxsched.core.block_manager import BlockManager
-        from jaxsched.core.buckets import bucket_pairs
-        from jaxsched.core.scheduler import Scheduler
-        from jaxsched.core.step_cost import StepCostModel
-        from jaxsched.engine.tokenizer import load_tokenizer
-        from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
-        from jaxsched.parallel.mesh import engine_devices, make_mesh
-        from jaxsched.runner.model_runner import (
-            ModelRunner,
-            device_memory,
-            largest_temporary_bytes,
-            temporary_bytes_bound,
-            weights_bytes,
-        )
-        from jaxsched.structured.grammar import GrammarCompiler
-
         args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self.engine_index = engine_index
-        if args.model is None:
-            from jaxsched.models.demo import demo_model_path
-
-            path = str(demo_model_path())
-        else:
-            path = args.model
         t0 = time.perf_counter()
+        path = args.model or str(demo_model_path())
         model_cfg, getter, _kind = load_model_source(path)
-        # before anything starts jax's backends, whose threads take their malloc arena when they first
-        # allocate, and whose CPU pools are sized then (host_malloc.py, cpu_affinity.py)
-        max_len = args.max_model_len or model_cfg.max_position_embeddings
-        self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
-        host_malloc.allow_thread_arenas(self.temporary_bound)
-        auto = args.cpu_reserved_cores == "auto"
-        args = dataclasses.replace(args, cpu_reserved_cores=reserve_count(args, model_cfg, devices))
-        size_xla_pools(args.cpu_reserved_cores)
+        reserved = self._start_process(args, model_cfg, devices)  # before anything starts jax
         devices = engine_devices(args.tensor_parallel_size, devices)
-        tp = len(devices)
-        mesh = make_mesh(devices) if tp > 1 or devices[0] != jax.devices()[0] else None
-        platform = devices[0].platform
-        if auto and args.cpu_reserved_cores and platform != "cpu":  # jax found an accelerator after all
-            logger.info("cpu_reserved_cores=auto: 0 after all (jax runs the model on %s, not the host's cores)", platform)
-            args = dataclasses.replace(args, cpu_reserved_cores=0)
-        if args.async_scheduling is None:
-            on, why = auto_async_scheduling(model_cfg, cpu=platform == "cpu", reserved=args.cpu_reserved_cores or 0,
-                                            multi_host=args.distributed_coordinator is not None)
-            (logger.info if platform == "cpu" else logger.debug)("async_scheduling: %s (%s)", "on" if on else "off", why)
-            args = dataclasses.replace(args, async_scheduling=on)
-        # this process's devices of the engine (all of them on one host): memory is sized from them
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        cfg = resolve(args, model_cfg, path, platform,
-                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
-                      memory=lambda: device_memory(local[0], len(local)))
-        if jax.process_count() > 1:  # every host must allocate (and schedule for) the same pool
-            from jaxsched.parallel.hosts import same_pool_on_every_host
-
-            cfg = same_pool_on_every_host(cfg)
-        self.config: EngineConfig = cfg
+        mesh = make_mesh(devices) if len(devices) > 1 or devices[0] != jax.devices()[0] else None
+        self.config = cfg = self._resolve(args, model_cfg, path, devices, reserved)
+        self.devices = tuple(devices)
         # the core's tokenizer serves grammars only (llguidance reads its vocabulary): no text here
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
-                            layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if tp > 1 else None)
+                            layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if mesh else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
-        if tp > 1:
-            logger.info("tensor parallel over %d devices (%s): %s", tp, ", ".join(str(d) for d in devices),
-                        cfg.heads.describe(model_cfg))
-        self.devices = tuple(devices)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching)
         self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets)) \
@@ -214,33 +166,80 @@ class EngineCore:
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
-        # before warm-up, so that the cost model's seeds are timed as the steps will run; 0 undoes an
-        # earlier engine's reserve in this process (and does nothing otherwise, or on a GPU)
+        self.cost_seeds = self._warm_up()
+        self.eos_token_ids = tuple(sorted({*model_cfg.eos_token_ids, *(
+            [int(self.tokenizer.eos_token_id)] if self.tokenizer.eos_token_id is not None else [])}))
+        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
+        self.runner.packer.grammar_executor = lambda: self.grammars.executor
+        self._init_loop_state()
+        self._log_pool()
+        _register(self)
+
+    def _start_process(self, args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[Any] | None) -> int:
+        """The platform's process settings, applied before jax starts its threads (they take their
+        malloc arena, and XLA sizes its CPU pools, when they first run): malloc kept (and thread
+        arenas where this engine's programs allow), XLA's pools sized for the cores left to the
+        model. Returns cpu_reserved_cores as a count ("auto" decided here, before jax starts)."""
+        host_malloc.apply_once()
+        max_len = args.max_model_len or model_cfg.max_position_embeddings
+        self.temporary_bound = temporary_bytes_bound(model_cfg, args.max_num_seqs, token_budget(args, max_len), max_len)
+        host_malloc.allow_thread_arenas(self.temporary_bound)
+        reserved = reserve_count(args, model_cfg, devices)
+        size_xla_pools(reserved)
+        return reserved
+
+    def _resolve(self, args: EngineArgs, model_cfg: ModelConfig, path: str, devices: Sequence[Any],
+                 reserved: int) -> EngineConfig:
+        """config.resolve on these devices: memory sized from this process's devices of the engine;
+        with several hosts, every host takes the smallest pool any of them has room for."""
+        tp = len(devices)
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        cfg = resolve(args, model_cfg, path, devices[0].platform, reserved=reserved,
+                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
+                      memory=lambda: device_memory(local[0], len(local)))
+        if jax.process_count() > 1:
+            cfg = same_pool_on_every_host(cfg)
+        if tp > 1:
+            logger.info("tensor parallel over %d devices (%s): %s", tp, ", ".join(str(d) for d in devices),
+                        cfg.heads.describe(cfg.checkpoint_model))
+        return cfg
+
+    def _warm_up(self) -> list[tuple[int, int, float]]:
+        """Compile (and with warm_up_runs, run) every program; time the cost model's seeds: a full
+        decode step of each decode-sized token bucket. Returns the seeds (T, S, seconds)."""
+        cfg = self.config
+        # before warm-up, so that the seeds are timed as the steps will run; 0 undoes an earlier
+        # engine's reserve in this process (and does nothing otherwise, or on a GPU)
         reserve(cfg.cpu_reserved_cores)
         self.runner.warm_up(run=cfg.warm_up_runs)
         if host_malloc.thread_arenas:
-            largest = largest_temporary_bytes(self.runner.step_programs())
-            if largest > host_malloc.THREAD_HEAP_BYTES // 2:  # the bound fell short: say so, and how to avoid it
-                logger.warning("a program's temporary buffer is %.1f MiB, over the %.0f MiB a thread arena holds, "
-                               "and threads allocate from arenas of their own (an engine of this process with "
-                               "smaller programs chose them, or the bound fell short): its host memory is mapped "
-                               "afresh at every run. Set JAXSCHED_HOST_MALLOC=keep to keep one arena",
-                               largest / 2**20, host_malloc.THREAD_HEAP_BYTES // 2 / 2**20)
-            logger.info("host malloc: threads allocate from arenas of their own (%d arenas; the largest program "
-                        "temporary buffer %.1f MiB)", host_malloc.arena_count(), largest / 2**20)
-        # the cost model's cold start: a full decode step of each decode-sized token bucket, timed
-        self.cost_seeds: list[tuple[int, int, float]] = []
+            self._check_thread_arenas()
+        seeds: list[tuple[int, int, float]] = []
         if self.cost_model is not None:
             sc = cfg.scheduler
-            self.cost_seeds = self.runner.time_pairs(
-                [self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
-                 for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
-            for T, S, seconds in self.cost_seeds:
+            seeds = self.runner.time_pairs([self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
+                                            for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
+            for T, S, seconds in seeds:
                 self.cost_model.seed(T, S, seconds)
         if cfg.cpu_reserved_cores:  # again: threads started during warm-up
             reserve(cfg.cpu_reserved_cores)
+        return seeds
+
+    def _check_thread_arenas(self) -> None:
+        largest = largest_temporary_bytes(self.runner.step_programs())
+        if largest > host_malloc.THREAD_HEAP_BYTES // 2:  # the bound fell short: say so, and how to avoid it
+            logger.warning("a program's temporary buffer is %.1f MiB, over the %.0f MiB a thread arena holds, "
+                           "and threads allocate from arenas of their own (an engine of this process with "
+                           "smaller programs chose them, or the bound fell short): its host memory is mapped "
+                           "afresh at every run. Set JAXSCHED_HOST_MALLOC=keep to keep one arena",
+                           largest / 2**20, host_malloc.THREAD_HEAP_BYTES // 2 / 2**20)
+        logger.info("host malloc: threads allocate from arenas of their own (%d arenas; the largest program "
+                    "temporary buffer %.1f MiB)", host_malloc.arena_count(), largest / 2**20)
+
+    def _init_loop_state(self) -> None:
+        """What the step loop keeps between steps."""
         # every step time fed to the cost model, when someone keeps them (a multi-host leader sends
-        # them to the other hosts, whose models must stay identical: distributed.py)
+        # them to the other hosts, whose models must stay identical: parallel/multihost.py)
         self.cost_feed: list[tuple[int, int, int, float]] | None = None
         self.measure_costs = True  # False: the model is fed from elsewhere (a multi-host follower)
         # step times measured, applied to the model at the start of the next step() (a fixed point:
@@ -250,19 +249,9 @@ class EngineCore:
         # the model saw that step (bench_offline.py reports the error distribution)
         self.cost_errors: list[tuple[float, float]] | None = None
         self._last_done = 0.0  # when the last step's results were read (step-time estimates)
-        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
-                    "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
-                    cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
-                    cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
-        eos = set(model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = tuple(sorted(eos))
-        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
-        self.runner.packer.grammar_executor = lambda: self.grammars.executor
         self._groups: dict[str, list[str]] = {}  # n > 1: request id -> its samples' ids
-        # several hosts (distributed.py): a leader hands each input it applied to the followers, and
-        # sends them ahead of each step
+        # several hosts (parallel/multihost.py): a leader hands each input it applied to the
+        # followers, and sends them ahead of each step
         self.on_input: Callable[[EngineCoreRequest | AbortRequests], None] | None = None
         self.before_step: Callable[[], None] | None = None
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
@@ -270,9 +259,15 @@ class EngineCore:
         self._busy_seconds = 0.0  # stats().device_busy_seconds / _steps
         self._busy_steps = 0
         self._phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)  # host work by phase
-        self.async_scheduling = cfg.async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
-        _register(self)
+
+    def _log_pool(self) -> None:
+        cfg, tp = self.config, len(self.devices)
+        logger.info("KV pool: %d blocks of %d tokens, %s, attention backend %s, %.1f MiB per device on each of %d "
+                    "(%d of %d KV heads each); swap pool: %d blocks", cfg.cache.num_blocks - 1, cfg.cache.block_size,
+                    cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
+                    cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
 
     # -- what the front end reads once ---------------------------------------------------------
     @property
@@ -652,14 +647,14 @@ def reserve_count(args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[An
     n = args.cpu_reserved_cores
     if n != "auto":
         return n or 0
-    import jax
     from jax._src import xla_bridge
 
     started = xla_bridge.backends_are_initialized()
     if devices is not None:  # any sequence of devices (a list, a numpy array of them)
-        cpu = next(iter(devices)).platform == "cpu"
+        platform = platform_of(next(iter(devices)).platform)
     else:
-        cpu = jax.default_backend() == "cpu" if started else host_malloc.cpu_backend_expected()
+        platform = platform_of(jax.default_backend()) if started else expected()
+    cpu = platform.host_runs_model
     own = devices is None and args.tensor_parallel_size == 1 and args.distributed_coordinator is None
     n, why = auto_reserved_cores(model_cfg, cpu=cpu, jax_started=started, own_devices=own,
                                  async_scheduling=args.async_scheduling is not False, reserved=reserved_now())

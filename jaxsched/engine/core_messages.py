@@ -173,3 +173,13 @@ def input_decoder() -> msgspec.msgpack.Decoder:
 
 def output_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineCoreOutputs, ext_hook=_ext_hook)
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids an n > 1 request's samples run under in the core ("{i}_{id}", as vLLM names them)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request: distinct per sample, reproducible per seed."""
+    return (seed + index * 0x9E3779B1) % (2**31 - 1)

@@ -28,6 +28,7 @@ import tempfile
 import threading
 from typing import Any
 
+from jaxsched import platforms
 from jaxsched.config import EngineArgs
 from jaxsched.engine.core_client import LoopClient, Outbox
 from jaxsched.engine.core_messages import CoreInput, Shutdown, encoder, input_decoder, output_decoder
@@ -161,7 +162,7 @@ def _own_devices(index: int, tp: int, dp: int) -> list[Any]:
 
     from jaxsched.parallel.data_parallel import replica_device_groups
 
-    if jax.devices()[0].platform == "gpu":
+    if platforms.of(jax.devices()[0].platform).visible_devices_env:  # the process sees its group only
         return jax.devices()[:tp]
     return replica_device_groups(tp, dp)[index]
 

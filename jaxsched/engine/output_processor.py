@@ -20,8 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxsched.core.request import RequestOutputKind
-from jaxsched.engine.core import sample_ids
-from jaxsched.engine.core_messages import EngineCoreOutput, EngineCoreRequest, LogprobArrays
+from jaxsched.engine.core_messages import EngineCoreOutput, EngineCoreRequest, LogprobArrays, sample_ids
 from jaxsched.engine.detokenizer import IncrementalDetokenizer
 from jaxsched.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxsched.errors import InvalidRequestError

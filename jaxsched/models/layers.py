@@ -13,7 +13,7 @@ between them; `paged_attend` builds it.
 The loop is one lax.scan over layers, so a program compiles the attention of one layer instead of
 L, which is what keeps warm-up of every bucket short. Weights are either stacked along a leading L
 axis (the scan slices them) or held per layer and reached through lax.switch on the layer index (on
-a CPU: XLA:CPU copies a sliced weight before every dot; pallas_kernels.tuning.layer_weights says
+a CPU: XLA:CPU copies a sliced weight before every dot; the platform record (jaxsched/platforms/platform.py) says
 which layout a platform gets, docs/PERFORMANCE.md why). "unrolled" holds them per layer too but runs
 the layers as L copies in the program, with no loop: no dynamic slice of a weight to copy and no
 switch (on a GPU a switch reads its index on the host, a sync per layer), for L times the program.
@@ -32,9 +32,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxsched import platforms
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.parallel.mesh import shard_interleave
-from pallas_kernels import backends, paged_attention, tuning, write_kv
+from pallas_kernels import backends, paged_attention, write_kv
 
 LAYER_WEIGHTS = ("stacked", "per_layer", "unrolled")
 
@@ -64,10 +65,10 @@ def _arrays(params: nnx.Dict) -> dict[str, Any]:
 class DecoderLayers(nnx.Module):
     """All L layers' weights in one layout: "stacked", one dict of arrays with a leading L axis, or
     "per_layer" and "unrolled", L dicts (the two differ in how the layers run, not in the state).
-    layout None picks tuning.layer_weights for this platform."""
+    layout None picks the platform record's layer_weights."""
 
     def __init__(self, spec: LayerSpec, num_layers: int, dtype, rngs: nnx.Rngs, layout: str | None = None):
-        layout = layout or tuning.layer_weights(jax.devices()[0].platform)
+        layout = layout or platforms.of(jax.devices()[0].platform).layer_weights
         if layout not in LAYER_WEIGHTS:
             raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, got {layout!r}")
         self.layout = layout
@@ -99,7 +100,7 @@ class DecoderLayers(nnx.Module):
         # of layer i + 1 with their own arrays (the other layers' pass through untouched); layer 0's
         # start runs before the scan. The halves are jitted so that they trace and lower once for all
         # L branches (each branch calls the same function); XLA still compiles L copies
-        # (tuning.layer_weights: the cost).
+        # (the platform record's layer_weights: the cost).
         ws = [_arrays(p) for p in self.per_layer]
         L = len(ws)
         if self.layout == "unrolled":
@@ -253,7 +254,7 @@ def untie_lm_head(model) -> bool:
 def pack_linear_weights(state):
     """A model's state (nnx.split) with every layer's linear weights and the lm_head that
     numba_matmul can take (float32, columns a multiple of its panel) packed for it, the rest
-    untouched. For engines where tuning.packed_matmuls says so (runner.py); one weight is packed at
+    untouched. For engines where the platform record's packed_matmuls says so (runner.py); one weight is packed at
     a time, and the unpacked array is dropped as its packed one replaces it."""
     from pallas_kernels import numba_matmul
 

@@ -85,7 +85,7 @@ _GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: str = "float32", *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", layer_weights: str | None = None, mesh=None):
-        """layer_weights: "stacked", "per_layer" or "unrolled" (layers.py); None picks tuning.layer_weights for
+        """layer_weights: "stacked", "per_layer" or "unrolled" (layers.py); None picks the platform record's layer_weights for
         the platform. mesh: the engine's ("data", "model") mesh when it runs on several devices
         (parallel.py); cfg then has the head counts of the run layout (parallel.HeadLayout)."""
         self.cfg = cfg

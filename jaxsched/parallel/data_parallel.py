@@ -10,11 +10,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxsched import platforms
 from jaxsched.config import EngineArgs
 from jaxsched.core.stats import EngineStats
-from jaxsched.engine.core import EngineCore, sample_ids
+from jaxsched.engine.core import EngineCore
 from jaxsched.engine.core_client import EngineCoreClient, LoopClient, Outbox
-from jaxsched.engine.core_messages import CoreDead, EngineCoreOutputs, EngineCoreRequest
+from jaxsched.engine.core_messages import CoreDead, EngineCoreOutputs, EngineCoreRequest, sample_ids
 
 
 class DataParallelClient(EngineCoreClient):
@@ -196,8 +197,7 @@ def replica_device_groups(tensor_parallel_size: int, data_parallel_size: int, de
     tp, dp = tensor_parallel_size, data_parallel_size
     if tp * dp > len(devices):
         platform = devices[0].platform if devices else "?"
-        hint = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N, set before jax starts, "
-                "simulates N devices)") if platform == "cpu" else ""
+        hint = platforms.of(platform).more_devices_hint if devices else ""
         raise ValueError(
             f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, but {len(devices)} "
             f"{platform} device(s) are present; lower data_parallel_size or tensor_parallel_size so that their "

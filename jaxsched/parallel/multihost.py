@@ -25,7 +25,6 @@ recomputes); a step that fails on one host's device and not on another's leaves 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -144,11 +143,7 @@ class MultiHostClient(InprocClient):
                 f"with several hosts one engine spans every device: {jax.process_count()} processes x "
                 f"{jax.local_device_count()} local devices, so set tensor_parallel_size={jax.device_count()} "
                 f"(got {args.tensor_parallel_size})")
-        if args.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' is not available with several hosts (each host would swap "
-                             "only its own shards, which is not implemented); use 'recompute' or 'auto'")
-        # preemption recomputes: the swap pool would hold only this host's shards
-        super().__init__(EngineCore(dataclasses.replace(args, swap_space=0.0, preemption_mode="recompute")))
+        super().__init__(EngineCore(args))  # resolve() turns swapping off for several hosts
         self.process_id = jax.process_index()
         self.is_leader = self.process_id == 0
         self._channel = _Channel(args, self.process_id, jax.process_count())

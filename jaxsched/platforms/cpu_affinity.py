@@ -75,7 +75,7 @@ def size_xla_pools(n: int) -> bool:
         return False
     from jax._src import xla_bridge
 
-    from jaxsched.platforms.host_malloc import cpu_backend_expected
+    from jaxsched.platforms.platform import expected
 
     global _pools_skipped
     if xla_bridge.backends_are_initialized():
@@ -84,7 +84,7 @@ def size_xla_pools(n: int) -> bool:
     if any(v in os.environ for v in _POOL_ENV):  # the user's size: no warning either
         _pools_skipped = None
         return False
-    if not cpu_backend_expected():
+    if not expected().host_runs_model:
         _pools_skipped = "a GPU plugin is installed, so the engine did not start jax itself (set JAX_PLATFORMS=cpu)"
         return False
     check(n)

@@ -13,13 +13,14 @@ memory at the top of the heap. The process keeps its peak host memory instead of
 the kernel after each step, as a caching allocator would (vLLM's CPU build asks for tcmalloc for the
 same reason).
 
-This runs at `import jaxsched` because it must come before jax's threads first allocate, which is
-before the engine knows its devices. (glibc fixes the arena count when a thread other than the
-main one first allocates; imported after that, only the mmap switches take effect, and the large
-blocks of the other threads' arenas are still mapped afresh.) So the choice comes from the
-environment: JAXSCHED_HOST_MALLOC=keep applies it, =system leaves glibc as it is, and the default,
-auto, applies it when jax will run on the CPU (JAX_PLATFORMS starts with cpu, or no GPU or TPU
-plugin is installed). On a GPU the large buffers live in device memory, which XLA pools already.
+An engine core applies this when it starts, before anything it does touches jax, because it must
+come before jax's threads first allocate, which is before the engine knows its devices; importing
+jaxsched changes nothing. (glibc fixes the arena count when a thread other than the main one first
+allocates; applied after that, only the mmap switches take effect, and the large blocks of the
+other threads' arenas are still mapped afresh: an application that starts jax before its first
+engine gets less of it.) So the choice comes from the environment: JAXSCHED_HOST_MALLOC=keep
+applies it, =system leaves glibc as it is (an embedding application's opt-out), and the default,
+auto, applies it when jax will run on the CPU (platforms.expected()). On a GPU the large buffers live in device memory, which XLA pools already.
 Only Linux with glibc has these switches.
 
 One arena has a cost of its own: every allocation of the device's threads and of the host's Python
@@ -35,11 +36,12 @@ them) gets an arena of its own again. JAXSCHED_HOST_MALLOC=keep keeps one arena 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import os
 import platform
 import sys
+
+from jaxsched.platforms.platform import expected
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,6 @@ TRIM_THRESHOLD = 1 << 30
 # does not fit one is mapped afresh at every allocation, whatever M_MMAP_MAX says
 THREAD_HEAP_BYTES = 64 << 20
 
-# modules present when jax can run on something other than the CPU
-_ACCELERATOR_MODULES = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
-
 applied = False  # whether this process's malloc was set up here
 choice_made = "system"  # the JAXSCHED_HOST_MALLOC choice keep_freed_memory() applied, as it read it
 thread_arenas = False  # whether allow_thread_arenas() gave threads their own arenas back
@@ -70,23 +69,19 @@ def _glibc():
     return ctypes.CDLL("libc.so.6")
 
 
-def cpu_backend_expected(environ=os.environ) -> bool:
-    """Whether jax will run on the CPU, decided without starting jax."""
-    platforms = environ.get("JAX_PLATFORMS", environ.get("JAX_PLATFORM_NAME", "")).strip().lower()
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_MODULES)
+decided = False  # whether keep_freed_memory() has run in this process (it decides once)
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
     """Apply the settings above when JAXSCHED_HOST_MALLOC asks for them; True when they were set."""
-    global applied, choice_made
+    global applied, choice_made, decided
+    decided = True
     choice = environ.get(ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{ENV}={environ[ENV]!r} is not one of {', '.join(CHOICES)}: keep sets glibc's malloc up "
                          "to keep freed memory (in one arena), system leaves it alone, auto keeps it when jax runs on "
                          "the CPU and lets an engine with small programs give threads arenas of their own")
-    if choice == "system" or (choice == "auto" and not cpu_backend_expected(environ)):
+    if choice == "system" or (choice == "auto" and not expected(environ).host_runs_model):
         return False
     libc = _glibc()
     if libc is None:
@@ -150,3 +145,11 @@ def arena_count() -> int:
         libc.malloc_info(0, fp)
         libc.fclose(fp)
         return f.read().count("<heap nr=")
+
+
+def apply_once() -> bool:
+    """keep_freed_memory() the first time an engine of this process starts; later engines find
+    the process as the first one left it. Returns whether the settings are in effect."""
+    if not decided:
+        keep_freed_memory()
+    return applied

@@ -8,7 +8,7 @@ logits stay on the device, then the sampler's. The sampler does not depend on T,
 once per S rather than into every pair's program: it was about half of each pair's compile time
 (docs/PERFORMANCE.md, "Decisions in the code"). Where XLA turns a lax.cond into a wait for the device
 (a GPU), the sampler is a few programs without conds and the host picks one per step; on a CPU the
-host picks between the argmax alone and the program with conds (tuning.sampler_branches). All
+host picks between the argmax alone and the program with conds (the platform record's sampler_branches). All
 compilation happens in warm_up(), ahead of time;
 a step only looks its executables up, so it can never compile. The KV pool is donated to every
 call and updated in place.
@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsched import platforms
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.core.buckets import bucket_pairs
 from jaxsched.core.request import MAX_LOGIT_BIAS
@@ -109,7 +110,7 @@ def device_memory(dev=None, sharing: int = 1) -> tuple[int, int]:
     """(total, free) bytes of `dev` (default: the first device). On a CPU, host memory divided among
     the `sharing` simulated devices that hold one engine's shards (they all live in it)."""
     dev = dev or jax.devices()[0]
-    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    stats = dev.memory_stats() if platforms.of(dev.platform).memory_stats else None
     if stats and "bytes_limit" in stats:
         total = int(stats["bytes_limit"])
         return total, total - int(stats.get("bytes_in_use", 0))
@@ -191,13 +192,13 @@ class ModelRunner:
         self._pool_sharding = None if mesh is None else NamedSharding(mesh, P(None, None, "model"))
         # a multi-process mesh takes global arrays only: host data is placed shard by shard (parallel.place)
         self._multiprocess = jax.process_count() > 1
-        self._platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        self.platform = platforms.of((jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform)
         self.model_config = cfg = config.model
         self.cache_config = cache = config.cache
         self.scheduler_config = sched = config.scheduler
         self.max_logprobs = config.max_logprobs
         n_devices = 1 if mesh is None else mesh.devices.size
-        self.packed_matmuls = tuning.packed_matmuls(self._platform, config.attention_backend, n_devices)
+        self.packed_matmuls = self.platform.packed_matmuls(config.attention_backend, n_devices)
         if self.packed_matmuls:  # a tied lm_head gets its own copy, packed below (layers.vocab_logits)
             untie_lm_head(model)
         self.graphdef, state = nnx.split(model)
@@ -350,7 +351,7 @@ class ModelRunner:
                                        self._input((n_f32,), jnp.float32), tables, S=S, features=features))
 
     def _compiled(self, lowered):
-        options = tuning.compiler_options(self._platform, self.config.attention_backend) \
+        options = self.platform.step_compiler_options(self.config.attention_backend) \
             if self._use_compiler_options else {}
         if not options:
             return lowered.compile()
