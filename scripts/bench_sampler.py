@@ -59,7 +59,7 @@ def main() -> None:
         return
     V = ns.vocab
     fn = jax.jit(lambda logits, kw: sample(logits, SamplerRows(**kw), 0))
-    print(f"V = {V}; host malloc kept: {host_malloc.applied}")
+    print(f"V = {V}; host malloc kept: {host_malloc.applied()}")
     for S in ns.seqs:
         logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, V), np.float32))
         for temperature in (0.0, 1.0):

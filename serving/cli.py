@@ -15,12 +15,12 @@ import argparse
 import dataclasses
 import gc
 import logging
-import os
 import signal
 import sys
 import time
 
 from jaxsched import bench as bench_cmd
+from jaxsched import envs
 from jaxsched.engine_flags import add_engine_flags, engine_args_from
 from serving import run_batch
 from serving.chat_tools import DEFAULT_TOOL_PARSER
@@ -84,7 +84,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
              "processes of their own" if args.engine_core_process else "this process", len(pairs),
              list(sc.token_buckets), list(sc.seq_buckets), eng.info.warmup_seconds)
     engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
-    api_key = ns.api_key or os.environ.get("JAXSCHED_API_KEY") or None
+    api_key = ns.api_key or envs.api_key() or None
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser)
     front_ends = ()

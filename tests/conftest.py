@@ -23,7 +23,7 @@ MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma")
 
 
 # The user's cache, where the demo model is downloaded once and reused by later runs.
-from jaxsched.paths import cache_dir
+from jaxsched.envs import cache_dir
 
 USER_CACHE = cache_dir()
 

@@ -410,7 +410,7 @@ def test_chat_uses_the_template(llm):
 HOST_ONLY = ["jaxsched/core/scheduler.py", "jaxsched/core/block_manager.py", "jaxsched/core/request.py", "jaxsched/core/buckets.py",
              "jaxsched/core/policy.py", "jaxsched/runner/penalties.py", "jaxsched/runner/batch.py", "jaxsched/engine/detokenizer.py",
              "jaxsched/engine/output_processor.py", "jaxsched/config.py", "jaxsched/sizing.py", "jaxsched/core/stats.py",
-             "jaxsched/errors.py", "jaxsched/paths.py"]
+             "jaxsched/errors.py", "jaxsched/envs.py"]
 
 
 def test_host_modules_do_not_import_jax():

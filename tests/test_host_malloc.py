@@ -29,7 +29,7 @@ for _ in range(20):
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 # the median run: a kept heap may still grow once or twice (two runs' buffers alive at once)
-print(host_malloc.applied, int(statistics.median(faults)))
+print(host_malloc.applied(), int(statistics.median(faults)))
 """
 
 
@@ -83,7 +83,7 @@ for backend in ("numba", "xla"):  # XLA's attention keeps its scores in the temp
                        use_tqdm=False)
     bounds.append(llm.llm_engine.core.temporary_bound)
     largest.append(largest_temporary_bytes(llm.llm_engine.core.runner.step_programs()))
-res.update(thread_arenas=host_malloc.thread_arenas, arenas=host_malloc.arena_count(), bounds=bounds, largest=largest,
+res.update(thread_arenas=host_malloc.state == "threads", arenas=host_malloc.arena_count(), bounds=bounds, largest=largest,
            tokens=list(out[0].outputs[0].token_ids))
 print("RESULT " + json.dumps(res))
 """
@@ -132,14 +132,14 @@ def test_thread_arenas_only_under_auto_with_small_programs_before_jax_starts(mon
     """The gate in front of mallopt: the choice must be `auto` and applied, the block small enough,
     and jax not started (its threads would already hold the one arena). Each case returns before
     mallopt, so this process's malloc is left as it is."""
-    monkeypatch.setattr(host_malloc, "applied", True)
-    monkeypatch.setattr(host_malloc, "choice_made", "keep")
+    monkeypatch.setattr(host_malloc, "state", "keep")
     assert host_malloc.allow_thread_arenas(1 << 20) is False  # keep: one arena whatever the engine
-    monkeypatch.setattr(host_malloc, "choice_made", "auto")
+    monkeypatch.setattr(host_malloc, "state", "auto")
     assert host_malloc.allow_thread_arenas(host_malloc.THREAD_HEAP_BYTES // 2 + 1) is False  # too large
     import jax
 
     jax.devices()  # started: the threads have their arena
     assert host_malloc.allow_thread_arenas(1 << 20) is False
-    monkeypatch.setattr(host_malloc, "applied", False)
+    assert host_malloc.state == "auto"  # and nothing moved
+    monkeypatch.setattr(host_malloc, "state", "system")
     assert host_malloc.allow_thread_arenas(1 << 20) is False  # nothing was set

@@ -158,3 +158,23 @@ def test_code_points_only_at_sections_that_exist():
         if re.search(r'"[A-Z][a-z]+(?:-[a-z]+)? pass"', text):
             bad.append(f"{path.relative_to(ROOT)}: names a pass")
     assert not bad, "\n".join(bad)
+
+
+_ENV_READ = re.compile(r"\bos\.(environ|getenv|putenv|unsetenv)\b|\bfrom os import\b.*\b(environ|getenv)\b")
+
+
+def test_environment_variables_are_read_in_envs_only():
+    """Every variable the engine, the server or the kernels read or set goes through jaxsched/envs.py,
+    where each is named and explained."""
+    home = ROOT / "jaxsched" / "envs.py"
+    found = []
+    for pkg in ("jaxsched", "serving", "pallas_kernels"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path == home:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if _ENV_READ.search(line.split("#", 1)[0]):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+    for code in ('x = os.environ.get("A")', "os.getenv('B')", "from os import environ", "os.environ['C'] = '1'"):
+        assert _ENV_READ.search(code), code

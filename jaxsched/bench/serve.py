@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxsched import envs
 from jaxsched.bench import workloads
 from jaxsched.bench.results import add_output_arguments, emit, summarize
 
@@ -404,7 +404,7 @@ async def benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
         tokenizer = load_tokenizer(ns.tokenizer)
     reqs = workloads.build(ns, vocab_size=None, tokenizer=tokenizer)
     classes = classes_of(len(reqs), ns.priority_share, ns.seed)
-    key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("JAXSCHED_API_KEY")
+    key = ns.api_key or envs.client_api_key()
     if ns.grpc:
         return await _benchmark_grpc(ns, rates, reqs, classes, key)
     headers = {"Authorization": f"Bearer {key}"} if key else {}

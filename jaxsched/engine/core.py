@@ -121,6 +121,15 @@ def _register(core: EngineCore) -> None:
         _at_exit_registered = True
 
 
+class DeviceFailure(Exception):
+    """Inside step(): the device (or the runner's call into it) failed on these steps."""
+
+    def __init__(self, outs: list[SchedulerOutput], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.outs = outs
+        self.cause = cause
+
+
 class StepFailure(Exception):
     """A step failed on the device; the core ended the requests whose KV it may have spoiled
     (`outputs`, each with error set). Every other request is intact."""
@@ -212,7 +221,7 @@ class EngineCore:
         # engine's reserve in this process (and does nothing otherwise, or on a GPU)
         reserve(cfg.cpu_reserved_cores)
         self.runner.warm_up(run=cfg.warm_up_runs)
-        if host_malloc.thread_arenas:
+        if host_malloc.state == "threads":
             self._check_thread_arenas()
         seeds: list[tuple[int, int, float]] = []
         if self.cost_model is not None:
@@ -399,65 +408,64 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """One step: the outputs of the requests that got tokens or ended. With overlapped
-        scheduling these are the tokens of the step dispatched by the previous call; this call's
-        step runs on. Raises StepFailure (carrying the outputs of the step, the failed requests'
-        with error set) when a step failed on the device."""
+        """One step: schedule, dispatch, collect, update. Returns the outputs of the requests that
+        got tokens or ended. With overlapped scheduling these are the tokens of the step dispatched
+        by the previous call; this call's step runs on. Raises StepFailure (carrying the outputs
+        built so far, the failed requests' with error set) when a step failed on the device."""
         t0 = time.perf_counter()
-        self.apply_cost_observations()
-        if self.before_step is not None:
-            self.before_step()
+        self._start_step()
         outputs: list[EngineCoreOutput] = []
-        device = 0.0
-        prev = self._in_flight
-        if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
-            self._in_flight = None
-            outputs, device = self._complete(prev, [prev])
-            prev = None
-        t1 = time.perf_counter()
-        out = self.scheduler.schedule()
-        self._phase_seconds["schedule"] += time.perf_counter() - t1
-        alone = prev is None  # nothing in flight: the device starts on this step at once
+        prev = self._in_flight  # dispatched by the last call, its tokens unread
         try:
-            try:
-                step = self.runner.dispatch(out)
-                self._phase_seconds["pack"] += step.pack_seconds
-                self._phase_seconds["launch"] += step.launch_seconds
-            except Exception as e:  # on the device: end the requests whose KV it may have spoiled
-                if prev is not None:  # its tokens were computed before the failed call: apply them
-                    self._in_flight = None
-                    try:
-                        outputs, device = self._complete(prev, [prev])
-                    except StepFailure as failed_too:
-                        failed_too.outputs += self._failed([out], e).outputs
-                        raise
-                raise self._failed([out], e) from e
-            step.call_start = t0
-            if prev is not None:  # the device runs `step` while the host reads and processes `prev`
-                self._in_flight = None
-                outputs, device = self._complete(prev, [prev, step])
+            if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
+                outputs += self._apply(prev, [prev])
+                prev = None
+            alone = prev is None  # nothing in flight: the device starts on this step at once
+            step = self._dispatch(self._schedule(), t0)
+            if prev is not None:  # the device runs `step` while the host reads and applies `prev`
+                outputs += self._apply(prev, [prev, step])
+                prev = None
             if self.async_scheduling and step.S and self.scheduler.has_unfinished_requests():
                 self._in_flight = step
             else:  # synchronous, or the last step of the work: its rows can only be wasted, read it now
-                more, d = self._complete(step, [step], alone=alone)
-                outputs += more
-                device += d
-        except StepFailure as e:  # outputs already built (a previous step's final ones) go out too
-            e.outputs[:0] = outputs
-            raise
+                outputs += self._apply(step, [step], alone=alone)
+        except DeviceFailure as e:
+            raise self._step_failed(e, outputs, prev) from e.cause
         self._step_seconds += time.perf_counter() - t0
-        self._device_seconds += device
         return outputs
 
-    def _complete(self, step: InFlight, in_flight: list[InFlight],
-                  alone: bool = False) -> tuple[list[EngineCoreOutput], float]:
-        """Read a dispatched step's tokens and apply them: (outputs, seconds waited on the device).
-        in_flight: every step dispatched and not yet applied, which a failure spoils too. alone:
-        read right after its dispatch, with nothing before it in flight (its device time is timed)."""
+    def _start_step(self) -> None:
+        self.apply_cost_observations()
+        if self.before_step is not None:
+            self.before_step()
+
+    def _schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._phase_seconds["schedule"] += time.perf_counter() - t0
+        return out
+
+    def _dispatch(self, out: SchedulerOutput, call_start: float) -> InFlight:
+        """Hand step `out` to the device; its programs run on after this returns."""
+        try:
+            step = self.runner.dispatch(out)
+        except Exception as e:
+            raise DeviceFailure([out], e) from e
+        self._phase_seconds["pack"] += step.pack_seconds
+        self._phase_seconds["launch"] += step.launch_seconds
+        step.call_start = call_start
+        return step
+
+    def _apply(self, step: InFlight, in_flight: list[InFlight], alone: bool = False) -> list[EngineCoreOutput]:
+        """Read a dispatched step's tokens and apply them: its outputs. in_flight: every step
+        dispatched and not yet applied, which a failure spoils too. alone: read right after its
+        dispatch, with nothing before it in flight (its device time is timed)."""
+        self._in_flight = None  # read now, or spoiled with the others if that fails
         try:
             res = self.runner.collect(step)
         except Exception as e:
-            raise self._failed([s.out for s in in_flight], e) from e
+            raise DeviceFailure([s.out for s in in_flight], e) from e
+        self._device_seconds += res.device_seconds
         # (a step with block moves is left out: its copies were queued before the model's program)
         if alone and res.done and not step.first_run and not step.out.has_block_moves:
             self._busy_seconds += res.done - step.device_start
@@ -471,7 +479,24 @@ class EngineCore:
         outputs = failed + self._outputs(step.out, got, res)
         self._phase_seconds["update"] += t1 - t0
         self._phase_seconds["output"] += time.perf_counter() - t1
-        return outputs, res.device_seconds
+        return outputs
+
+    def _step_failed(self, e: DeviceFailure, outputs: list[EngineCoreOutput], prev: InFlight | None) -> StepFailure:
+        """The one place a device failure is handled. The outputs built before it go out; a step
+        still unread whose tokens were computed before the failed call (a dispatch failed behind
+        it) is applied; every request whose KV the failed steps may have spoiled is ended, the
+        earlier step recovered first."""
+        self._in_flight = None
+        if prev is not None and not any(out is prev.out for out in e.outs):
+            try:
+                outputs += self._apply(prev, [prev])
+            except DeviceFailure as also:
+                e.outs[:0] = also.outs
+        why = f"the step failed on the device: {type(e.cause).__name__}: {e.cause}"
+        spoiled: dict[str, str] = {}
+        for out in e.outs:
+            spoiled.update(dict.fromkeys(self.scheduler.recover(out), why))
+        return StepFailure(outputs + self.fail(spoiled), e.cause)
 
     def _outputs(self, out: SchedulerOutput, got: list[int], res: StepResult) -> list[EngineCoreOutput]:
         """The outputs of the requests that got a token in step `out` (rows `got`). The step's start
@@ -565,16 +590,6 @@ class EngineCore:
             if self.cost_feed is not None:
                 self.cost_feed.append((shape.T, shape.S, shape.context, seconds))
         self._costs.clear()
-
-    def _failed(self, outs: list[SchedulerOutput], e: Exception) -> StepFailure:
-        """A step failed on the device: end every request whose KV it may have spoiled, and drop
-        the steps in flight with it."""
-        self._in_flight = None
-        why = f"the step failed on the device: {type(e).__name__}: {e}"
-        spoiled: dict[str, str] = {}
-        for out in outs:
-            spoiled.update(dict.fromkeys(self.scheduler.recover(out), why))
-        return StepFailure(self.fail(spoiled), e)
 
     # -- the loop of a core that runs on its own (a thread or a process: core_client.py) -----------
     def handle(self, msg: CoreInput) -> EngineCoreOutputs | None:

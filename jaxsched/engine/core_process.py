@@ -28,7 +28,7 @@ import tempfile
 import threading
 from typing import Any
 
-from jaxsched import platforms
+from jaxsched import envs, platforms
 from jaxsched.config import EngineArgs
 from jaxsched.engine.core_client import LoopClient, Outbox
 from jaxsched.engine.core_messages import CoreInput, Shutdown, encoder, input_decoder, output_decoder
@@ -150,14 +150,13 @@ def _name_process(name: str) -> None:
 
 
 def _own_devices(index: int, tp: int, dp: int) -> list[Any]:
-    """Data-parallel core `index`'s devices, chosen before jax starts in this process: on GPUs it
-    sees only its own (CUDA_VISIBLE_DEVICES narrowed to group `index`, so that no other core's
-    memory is claimed here); a CPU's devices are the same cores in every process, so there it takes
-    group `index` of them."""
-    lo = index * tp
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(lo + tp)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[lo:lo + tp])
+    """Data-parallel core `index`'s devices, chosen before jax starts in this process. Where the
+    platform has a visible-devices variable (GPUs: CUDA_VISIBLE_DEVICES) it is narrowed to group
+    `index`, so that no other core's memory is claimed here; a CPU's devices are the same cores in
+    every process, so there the core takes group `index` of them."""
+    env = platforms.expected().visible_devices_env
+    if env is not None:
+        envs.narrow_visible_devices(env, index, tp)
     import jax
 
     from jaxsched.parallel.data_parallel import replica_device_groups

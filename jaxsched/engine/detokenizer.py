@@ -26,13 +26,13 @@ JAXSCHED_VERIFY_DETOK=1 computes the window's text beside either and raises wher
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
+from jaxsched import envs
 from jaxsched.core.request import SamplingParams
 
-VERIFY_ENV = "JAXSCHED_VERIFY_DETOK"
+VERIFY_ENV = envs.VERIFY_DETOK
 
 _CONTEXT_TOKENS = 6
 
@@ -178,7 +178,7 @@ class IncrementalDetokenizer:
                 and not self._decode(self.ids).endswith("\ufffd")):
             self._stream = _DecodeStream(ids=self.ids, skip_special_tokens=self.skip_special)
             self._rust = backend
-        self._verify = (table is not None or self._stream is not None) and os.environ.get(VERIFY_ENV, "") not in ("", "0")
+        self._verify = (table is not None or self._stream is not None) and envs.verify_detok()
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from jaxsched.config import EngineArgs
 from jaxsched.engine.core import EngineCore
-from jaxsched.engine.core_client import EngineCoreClient, InprocClient, LoopClient, Outbox, ThreadClient
+from jaxsched.engine.core_client import EngineCoreClient, InprocClient, Outbox, ThreadClient
 from jaxsched.engine.core_process import ProcessClient
-from jaxsched.parallel.data_parallel import DataParallelClient, data_parallel_cores
+from jaxsched.parallel.data_parallel import DataParallelClient, data_parallel_cores, start_cores
 from jaxsched.parallel.multihost import MultiHostClient
 
 
@@ -26,13 +25,9 @@ def make_client(args: EngineArgs, devices: Sequence[Any] | None = None, own_loop
         if devices is not None:
             raise ValueError("engine_core_process=True picks its devices in the core's own process: pass no devices")
         outbox = Outbox()
-        clients: list[LoopClient] = [ProcessClient(args, 0, outbox)]
         if args.data_parallel_size == 1:
-            return clients[0]
-        blocks = clients[0].config.cache.num_blocks
-        rest = dataclasses.replace(args, num_gpu_blocks_override=blocks)
-        clients += [ProcessClient(rest, i, outbox) for i in range(1, args.data_parallel_size)]
-        return DataParallelClient(clients, outbox)
+            return ProcessClient(args, 0, outbox)
+        return DataParallelClient(start_cores(args, lambda one, i: ProcessClient(one, i, outbox)), outbox)
     if args.data_parallel_size > 1:
         outbox = Outbox()
         return DataParallelClient([ThreadClient(c, outbox) for c in data_parallel_cores(args, devices)], outbox)

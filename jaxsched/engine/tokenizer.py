@@ -10,7 +10,7 @@ import os
 import shutil
 from typing import Any
 
-from jaxsched.paths import cache_dir
+from jaxsched.envs import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from jaxsched.paths import cache_dir
+from jaxsched.envs import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from jaxsched import platforms
 from jaxsched.config import EngineArgs
@@ -16,6 +16,8 @@ from jaxsched.core.stats import EngineStats
 from jaxsched.engine.core import EngineCore
 from jaxsched.engine.core_client import EngineCoreClient, LoopClient, Outbox
 from jaxsched.engine.core_messages import CoreDead, EngineCoreOutputs, EngineCoreRequest, sample_ids
+
+T = TypeVar("T")
 
 
 class DataParallelClient(EngineCoreClient):
@@ -205,16 +207,22 @@ def replica_device_groups(tensor_parallel_size: int, data_parallel_size: int, de
     return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
 
 
+def start_cores(args: EngineArgs, start: Callable[[EngineArgs, int], T]) -> list[T]:
+    """args.data_parallel_size cores, `start(args, index)` each (a core, or a client over a core
+    process). The KV pool's size is the one setting a core cannot know before it has loaded the
+    model and measured the memory left, so core 0 decides it and every other core is started with
+    that count: requests are checked against core 0's config, and every core must hold what it
+    accepts."""
+    first = start(args, 0)
+    rest = dataclasses.replace(args, num_gpu_blocks_override=first.config.cache.num_blocks)
+    return [first] + [start(rest, i) for i in range(1, args.data_parallel_size)]
+
+
 def data_parallel_cores(args: EngineArgs, devices: Sequence[Any] | None = None) -> list[EngineCore]:
-    """data_parallel_size cores in this process, one per device group. Core 0 sizes its pool from
-    memory; the others get its block count: requests are checked against core 0's config, so every
-    core must hold what it accepts. The device check runs before any core loads."""
+    """data_parallel_size cores in this process, one per device group (start_cores). The device
+    check runs before any core loads."""
     groups = replica_device_groups(args.tensor_parallel_size, args.data_parallel_size, devices)
-    one = dataclasses.replace(args, data_parallel_size=1)
-    cores = [EngineCore(one, devices=groups[0], engine_index=0)]
-    one = dataclasses.replace(one, num_gpu_blocks_override=cores[0].config.cache.num_blocks)
-    for i, group in enumerate(groups[1:], 1):
-        cores.append(EngineCore(one, devices=group, engine_index=i))
-    return cores
+    def start(a: EngineArgs, i: int) -> EngineCore:
+        return EngineCore(dataclasses.replace(a, data_parallel_size=1), devices=groups[i], engine_index=i)
 
-
+    return start_cores(args, start)

@@ -37,6 +37,8 @@ import logging
 import os
 import threading
 
+from jaxsched import envs
+
 logger = logging.getLogger(__name__)
 
 _cores: tuple[int, ...] | None = None  # the process's cores before the first reserve()
@@ -58,7 +60,6 @@ def check(n: int) -> None:
 
 
 _POOL_THREAD = "tf_XLAEigen"  # the name XLA's CPU client gives its intra-op pool's threads (Linux)
-_POOL_ENV = ("PJRT_NPROC", "NPROC")  # what that client reads, in this order, for its pools' size
 # why size_xla_pools left the pools as they were, for reserve()'s warning (None: no reason to warn)
 _pools_skipped: str | None = "jax started its backends before the engine was built"
 _pool_warned = False
@@ -81,7 +82,7 @@ def size_xla_pools(n: int) -> bool:
     if xla_bridge.backends_are_initialized():
         _pools_skipped = "jax started its backends before the engine was built"
         return False
-    if any(v in os.environ for v in _POOL_ENV):  # the user's size: no warning either
+    if envs.xla_pool_size_set():  # the user's size: no warning either
         _pools_skipped = None
         return False
     if not expected().host_runs_model:
@@ -232,7 +233,7 @@ def reserve(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         numba_threads.set_limit(len(device) if n else 0)
     global _pool_warned
     pool = pool_threads()
-    if n and pool > len(device) and _pools_skipped and not _pool_warned and not any(v in os.environ for v in _POOL_ENV):
+    if n and pool > len(device) and _pools_skipped and not _pool_warned and not envs.xla_pool_size_set():
         _pool_warned = True  # once a process: the pools do not change
         logger.warning("cpu_reserved_cores=%d: XLA's CPU thread pool has %d threads for %d device core(s): %s, "
                        "sized to every core, and the threads will take turns on the device's cores (a slower "

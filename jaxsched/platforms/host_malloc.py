@@ -40,13 +40,14 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Mapping
 
+from jaxsched import envs
 from jaxsched.platforms.platform import expected
 
 logger = logging.getLogger(__name__)
 
-ENV = "JAXSCHED_HOST_MALLOC"
-CHOICES = ("auto", "keep", "system")
+ENV = envs.HOST_MALLOC
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -57,9 +58,15 @@ TRIM_THRESHOLD = 1 << 30
 # does not fit one is mapped afresh at every allocation, whatever M_MMAP_MAX says
 THREAD_HEAP_BYTES = 64 << 20
 
-applied = False  # whether this process's malloc was set up here
-choice_made = "system"  # the JAXSCHED_HOST_MALLOC choice keep_freed_memory() applied, as it read it
-thread_arenas = False  # whether allow_thread_arenas() gave threads their own arenas back
+# this process's malloc as set here: None until keep_freed_memory() decided (it decides once);
+# then "system" (glibc's own), "keep" (one arena whatever the engine), "auto" (one arena, which
+# allow_thread_arenas may lift) or "threads" (auto, with arenas of their own given back to threads)
+state: str | None = None
+
+
+def applied() -> bool:
+    """Whether freed memory is kept (the settings above are in effect)."""
+    return state in ("keep", "auto", "threads")
 
 
 def _glibc():
@@ -69,18 +76,12 @@ def _glibc():
     return ctypes.CDLL("libc.so.6")
 
 
-decided = False  # whether keep_freed_memory() has run in this process (it decides once)
 
-
-def keep_freed_memory(environ=os.environ) -> bool:
+def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Apply the settings above when JAXSCHED_HOST_MALLOC asks for them; True when they were set."""
-    global applied, choice_made, decided
-    decided = True
-    choice = environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={environ[ENV]!r} is not one of {', '.join(CHOICES)}: keep sets glibc's malloc up "
-                         "to keep freed memory (in one arena), system leaves it alone, auto keeps it when jax runs on "
-                         "the CPU and lets an engine with small programs give threads arenas of their own")
+    global state
+    state = "system"
+    choice = envs.host_malloc(environ)
     if choice == "system" or (choice == "auto" and not expected(environ).host_runs_model):
         return False
     libc = _glibc()
@@ -94,8 +95,7 @@ def keep_freed_memory(environ=os.environ) -> bool:
                                                   (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
     if not ok:
         logger.warning("glibc refused a mallopt setting; host memory is returned to the kernel after each step")
-    applied = ok
-    choice_made = choice if ok else "system"
+    state = choice if ok else "system"
     return ok
 
 
@@ -110,8 +110,8 @@ def allow_thread_arenas(largest_block: int) -> bool:
     it before anything else touches jax), it moves jax's; called later, only threads started after
     it, if any, and none where the limit was already fixed: so it does nothing once jax has started.
     Process-wide: the first engine decides."""
-    global thread_arenas
-    if not applied or choice_made != "auto" or largest_block > THREAD_HEAP_BYTES // 2:
+    global state
+    if state != "auto" or largest_block > THREAD_HEAP_BYTES // 2:
         return False
     try:
         from jax._src import xla_bridge
@@ -123,8 +123,10 @@ def allow_thread_arenas(largest_block: int) -> bool:
         return False
     libc = _glibc()  # not None: applied
     # glibc's default limit (NARENAS_FROM_NCORES); mallopt takes no 0 for "the default"
-    thread_arenas = libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) == 1
-    return thread_arenas
+    if libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) != 1:
+        return False
+    state = "threads"
+    return True
 
 
 def arena_count() -> int:
@@ -150,6 +152,6 @@ def arena_count() -> int:
 def apply_once() -> bool:
     """keep_freed_memory() the first time an engine of this process starts; later engines find
     the process as the first one left it. Returns whether the settings are in effect."""
-    if not decided:
+    if state is None:
         keep_freed_memory()
-    return applied
+    return applied()

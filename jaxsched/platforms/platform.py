@@ -11,10 +11,12 @@ import (platforms/host_malloc.py, platforms/cpu_affinity.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from jaxsched import envs
 
 # YNNPACK fusion kinds for the model step on a CPU with the "xla" attention backend. jaxlib hands
 # YNNPACK only dots and reductions by default; adding elementwise chains moves that backend's
@@ -95,14 +97,19 @@ def of(name: str) -> Platform:
         return CPU
     if name == GPU.name:
         return GPU
+    return _other(name)
+
+
+@functools.cache
+def _other(name: str) -> Platform:
     return Platform(**{**GPU.__dict__, "name": name, "triton": False, "visible_devices_env": None})
 
 
-def expected(environ: Mapping[str, str] = os.environ) -> Platform:
+def expected(environ: Mapping[str, str] | None = None) -> Platform:
     """The platform jax will run on, decided without starting jax: JAX_PLATFORMS' first entry,
     else the CPU unless an accelerator plugin is installed. Process settings that must come before
     jax's threads start (malloc arenas, XLA's CPU pool size) are chosen from it."""
-    names = environ.get("JAX_PLATFORMS", environ.get("JAX_PLATFORM_NAME", "")).strip().lower()
+    names = envs.jax_platforms(environ)
     if names:
         first = names.split(",")[0].strip()
         return of("gpu" if first in ("cuda", "rocm") else first)

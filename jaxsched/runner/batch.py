@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from jaxsched import envs
 from jaxsched.core.request import INT32_MAX, MAX_LOGIT_BIAS, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
 from jaxsched.runner.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids, tracks_outputs
@@ -214,7 +214,7 @@ class BatchPacker:
         # packed from its buffers (_pack_steady); None otherwise
         self._steady: _Steady | None = None
         self._views: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}  # _descriptor's
-        self.verify_steady = os.environ.get(VERIFY_ENV, "") not in ("", "0")
+        self.verify_steady = envs.verify_pack()
         self._scratch: tuple[np.ndarray, ...] | None = None  # _verify's buffers
         self.steady_packs = 0  # steps packed by _pack_steady (for tests and benchmarks)
         self.steady_gathers = 0  # of those, the ones whose rows were fewer than the last step's
@@ -493,7 +493,7 @@ _ROW_VALUES = ("top_k", "seeds", "num_logprobs", "temperature", "top_p", "min_p"
 
 # set (to anything but 0) in the environment: every step packed by BatchPacker._pack_steady is
 # checked against the full pack (tests/conftest.py sets it for the whole suite)
-VERIFY_ENV = "JAXSCHED_VERIFY_PACK"
+VERIFY_ENV = envs.VERIFY_PACK
 
 
 @dataclass

@@ -41,9 +41,9 @@ from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.core.buckets import bucket_pairs
 from jaxsched.core.request import MAX_LOGIT_BIAS
 from jaxsched.core.scheduler import SchedulerOutput
+from jaxsched.envs import cache_dir
 from jaxsched.models.layers import pack_linear_weights, untie_lm_head
 from jaxsched.parallel.mesh import place
-from jaxsched.paths import cache_dir
 from jaxsched.runner.batch import SAMPLER_I32, BatchDescriptor, BatchPacker, SamplerRows, flat_sizes
 from jaxsched.runner.sampler import SamplerOutput, sample
 from jaxsched.runner.sampler import needs as sampler_needs
