@@ -109,7 +109,7 @@ class EngineArgs:
     step_cost_model: bool | None = None
     target_tpot_ms: float | None = None
     # run every compiled program once at warm-up, on a batch of padding: a program's first run pays
-    # one-time costs (on a CPU 0.1-0.4 s each, XLA's fused kernels setting up), which otherwise
+    # one-time costs (on a CPU, XLA's fused kernels setting up), which otherwise
     # land on the first requests that use it (docs/PERFORMANCE.md, "Decisions in the code"). None:
     # on for `jaxsched serve`, where a burst of first requests would meet them, off for the library
     # (an offline run amortises them over its own steps and would wait longer to start)

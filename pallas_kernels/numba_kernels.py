@@ -12,9 +12,8 @@ Two kinds of work item, dealt out to numba's threads by estimated cost (`ragged`
                 page rows (the page read in memory order); otherwise loops of 4 terms per pass.
   prefill tile  up to Q_TILE query tokens of one sequence, causal over the cached prefix and
                 themselves: a [Q_TILE * G, H] x [H, P] block per page. On a float32 pool with pages
-                and heads a multiple of NR, both dots are numba_tile.py's register tiles (~1.4x
-                the loops); otherwise loops of 4 rows and 4 terms per pass (about 3x one row-term
-                at a time; docs/PERFORMANCE.md, "Decisions in the code").
+                and heads a multiple of NR, both dots are numba_tile.py's register tiles; otherwise
+                loops of 4 rows and 4 terms per pass (docs/PERFORMANCE.md, "Decisions in the code").
 
 Shapes are read at run time and the functions are cached on disk (`cache=True`): the first use of a
 pool storage on a machine compiles its handler, later processes load the cache. The FFI handlers at
@@ -194,7 +193,8 @@ def _exp_sum(typingctx, arr, off, n, mx):
     them), and their sum is returned; arr float32 and C-contiguous. 16 lanes at a time in vector
     instructions, then the tail one by one. numba vectorised the same loop over 8 lanes only (LLVM
     prefers 256-bit vectors on these CPUs), and with the polynomial's constants reloaded in every
-    pass the online softmax took ~30 % of a prefill tile (docs/PERFORMANCE.md, "Decisions in the code")."""
+    pass the online softmax took a large share of a prefill tile (docs/PERFORMANCE.md, "Decisions in
+    the code")."""
     def codegen(context, builder, signature, args):
         data, start, count, top = _span_args(context, builder, signature, args)
         f32, idx = ir.FloatType(), start.type
@@ -304,9 +304,8 @@ def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
 # decode_row and prefill_tile are called once per work item, not inlined into `ragged`, and so are
 # the bodies under them that run once per row or page (_decode_tiles, _decode_loops, _matmul_acc,
 # _page_dot_loops); only the small helpers of the inner loops are inlined at numba's level
-# (inline="always"). Inlining the large bodies too made the handlers' cold compile up to 2x longer
-# for no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code" and
-# "Decisions in the code").
+# (inline="always"). Inlining the large bodies too made the handlers' cold compile far longer for
+# no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code").
 @njit(fastmath=True, cache=True)
 def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
@@ -457,7 +456,7 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
 # register tiles cannot run (a uint16 pool, pages or heads not a multiple of NR). numba
 # vectorises the innermost loop over 16 lanes but keeps its accumulators in memory, so each pass
 # over a row loads and stores them; 4 rows at a time and 4 terms per pass (16 multiply-adds per
-# accumulator load) run about 3x faster (docs/PERFORMANCE.md, "Decisions in the code").
+# accumulator load) run several times faster (docs/PERFORMANCE.md, "Decisions in the code").
 @njit(fastmath=True, cache=True)
 def _matmul_acc(a, b, c, R, kdim, cols):
     """c[:R, :cols] += a[:R, :kdim] . b[:kdim, :cols] (all row-major), 4 rows of a and 4 terms of

@@ -4,8 +4,7 @@ and v written into their pages at the step's slot mapping, the pools updated in 
 
 Why: in XLA the same work is rope's fusions on q and k (each writes a new array) and then a scatter
 of k and v into the donated pools; here each token's heads are read once and written once, where
-they go (on the demo model's 2048-token prefill step, the scatter and rope's concatenations took
-~40 ms, this kernel ~22; docs/PERFORMANCE.md, "Decisions in the code").
+they go (about half XLA's time on a prefill step: docs/PERFORMANCE.md, "Decisions in the code").
 
 Same results as layers.apply_rope followed by kv_cache.write_kv (HF's rotate-half convention; a
 padding token's slot 0 writes the null page; a slot outside the pool writes nothing). Used by

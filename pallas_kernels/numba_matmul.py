@@ -95,10 +95,9 @@ def pack_rows(xf, m0, m1, K, xp):
     the tile of r rows starting at row m at (m - m0) * K, term-major (x[m + j, k] at
     (m - m0) * K + k * r + j), which is how the "packed" micro-kernel reads a tile. Unsigned
     indices: with signed ones numba tests every index for wrapping around, which made this copy
-    2-3x slower. The tile is written in order, term by term, reading its r rows side by side: row
-    by row, each pass wrote a line of every term, and a tile of rows 1536 terms long (74 KB) left
-    L1 before the next row's pass came back to its lines (1.9x slower at K = 1536;
-    docs/PERFORMANCE.md, "Decisions in the code")."""
+    slower. The tile is written in order, term by term, reading its r rows side by side: row by
+    row, each pass wrote a line of every term, and a tile of long rows left L1 before the next
+    row's pass came back to its lines (docs/PERFORMANCE.md, "Decisions in the code")."""
     m = m0
     while m < m1:
         r = _tile_rows(m1 - m)
@@ -126,7 +125,7 @@ def _plan(M, P):
     of rows and every panel, so it packs only its own rows. Otherwise the threads share the rows
     and split the panels, each packing all the rows (a decode step's matmul: the weights, streamed
     from memory, are read once, each panel by one thread). Splitting the panels of a large M made
-    each thread pack every row, which took 3-10 % of the multiply (docs/PERFORMANCE.md,
+    each thread pack every row, a measurable share of the multiply (docs/PERFORMANCE.md,
     "Decisions in the code")."""
     if M > MB and M // _THREADS >= MB // 2:
         return True, _THREADS
@@ -196,8 +195,8 @@ def _silu_mul(typingctx, gu, rows, out, o_off, ldo):
     NR] and the up tile u = gu[MR * NR:] beside it (both [MR, NR], row-major; out float32 and
     C-contiguous), in 16-lane vectors: the sigmoid as 1 / (1 + e) or e / (1 + e) with e = exp(-|g|)
     (no overflow either way), chosen by g's sign in a select. numba compiled the same loop to 8
-    lanes with a branch, and it took ~6 % of the gate/up matmul at T = 2048 (docs/PERFORMANCE.md,
-    "Decisions in the code")."""
+    lanes with a branch, a measurable share of the gate/up matmul (docs/PERFORMANCE.md, "Decisions
+    in the code")."""
     def codegen(context, builder, signature, args):
         gu_a, n_rows, out_a, off, ld = args
         gp = context.make_array(signature.args[0])(context, builder, gu_a).data

@@ -115,12 +115,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def serve_core_process_default() -> bool:
     """Where `jaxsched serve` runs its engine cores when engine_core_process is not given: in
-    processes of their own, on every platform. On this project's 2-core CPU a core process served
-    the demo model at 1.00x its offline throughput against 0.95x in the server's process (medians of
-    three rounds), the tiny host-bound model at 0.40x against 0.42x: its step loop no longer shares
-    the server's GIL, which pays where steps are long enough for the model to want the cores
-    (docs/PERFORMANCE.md, "Served"). On a GPU, whose steps the host bounds, the
-    same holds with more cores to spare (not measured yet)."""
+    processes of their own, on every platform: the step loop no longer shares the server's GIL,
+    which pays where steps are long enough for the model to want the cores, and costs a little on a
+    tiny host-bound model (docs/PERFORMANCE.md, "Served"). On a GPU, whose steps the host bounds,
+    the same holds with more cores to spare (not measured yet)."""
     return True
 
 

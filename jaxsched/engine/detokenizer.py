@@ -15,9 +15,9 @@ tokenizer (each a few microseconds through the binding): at a few hundred rows a
 most of the host's output phase (docs/PERFORMANCE.md, "Decisions in the code").
 Other tokenizers whose decode is their Rust decoder's (SentencePiece's Metaspace and byte
 fallback: Llama 2, Mistral, Gemma) run the same window inside tokenizers' `DecodeStream`, as vLLM's
-fast detokenizer does: one call into Rust a token instead of two decodes through the binding, 2.1
--> 1.7 us a token on a SentencePiece-style tokenizer (`scripts/bench_detokenizer.py`). The byte
-table stays well ahead of it on byte-level tokenizers (0.6 against 1.0 us) and keeps them. A
+fast detokenizer does: one call into Rust a token instead of two decodes through the binding
+(`scripts/bench_detokenizer.py` times both). The byte table stays ahead of it on byte-level
+tokenizers and keeps them. A
 request whose stream fails (tokenizers raises where the text before a token changes: seen with
 special tokens kept) goes on on the window.
 JAXSCHED_VERIFY_DETOK=1 computes the window's text beside either and raises where they differ
@@ -98,7 +98,7 @@ _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_table(tokenizer) -> ByteTable | None:
-    """The tokenizer's ByteTable, built (~0.1 s for 50k ids) and cached on first use; None where its
+    """The tokenizer's ByteTable, built once (a pass over the vocabulary) and cached; None where its
     decode is not plain byte-level (another decoder, transformers' wrapper kept by decoder_of, or an
     id whose bytes do not give the tokenizer's own text)."""
     try:

@@ -102,14 +102,13 @@ def size_xla_pools(n: int) -> bool:
     return True
 
 
-# the model's FLOPs a token (ModelConfig.token_flops) per core of this
-# process, below which "auto" reserves a core: on 2 cores a model of 8.9 MFLOP a token (4.5 a
-# core) ran 4 % faster with one reserved, one of 17.9 (8.9 a core) 15 % slower; the gain,
-# interpolated between them, ends near 5.2 (docs/PERFORMANCE.md, "Decisions in the code")
+# the model's FLOPs a token (ModelConfig.token_flops) per core of this process, below which "auto"
+# reserves a core: a small model's device work leaves the cores idle enough that a core of the
+# host's own pays; a larger one's needs every core. The line is where the measured gain ends
+# (docs/PERFORMANCE.md, "Decisions in the code")
 AUTO_MAX_FLOPS_PER_CORE = 5e6
 # the same line for a synchronous engine (async_scheduling=False), whose host does not work beside
-# the device but still takes turns with it on the cores: 2.85 MFLOP a token a core gained 3-10 %,
-# 4.45 lost 6 %; interpolated, the gain ends near 3.6
+# the device but still takes turns with it on the cores: its gain ends at a smaller model
 AUTO_MAX_FLOPS_PER_CORE_SYNC = 3.5e6
 
 
@@ -162,10 +161,8 @@ def auto_reserved_cores(model_config, *, cpu: bool, jax_started: bool, own_devic
 # the model's FLOPs a token per core below which an engine with no core reserved for the host
 # still overlaps its steps on a CPU: the device's step is then short and leaves the cores idle at
 # its joins, which the host's work fills. Above it the host's work preempts the device's threads
-# (a parallel loop waits for its slowest thread) and hides nothing: on 2 cores without a reserve,
-# a model of 1.4 MFLOP a token (0.7 a core) ran 6-16 % faster overlapped, one of 5.7 (2.85 a
-# core) level to 13 % slower, the larger ones (up to the demo model's 269) level to 9 % slower
-# (docs/PERFORMANCE.md, "Decisions in the code")
+# (a parallel loop waits for its slowest thread) and hides nothing (docs/PERFORMANCE.md,
+# "Decisions in the code")
 AUTO_OVERLAP_MAX_FLOPS_PER_CORE = 1.5e6
 
 

@@ -55,7 +55,7 @@ class Platform:
     # XLA options for the model step's programs, by attention backend
     compiler_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # the layers' matmuls in numba_matmul's kernel over weights packed at start, for these attention
-    # backends on one device (1.5-2.5x XLA:CPU's dots at T = 8-128 on the demo model's shapes)
+    # backends on one device (faster than XLA:CPU's dots: docs/PERFORMANCE.md, "Decisions in the code")
     packed_matmul_backends: tuple[str, ...] = ()
     # device.memory_stats() gives the device's memory (else the host's, shared by simulated devices)
     memory_stats: bool = True

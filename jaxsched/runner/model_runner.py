@@ -168,8 +168,8 @@ def largest_temporary_bytes(executables) -> int:
 
 
 # Programs that compile faster than this are not written to the persistent cache. jax's default
-# (1 s) left out the model's programs of small buckets (0.4-1.3 s each once the sampler is a program
-# of its own); the block-copy programs (~0.1 s) compile about as fast as they would load.
+# (1 s) left out the model's programs of small buckets; the block-copy programs compile about as
+# fast as they would load (docs/PERFORMANCE.md, "Decisions in the code").
 CACHE_MIN_COMPILE_SECONDS = 0.2
 
 

@@ -87,7 +87,7 @@ class SamplerOutput:
 
 
 _ARGMAX_BLOCK = 512
-# The cond program's filters never sort a row: XLA:CPU's sort of [S, V] took ~9.5 ms a row. They
+# The cond program's filters never sort a row (XLA:CPU's sort of [S, V] is far too slow). They
 # read each row's FILTER_TOP largest logits (lax.top_k) when those hold every sampled row's top-k and
 # nucleus (top-p), else bisect for the thresholds over whole rows, a few times the cost of that
 # top_k (docs/PERFORMANCE.md, "Decisions in the code"). The demo model's nucleus at top_p 0.95 is a
