@@ -26,19 +26,28 @@ requires: a repeated one is an error line (the first line with that id runs). Bl
 
 Lines enter the engine as the file is read, at most --max-in-flight lines at a time, so a file larger
 than memory runs; outputs are written in input order, so what is held is the lines in flight and the
-finished results that wait for an earlier line.
+finished results that wait for an earlier line. A line longer than --max-line-bytes is an error line
+without being parsed.
+
+No result is lost. Results go to a temporary file beside the output, renamed over it when the run
+ends: a run that cannot start (a wrong model path) or is killed leaves an existing output file as it
+was. With --resume they are appended to the output itself, each line flushed as it is written; the
+custom_ids of its complete lines are skipped and a line torn by a kill is cut, so a killed run
+resumed has every custom_id once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -50,6 +59,7 @@ from serving.protocol import ErrorInfo, ErrorResponse, RequestError, UsageInfo
 logger = logging.getLogger(__name__)
 
 URLS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_LINE_BYTES = 8 * 2**20 + 64 * 2**10  # the server's body limit, and room for the envelope
 MAX_IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many lines per engine seat keeps the scheduler fed
 
 
@@ -75,6 +85,10 @@ class _ResponseProbe(Struct):
     usage: UsageInfo | None = None
 
 
+class _IdProbe(Struct):
+    custom_id: Any = None
+
+
 class BatchResponse(Struct):
     status_code: int
     request_id: str
@@ -93,6 +107,7 @@ _line_decoder = msgspec.json.Decoder(_InputLine)
 _stream_decoder = msgspec.json.Decoder(_StreamProbe)
 _response_decoder = msgspec.json.Decoder(_ResponseProbe)
 _error_decoder = msgspec.json.Decoder(ErrorResponse)
+_id_decoder = msgspec.json.Decoder(_IdProbe)
 
 
 @dataclass
@@ -212,10 +227,13 @@ def _refused(cid: str | None, e: RequestError) -> BatchOutput:
 
 # -- the run -----------------------------------------------------------------------------------
 class _OrderedWriter:
-    """Writes finished lines in input order; holds those that wait for an earlier line."""
+    """Writes finished lines in input order; holds those that wait for an earlier line. flush:
+    each line reaches the file as it is written (--resume's output: a kill loses no written line)."""
 
-    def __init__(self, out: IO[bytes], error_out: IO[bytes] | None, on_written: Any = None) -> None:
+    def __init__(self, out: IO[bytes], error_out: IO[bytes] | None, on_written: Any = None,
+                 flush: bool = False) -> None:
         self.out, self.error_out = out, error_out
+        self.flush = flush
         self.next = 0
         self.waiting: dict[int, tuple[bytes, bool]] = {}
         self.on_written = on_written  # called once per line written
@@ -227,6 +245,10 @@ class _OrderedWriter:
             self.out.write(data)
             if failed and self.error_out is not None:
                 self.error_out.write(data)
+            if self.flush:
+                self.out.flush()
+                if failed and self.error_out is not None:
+                    self.error_out.flush()
             self.next += 1
             if self.on_written is not None:
                 self.on_written()
@@ -235,10 +257,13 @@ class _OrderedWriter:
 class BatchRunner:
     """Runs batch lines through the server's ASGI app (serving.app.build_app over an AsyncEngine)."""
 
-    def __init__(self, app: Any, max_in_flight: int, progress: Any = None) -> None:
+    def __init__(self, app: Any, max_in_flight: int, progress: Any = None, done: set[str] | frozenset[str] = frozenset(),
+                 flush: bool = False) -> None:
         if max_in_flight < 1:
             raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
         self.app = app
+        self.done = done  # custom_ids already in the output (--resume): their lines are skipped
+        self.flush = flush
         self.max_in_flight = max_in_flight
         self.progress = progress  # a tqdm bar, or None
         self.summary = BatchSummary()
@@ -249,15 +274,21 @@ class BatchRunner:
         # the finished ones waiting for an earlier line stay within max_in_flight, so memory is bounded
         # however long the line at the head runs.
         slots = asyncio.Semaphore(self.max_in_flight)
-        writer = _OrderedWriter(out, error_out, on_written=slots.release)
+        writer = _OrderedWriter(out, error_out, on_written=slots.release, flush=self.flush)
         tasks: set[asyncio.Task] = set()
         seen: dict[str, int] = {}
         self._t0 = time.perf_counter()
         index = 0
         async for lineno, raw in _numbered(lines):
+            if self.done and _done_id(raw) in self.done:
+                continue  # --resume: its result is in the output already
             i, index = index, index + 1
             await slots.acquire()  # the bound: a line is read only when an earlier one was written
             try:
+                if isinstance(raw, _TooLong):
+                    raise _LineError(RequestError(
+                        f"line {lineno} is {raw.size} bytes or more, longer than the limit of {raw.limit} "
+                        "(--max-line-bytes): it was not read", code="line_too_long"))
                 cid, url, body = _parse(lineno, raw, seen)
             except _LineError as e:
                 self._finish(writer, i, _refused(e.custom_id, e.err))
@@ -306,11 +337,47 @@ class BatchRunner:
             self.progress.update(1)
 
 
-async def _numbered(lines: Iterable[bytes]) -> AsyncIterator[tuple[int, bytes]]:
+@dataclass
+class _TooLong:
+    """A line longer than the limit, in place of its bytes (never held whole)."""
+
+    size: int
+    limit: int
+
+
+def read_lines(f: IO[bytes], limit: int) -> Iterator[bytes | _TooLong]:
+    """The lines of `f`, each read only up to `limit` bytes: a longer one is skipped to its end
+    in pieces and given as _TooLong."""
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield _TooLong(size, limit)
+
+
+def _done_id(raw: bytes | _TooLong) -> str | None:
+    """A line's custom_id, when it is a readable string (for --resume's skip)."""
+    if isinstance(raw, _TooLong):
+        return None
+    try:
+        cid = _id_decoder.decode(raw).custom_id
+    except msgspec.MsgspecError:
+        return None
+    return cid if isinstance(cid, str) else None
+
+
+async def _numbered(lines: Iterable[bytes | _TooLong]) -> AsyncIterator[tuple[int, bytes | _TooLong]]:
     """(1-based line number, line) of the non-blank lines. Reading a line blocks the loop briefly; the
     engine runs on its own thread meanwhile, and the lines in flight wait on it, not on the loop."""
     for lineno, raw in enumerate(lines, 1):
-        if raw.strip():
+        if isinstance(raw, _TooLong) or raw.strip():
             yield lineno, raw
         if lineno % 256 == 0:
             await asyncio.sleep(0)  # let finished lines be written while blank or refused lines stream by
@@ -342,6 +409,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in bodies, as `serve` (refused by default)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar (there is none off a terminal)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with an interrupted run: keep the output file's complete lines, skip their "
+                             "custom_ids, and append the rest (each line flushed as written). Without it the output "
+                             "is written to a temporary file and replaces OUTPUT_FILE only when the run ends")
+    parser.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES,
+                        help="a longer input line is an error line, not read (default: %(default)s)")
 
 
 def default_max_in_flight(args: Any) -> int:
@@ -366,7 +439,11 @@ def cmd_run_batch(ns: argparse.Namespace, args: Any) -> int:
     files = None if multi_host else _open_files(ns)
     if files is None and not multi_host:
         return 1
-    eng = create_engine(args)
+    try:
+        eng = create_engine(args)
+    except BaseException:
+        _close(files)
+        raise
     if multi_host:
         if not eng.is_leader:  # the other hosts run process 0's steps until it stops
             eng.follow()
@@ -379,17 +456,25 @@ def cmd_run_batch(ns: argparse.Namespace, args: Any) -> int:
     name = ns.served_model_name or ns.model or "demo"
     engine = AsyncEngine(eng)
     app = build_app(engine, served_model_name=name, trust_request_chat_template=ns.trust_request_chat_template)
+    results = [r for r in (out, err) if r is not None]
     try:
         summary = asyncio.run(_run_with_bar(app, ns, src, out, err, max_in_flight))
         # the engine thread ends only on shutdown: if it is gone, the lines after that failed with 503
         dead = not engine.is_running
+    except BaseException:
+        for r in results:  # a run that did not end leaves the output as it was (--resume: what it wrote)
+            if ns.resume:
+                r.commit()
+            else:
+                r.discard()
+        raise
     finally:
         engine.shutdown(timeout=None if multi_host else 10.0)
         if multi_host:
             eng.shutdown()
-        for f in (src, out, err):
-            if f is not None:
-                f.close()
+        src.close()
+    for r in results:
+        r.commit()
     logger.info("run-batch: %d lines, %d failed, %d output tokens in %.1f s (%.1f output tok/s) -> %s%s",
                 summary.lines, summary.failed, summary.output_tokens, summary.seconds,
                 summary.output_tokens / summary.seconds if summary.seconds else 0.0, ns.output_file,
@@ -401,44 +486,121 @@ def cmd_run_batch(ns: argparse.Namespace, args: Any) -> int:
     return 0
 
 
-async def _run_with_bar(app: Any, ns: argparse.Namespace, src: IO[bytes], out: IO[bytes], err: IO[bytes] | None,
+def _close(files: tuple[IO[bytes], ResultFile, ResultFile | None] | None) -> None:
+    """A run that did not start: the input closed, the results' temporary files removed."""
+    if files is None:
+        return
+    files[0].close()
+    for r in files[1:]:
+        if r is not None:
+            r.discard()
+
+
+async def _run_with_bar(app: Any, ns: argparse.Namespace, src: IO[bytes], out: ResultFile, err: ResultFile | None,
                         max_in_flight: int) -> BatchSummary:
     from tqdm import tqdm
 
     show = not ns.disable_tqdm and sys.stderr.isatty()
     total = _count_lines(ns.input_file) if show else None  # one quick pass, for the bar's ETA
+    if out.done:
+        logger.info("run-batch --resume: %d lines of %s are done; the rest run", len(out.done), ns.output_file)
+    for r in (out, err):
+        if r is not None:
+            r.begin()
     with tqdm(total=total, desc="run-batch", unit="req", disable=not show, dynamic_ncols=True) as bar:
-        return await BatchRunner(app, max_in_flight, bar if show else None).run(src, out, err)
+        runner = BatchRunner(app, max_in_flight, bar if show else None, done=out.done, flush=ns.resume)
+        return await runner.run(read_lines(src, ns.max_line_bytes), out.file, err.file if err else None)
 
 
-def _open_files(ns: argparse.Namespace) -> tuple[IO[bytes], IO[bytes], IO[bytes] | None] | None:
-    """The input, output and error files, opened; None (after saying why) when one cannot be."""
+class ResultFile:
+    """Where a run's results (or its failed lines) go; see the module docstring. Without resume: a
+    temporary file beside `path`, renamed over it by commit() and removed by discard(), so `path`
+    is untouched until the run has ended. With resume: `path` itself, opened to append after its
+    last complete line (a torn one is cut by begin(), once the run starts), its lines' custom_ids
+    in `done`."""
+
+    def __init__(self, path: str, resume: bool) -> None:
+        self.path, self.resume = path, resume
+        self.done: set[str] = set()
+        self.temp: str | None = None
+        self._keep = 0  # --resume: the bytes of whole lines, after which a torn one is cut
+        self.created = resume and not os.path.exists(path)  # made here (removed again if the run never starts)
+        if resume:
+            self.file = open(path, "ab+")  # noqa: SIM115 - closed by commit() / discard()
+            self._keep_complete_lines()
+        else:
+            folder, name = os.path.split(os.path.abspath(path))
+            fd, self.temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=folder)
+            self.file = os.fdopen(fd, "wb")
+
+    def _keep_complete_lines(self) -> None:
+        """Read the output's lines: every complete result line's custom_id goes to `done`, and the
+        end of the last whole one is kept for begin() (a kill may have torn the line after it)."""
+        f, good = self.file, 0
+        f.seek(0)
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                cid = _id_decoder.decode(raw).custom_id
+            except msgspec.MsgspecError:
+                break
+            if isinstance(cid, str):
+                self.done.add(cid)
+            good += len(raw)
+        self._keep = good
+
+    def begin(self) -> None:
+        """The run starts: with --resume, a torn last line is cut (its request runs again)."""
+        f = self.file
+        if self.resume and self._keep != f.seek(0, os.SEEK_END):
+            logger.warning("run-batch --resume: %s ends with a torn line (%d bytes): it is cut and its line run again",
+                           self.path, f.tell() - self._keep)
+            f.truncate(self._keep)
+        f.seek(0, os.SEEK_END)
+
+    def commit(self) -> None:
+        self.file.close()
+        if self.temp is not None:
+            os.replace(self.temp, self.path)
+            self.temp = None
+
+    def discard(self) -> None:
+        """The run did not start: nothing it opened stays."""
+        self.file.close()
+        if self.created and os.path.getsize(self.path) == 0:
+            os.unlink(self.path)
+        if self.temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.temp)
+            self.temp = None
+
+
+def _open_files(ns: argparse.Namespace) -> tuple[IO[bytes], ResultFile, ResultFile | None] | None:
+    """The input file, the output and the error file, opened; None (after saying why) when one cannot be."""
     if ns.error_file is not None and os.path.abspath(ns.error_file) == os.path.abspath(ns.output_file):
         print("error: --error-file must differ from the output file (which gets every line already)", file=sys.stderr)
         return None
-    for path in (ns.output_file, ns.error_file):  # opening it for writing would empty the input first
+    for path in (ns.output_file, ns.error_file):  # writing it would change the input
         if path is not None and os.path.exists(path) and os.path.exists(ns.input_file) and \
                 os.path.samefile(path, ns.input_file):
             print(f"error: {path!r} is the input file: write the results to another file", file=sys.stderr)
             return None
-    opened: list[IO[bytes]] = []
     try:
-        for path, mode, what in ((ns.input_file, "rb", "read the input file"),
-                                 (ns.output_file, "wb", "write the output file"),
-                                 (ns.error_file, "wb", "write the error file")):
-            if path is None:
-                opened.append(None)  # type: ignore[arg-type]
-                continue
-            try:
-                opened.append(open(path, mode))  # noqa: SIM115 - closed by cmd_run_batch
-            except OSError as e:
-                print(f"error: cannot {what} {path!r}: {e.strerror or e}", file=sys.stderr)
-                raise
-    except OSError:
-        for f in opened:
-            if f is not None:
-                f.close()
+        src = open(ns.input_file, "rb")  # noqa: SIM115 - closed by cmd_run_batch
+    except OSError as e:
+        print(f"error: cannot read the input file {ns.input_file!r}: {e.strerror or e}", file=sys.stderr)
         return None
-    src, out, err = opened
-    return src, out, err
-
+    opened: list[ResultFile] = []
+    for path, what in ((ns.output_file, "output"), (ns.error_file, "error")):
+        if path is None:
+            continue
+        try:
+            opened.append(ResultFile(path, ns.resume))
+        except OSError as e:
+            print(f"error: cannot write the {what} file {path!r}: {e.strerror or e}", file=sys.stderr)
+            src.close()
+            for r in opened:
+                r.discard()
+            return None
+    return src, opened[0], opened[1] if len(opened) > 1 else None

@@ -267,3 +267,89 @@ def test_lines_held_stay_within_max_in_flight_behind_a_slow_head():
     assert rows[1]["error"]["code"] == "not_found" and rows[2]["error"] is None  # the id went to the valid line
     assert rows[3]["error"]["type"] == "server_error" and rows[3]["response"]["body"] is None
     assert summary.failed == 2 and all(r["error"] is None for r in rows[4:])
+
+
+def test_a_failed_start_leaves_an_existing_output_byte_for_byte(tmp_path, monkeypatch):
+    """The output is written to a temporary file beside it and renamed at the end: a model that
+    fails to load leaves yesterday's results as they were, and no temporary file behind."""
+    def broken(args):
+        raise FileNotFoundError("no model at some/model")
+
+    monkeypatch.setattr(jaxsched.engine.llm_engine, "create_engine", broken)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps(good_line(0)) + "\n")
+    out.write_bytes(b'{"custom_id": "yesterday"}\n\x00 binary tail')
+    before = out.read_bytes()
+    for flags in ([], ["--resume"]):
+        with pytest.raises(FileNotFoundError):
+            cli.main(["run-batch", "-i", str(src), "-o", str(out), "some/model", *flags])
+        assert out.read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+def test_an_over_long_line_is_an_error_line_and_the_rest_run(run):
+    lines = [json.dumps(good_line(0)), json.dumps({**good_line(1), "pad": "x" * 5000}), json.dumps(good_line(2))]
+    rc, records, _, _ = run(lines, "--max-line-bytes", "4096")
+    assert rc == 0 and [r["custom_id"] for r in records] == ["req-000", None, "req-002"]
+    assert records[1]["error"]["code"] == "line_too_long" and "line 2" in records[1]["error"]["message"]
+    assert records[0]["error"] is None and records[2]["error"] is None
+
+
+def test_resume_skips_complete_lines_and_redoes_a_torn_one(run, tmp_path):
+    lines = [json.dumps(good_line(i)) for i in range(12)]
+    rc, full, _, _ = run(lines)
+    assert rc == 0 and len(full) == 12
+    out = tmp_path / "out.jsonl"
+    kept = out.read_text().splitlines(keepends=True)[:5]
+    out.write_text("".join(kept) + kept[5 - 1][:30])  # five whole lines and a torn sixth
+    rc, records, _, _ = run(lines, "--resume")
+    assert rc == 0
+    ids = [r["custom_id"] for r in records]
+    assert sorted(ids) == sorted(f"req-{i:03d}" for i in range(12)) and len(set(ids)) == 12
+    assert records[:5] == full[:5]  # the complete lines are kept as they were
+    texts = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records}
+    assert all(texts[r["custom_id"]] == r["response"]["body"]["choices"][0] for r in full)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
+def test_killed_with_sigkill_then_resumed_or_rerun_has_every_custom_id_once(llama_dir, tmp_path, run):
+    """A run killed at a random point: rerun without --resume, the output holds what it held before
+    (nothing: the run had not ended); resumed, every custom_id is there exactly once."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    lines = [json.dumps(good_line(i)) for i in range(60)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for resume in (False, True):
+        out = tmp_path / f"killed-{resume}.jsonl"
+        cmd = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "run-batch", "-i", str(src), "-o",
+               str(out), llama_dir, "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "2",
+               "--max-in-flight", "2", "--block-size", "8", *(["--resume"] if resume else [])]
+        proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        partial = list(tmp_path.glob(f".{out.name}.*.partial"))
+        deadline = time.monotonic() + 300
+        want = random.Random(resume).randint(3, 40)  # results written before the kill
+        while time.monotonic() < deadline and proc.poll() is None:
+            target = out if resume else next(iter(partial), None)
+            if target is not None and target.exists() and target.read_bytes().count(b"\n") >= want:
+                break
+            partial = partial or list(tmp_path.glob(f".{out.name}.*.partial"))
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        if not resume:
+            assert not out.exists()  # the run did not end: no output in its place
+            continue
+        assert out.read_bytes().count(b"\n") >= want
+        rc = cli.main(["--log-level", "WARNING", "run-batch", "-i", str(src), "-o", str(out), "some/model",
+                       "--served-model-name", "tiny", "--max-model-len", "128", "--resume"])
+        ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]  # (run's engine: the fixture's)
+        assert rc == 0 and sorted(ids) == sorted(f"req-{i:03d}" for i in range(60)), ids
