@@ -33,6 +33,7 @@ from serving.protocol import (
 )
 from serving.tool_calls import (
     PARSERS,
+    JsonToolParser,
     NamedCallStream,
     StreamUpdate,
     ToolCall,
@@ -127,8 +128,9 @@ class ChatTools:
                 return None, [call_from_named(self.name, text)]
             if self.mode == "required":
                 return None, calls_from_required(text)
-        except ValueError:
-            return text, []  # cut short (max_tokens, a stop string): what was written goes back as text
+        except ValueError:  # cut short (max_tokens, a stop string): the whole calls, else the text as written
+            calls = JsonToolParser.complete_calls(text) if self.mode == "required" else []
+            return (None, calls) if calls else (text, [])
         return PARSERS[self.parser]().parse(text)
 
     @staticmethod

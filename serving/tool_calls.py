@@ -504,6 +504,23 @@ class JsonToolParser(ToolParser):
             return text, []
         return None, calls
 
+    @staticmethod
+    def complete_calls(text: str) -> list[ToolCall]:
+        """The whole calls at the start of an array cut short (max_tokens): those before the cut."""
+        pos = _skip_space(text, 0)
+        calls: list[ToolCall] = []
+        if not text.startswith("[", pos):
+            return calls
+        while True:
+            scan = _scan_object(text, _skip_space(text, pos + 1))
+            call = scan and _call_from_scan(text, scan)
+            if not call:
+                return calls
+            calls.append(call)
+            pos = _skip_space(text, scan.end)
+            if not text.startswith(",", pos):
+                return calls
+
     def _advance(self, text: str, update: StreamUpdate) -> None:
         while True:
             if self._mode in ("start", "separator"):
@@ -619,7 +636,7 @@ def validate_tools(tools: list[dict] | None, tool_choice: object, parallel_tool_
     """Checks a request's tools, tool_choice and parallel_tool_calls; ValueError says what to change."""
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"tools must be a list of {_TOOL_SHAPE} objects; got {type(tools).__name__}")
-    names: list[str] = []
+    names: dict[str, None] = {}  # in order, and found in O(1)
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ValueError(f"tools[{i}] must be {_TOOL_SHAPE}: only function tools are supported")
@@ -634,7 +651,7 @@ def validate_tools(tools: list[dict] | None, tool_choice: object, parallel_tool_
         if name in names:
             raise ValueError(f"tools[{i}].function.name {name!r} is the name of another tool too; "
                              "give each tool its own name")
-        names.append(name)
+        names[name] = None
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise ValueError(f"tools[{i}].function.description must be a string")
         parameters = function.get("parameters")
@@ -655,7 +672,7 @@ def validate_tools(tools: list[dict] | None, tool_choice: object, parallel_tool_
         raise ValueError(f"tool_choice {tool_choice!r} needs tools: send tools, or leave tool_choice out or "
                          'set it to "none"')
     if named is not None and named not in names:
-        raise ValueError(f"tool_choice names function {named!r}, which is not one of the tools {names}; "
+        raise ValueError(f"tool_choice names function {named!r}, which is not one of the tools {list(names)}; "
                          "name one of them")
 
 

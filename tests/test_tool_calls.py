@@ -331,3 +331,17 @@ def test_find_tool():
     assert find_tool(TOOLS, "get_time") is TIME
     with pytest.raises(ValueError, match="no tool is named 'get_date'"):
         find_tool(TOOLS, "get_date")
+
+
+def test_a_cut_off_required_call_list_returns_its_complete_calls():
+    """tool_choice "required" cut by max_tokens: the whole calls before the cut come back as
+    tool_calls (finish_reason stays "length"), not the text as content."""
+    from serving.chat_tools import ChatTools
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    ct = ChatTools(tools, "required", "hermes")
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}, {"name": "a", "param'
+    content, calls = ct.parse(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    content, calls = ct.parse('[{"name": "a", "parame')  # nothing whole: the text as written
+    assert content == '[{"name": "a", "parame' and calls == []
