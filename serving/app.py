@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -29,13 +29,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import jaxsched
+from jaxsched.core.limits import MAX_UNKNOWN_FIELDS_LOGGED
 from jaxsched.core.request import SamplingParams
 from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.structured.params import StructuredOutputsParams
-from serving.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueTimeoutError,
+    RequestStream,
+)
 from serving.chat_tools import DEFAULT_TOOL_PARSER, ChatTools
 from serving.convert import Converter
+from serving.grammar_pool import GrammarBusyError, GrammarPool
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +68,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds a structured output's grammar may take to compile
 _YIELD_TOKENS = 16  # a stream's chunk of more tokens than this lets other streams run after it
+BODY_TIMEOUT = 30.0  # seconds a client may take to send a request's body (else 408: no socket held forever)
+# Host headers a server bound to this machine only answers (DNS rebinding: a web page whose name
+# resolves to 127.0.0.1 would otherwise reach it from the browser); any port
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+LOOPBACK_BINDS = ("127.0.0.1", "::1", "localhost")
 _enc = msgspec.json.Encoder()
 
 
@@ -72,6 +85,51 @@ def _json(obj: Any) -> Response:
     return Response(_enc.encode(obj), media_type="application/json")
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """A client's string as a log line may hold it: escaped (no line breaks or terminal codes of
+    the client's in the log), cut to `limit` characters."""
+    out = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    return out if len(out) <= limit else out[:limit] + "..."
+
+
+def client_of(request: Request) -> str:
+    """Who sent a request, for sharing work fairly: its remote address."""
+    return request.client.host if request.client is not None else ""
+
+
+def allowed_hosts_for(bind: str, allowed: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The Host headers a server bound to `bind` answers: `allowed` when given ("*" = any), the
+    loopback names when it is bound to this machine only, else any (None)."""
+    if allowed:
+        return None if "*" in allowed else tuple(h.lower() for h in allowed)
+    return LOOPBACK_HOSTS if bind in LOOPBACK_BINDS else None
+
+
+class _HostMiddleware:
+    """Refuse requests whose Host header names another server (DNS rebinding), on every route."""
+
+    def __init__(self, app: Any, hosts: Sequence[str]) -> None:
+        self.app = app
+        self.hosts = frozenset(hosts)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            values = [v for k, v in scope["headers"] if k == b"host"]
+            host = values[0].decode("latin-1").lower() if len(values) == 1 else None
+            if host is not None and not host.startswith("["):
+                host = host.rsplit(":", 1)[0] if ":" in host else host
+            elif host is not None:
+                host = host[:host.index("]") + 1] if "]" in host else host
+            if host not in self.hosts:
+                resp = error_response(RequestError(
+                    f"this server answers requests for {', '.join(sorted(self.hosts))} only (Host header "
+                    f"{'missing or repeated' if host is None else repr(shown(host))}); to serve other names, start it "
+                    "with --allowed-hosts", status=400, code="invalid_host"))
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on /v1/*, as vLLM's --api-key (other routes stay open)."""
 
@@ -81,7 +139,14 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            sent = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(sent) > 1:  # which one counts is each proxy's guess: none does
+                resp = error_response(RequestError(
+                    f"{len(sent)} Authorization headers: send one, 'Authorization: Bearer <key>'", status=400,
+                    code="invalid_api_key"))
+                await resp(scope, receive, send)
+                return
+            got = sent[0] if sent else b""
             if not hmac.compare_digest(got, self.expected):
                 msg = "missing API key" if not got else "invalid API key"
                 resp = error_response(RequestError(
@@ -95,7 +160,8 @@ class _ApiKeyMiddleware:
 class _Server:
     def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int,
                  trust_request_chat_template: bool = False, tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
-                 grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT) -> None:
+                 grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT, expose_model_path: bool = False,
+                 body_timeout: float = BODY_TIMEOUT) -> None:
         llm = engine.engine
         self.engine = engine
         self.name = name
@@ -103,7 +169,9 @@ class _Server:
         self.max_model_len = llm.scheduler_config.max_model_len
         self.conv = Converter(llm.tokenizer, self.max_model_len, llm.model_config.vocab_size, llm.config.max_logprobs,
                               trust_request_chat_template=trust_request_chat_template)
-        self.root = llm.config.model_path
+        # the model's files' path, shown by /v1/models only when asked (--expose-model-path)
+        self.root = llm.config.model_path if expose_model_path else name
+        self.body_timeout = body_timeout
         self.policy = getattr(llm.config.scheduling_policy, "name", "custom")
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}: one of {', '.join(sorted(PARSERS))}")
@@ -114,8 +182,8 @@ class _Server:
         # of its own compiles its own copy from the grammar's text, once per text (its cache)
         self.grammars = llm.grammars
         self.grammar_timeout = grammar_timeout
-        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        self.grammar_pool.submit(self._convert_tokenizer)  # ~1 s once: not on the first request
+        self.grammar_pool = GrammarPool(2)  # shared fairly by client (serving/grammar_pool.py)
+        threading.Thread(target=self._convert_tokenizer, name="grammar-tokenizer", daemon=True).start()  # once
 
     def _convert_tokenizer(self) -> None:
         try:
@@ -123,17 +191,18 @@ class _Server:
         except Exception as e:  # noqa: BLE001 - said again, as a 400, to each request that needs it
             logger.warning("structured outputs will not be available: %s", e)
 
-    async def compile_grammar(self, so: StructuredOutputsParams | None, source: str | None) -> None:
+    async def compile_grammar(self, so: StructuredOutputsParams | None, source: str | None, client: str = "") -> None:
         """Compile a request's grammar off the event loop and the engine's thread: a 400 naming the
         problem, and the request field it came from (`source`), for a definition that does not
         compile or takes longer than the time limit."""
         if so is None:
             return
         object.__setattr__(so, "_source", source)  # frozen: a note for respond(), not a field
-        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.run_in_executor(self.grammar_pool, self.grammars.compile, so),
-                                   self.grammar_timeout)
+            await self.grammar_pool.run(client, lambda: self.grammars.compile(so), self.grammar_timeout)
+        except GrammarBusyError as e:
+            raise RequestError(str(e), status=429, param=source, code="grammar_compile_busy",
+                               headers={"Retry-After": str(max(1, round(self.grammar_timeout)))}) from None
         except TimeoutError:
             raise RequestError(f"the structured output's {so.kind} took more than {self.grammar_timeout:g} s to "
                                f"compile: simplify it ({source})", param=source,
@@ -176,11 +245,17 @@ class _Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes "
+                               "came): send the whole body at once", status=408, code="request_timeout",
+                               headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     def check_model(self, model: str | None) -> None:
@@ -192,17 +267,17 @@ class _Server:
     async def submit(self, r: Responder, prompts: list[list[int]], params: list[Any]) -> list[RequestStream]:
         """Queue one engine request per prompt; all are accepted or none is."""
         return await self.add_requests([f"{r.rid}-{i}" for i in range(len(prompts))], prompts, r.texts, params,
-                                       r.req.priority, r.req.cache_salt, r.prompt_param)
+                                       r.req.priority, r.req.cache_salt, r.prompt_param, timeout=r.req.timeout)
 
     async def add_requests(self, request_ids: list[str], prompts: list[list[int]], texts: list[str | None],
                            params: list[Any], priority: int, cache_salt: str | None,
-                           prompt_param: str = "prompt") -> list[RequestStream]:
+                           prompt_param: str = "prompt", timeout: float | None = None) -> list[RequestStream]:
         """Queue one engine request per prompt; all are accepted or none is. The engine's refusals
         are RequestErrors: a full queue 503 with Retry-After, a stopped engine 503, bad input 400."""
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         res = await asyncio.gather(*(
             self.engine.add_request({"prompt_token_ids": ids, "prompt": text, **salt}, sp, request_id=rid,
-                                    priority=priority)
+                                    priority=priority, timeout=timeout)
             for rid, ids, text, sp in zip(request_ids, prompts, texts, params)), return_exceptions=True)
         errors = [x for x in res if isinstance(x, BaseException)]
         if errors:
@@ -244,12 +319,12 @@ class _Server:
         req, unknown = decode_request(await self.body(request), CompletionRequest)
         _log_unknown(unknown, "/v1/completions")
         self.check_model(req.model)
-        prompts, params = await self.completion_inputs(req)
+        prompts, params = await self.completion_inputs(req, client_of(request))
         r = CompletionResponder(self.conv, f"cmpl-{req.request_id or uuid.uuid4().hex}", self.name, req,
                                 [len(ids) for ids, _ in prompts], [text for _, text in prompts])
         return await self.respond(request, r, [ids for ids, _ in prompts], params)
 
-    async def completion_inputs(self, req: CompletionRequest) -> tuple[list[tuple[list[int], str | None]],
+    async def completion_inputs(self, req: CompletionRequest, client: str = "") -> tuple[list[tuple[list[int], str | None]],
                                                                        list[SamplingParams]]:
         """A completion request's (prompt ids, prompt text) and SamplingParams, one per prompt, with
         every check (the gRPC front end's Generate goes through here too), its grammar compiled."""
@@ -259,11 +334,12 @@ class _Server:
                                param="best_of")
         self.check_priority(req.priority)
         so, source = self.conv.structured_outputs(req)
+        texts = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        self.conv.check_allowed_total(req, len(req.prompt) if texts else 1)  # before tokenizing the prompts
         prompts = await self.conv.completion_prompts(req.prompt, req.add_special_tokens)
         prompts = [(self.truncate(ids, req.truncate_prompt_tokens), text) for ids, text in prompts]
-        params = [self.conv.sampling_params(req, len(ids), req.max_tokens, req.logprobs, so) for ids, _ in prompts]
-        self.conv.check_sequences(len(prompts), req.n)  # n is valid now
-        await self.compile_grammar(so, source)
+        params = self.conv.sampling_params(req, [len(ids) for ids, _ in prompts], req.max_tokens, req.logprobs, so)
+        await self.compile_grammar(so, source, client)
         return prompts, params
 
     async def chat(self, request: Request) -> Response:
@@ -283,9 +359,9 @@ class _Server:
                                           add_special_tokens=req.add_special_tokens)
         ids = self.truncate(ids, req.truncate_prompt_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sp = self.conv.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                       so)
-        await self.compile_grammar(so, source)
+        [sp] = self.conv.sampling_params(req, [len(ids)], max_tokens,
+                                         (req.top_logprobs or 0) if req.logprobs else None, so)
+        await self.compile_grammar(so, source, client_of(request))
         r = ChatResponder(self.conv, f"chatcmpl-{req.request_id or uuid.uuid4().hex}", self.name, req, [len(ids)],
                           [None])
         r.tools = tools
@@ -335,14 +411,19 @@ class _Server:
                                 await asyncio.sleep(0)
             if r.include_usage:
                 yield sse(r.chunk([], r.usage(completion_tokens)))
+        except QueueTimeoutError as e:
+            yield sse(ErrorResponse(ErrorInfo(str(e), "server_overloaded", None, "queue_timeout")))
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
             err = engine_failure(e, r.grammar_source)
-            (logger.info if err.status < 500 else logger.warning)("stream %s ended: %s", r.rid, e)
-            yield sse(ErrorResponse(ErrorInfo(err.message, err.type if err.status < 500 else "server_error",
-                                              err.param, err.code)))
-        except Exception as e:  # headers are sent: report in-band, as vLLM does
-            logger.exception("stream %s failed", r.rid)
-            yield sse(ErrorResponse(ErrorInfo(str(e), "server_error", None, type(e).__name__)))
+            if err.status >= 500 and err.status != 503:
+                err = server_error(err.message, f"stream {shown(r.rid)} ended", status=err.status,
+                                   code=err.code or "internal_error")
+            else:
+                logger.info("stream %s ended: %s", shown(r.rid), e)
+            yield sse(ErrorResponse(ErrorInfo(err.message, err.type, err.param, err.code)))
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
+            err = server_error(f"{type(e).__name__}: {e}", f"stream {shown(r.rid)} failed", exc=e)
+            yield sse(ErrorResponse(ErrorInfo(err.message, err.type, None, err.code)))
         finally:
             for s in streams:
                 s.close()
@@ -354,7 +435,7 @@ class _Server:
         return _json(ModelList("list", [card]))
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.engine.is_running else 503)
+        return Response(status_code=200 if self.engine.is_running and self.engine.stalled() is None else 503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.engine.metrics.render(model_name=self.name), media_type=CONTENT_TYPE_LATEST)
@@ -383,7 +464,9 @@ class _Server:
 
 def _log_unknown(unknown: list[str], route: str) -> None:
     if unknown:
-        logger.warning("%s: ignoring unknown fields %s", route, unknown)
+        names = [shown(u, 40) for u in unknown[:MAX_UNKNOWN_FIELDS_LOGGED]]
+        more = f" and {len(unknown) - len(names)} more" if len(unknown) > len(names) else ""
+        logger.warning("%s: ignoring unknown fields %s%s", route, names, more)
 
 
 def engine_failure(e: EngineDeadError | EngineStepError, grammar_source: str | None = None) -> RequestError:
@@ -398,9 +481,19 @@ def engine_failure(e: EngineDeadError | EngineStepError, grammar_source: str | N
     return RequestError(str(e), status=500, code="request_failed")
 
 
+def server_error(message: str, where: str, exc: BaseException | None = None, status: int = 500,
+                 code: str = "internal_error") -> RequestError:
+    """A 5xx for the client: the log gets what went wrong, under an id; the client the id alone
+    (no exception of the server's in a response)."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("[error %s] %s: %s", ref, where, message, exc_info=exc)
+    return RequestError(f"the server failed this request (error id {ref}, in its log); retry it, or report the id",
+                        status=status, code=code)
+
+
 def _endpoint_error(request: Request, e: RequestError) -> Response:
-    if e.status >= 500:  # a client's own mistakes are not the server's warnings
-        logger.warning("%s %s: %s", request.method, request.url.path, e.message)
+    if e.status >= 500 and e.status != 503:  # 503s say why (overloaded, shutting down): the client may act on it
+        e = server_error(e.message, f"{request.method} {request.url.path}", status=e.status, code=e.code or "internal_error")
     return error_response(e)
 
 
@@ -414,6 +507,8 @@ def _wrap(handler: Any) -> Any:
             return error_response(RequestError(str(e), param=e.param))
         except (EngineDeadError, EngineStepError) as e:  # shut down, or this request failed alone
             return _endpoint_error(request, engine_failure(e))
+        except QueueTimeoutError as e:
+            return error_response(RequestError(str(e), status=503, code="queue_timeout", headers={"Retry-After": "1"}))
         except ClientDisconnect:  # gone while sending its body: nobody reads the reply
             return Response(status_code=499)
 
@@ -428,22 +523,25 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(RequestError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
-                                       code="internal_error"))
+    return error_response(server_error(f"{type(exc).__name__}: {exc}", f"{request.method} {request.url.path}",
+                                       exc=exc))
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, trust_request_chat_template: bool = False,
               tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
-              grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT) -> Starlette:
+              grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT, allowed_hosts: Sequence[str] | None = None,
+              expose_model_path: bool = False, body_timeout: float = BODY_TIMEOUT) -> Starlette:
     """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
     /v1/*; chat templates sent in requests are refused unless `trust_request_chat_template`;
     `tool_call_parser` reads tool calls out of the model's text (tool_choice "auto"; None refuses
     it); a grammar that takes longer than `grammar_timeout` seconds to compile gets a 400. Beyond
-    the engine's max_num_queued_requests (EngineArgs) queued requests, new ones get 503 with Retry-After."""
+    the engine's max_num_queued_requests (EngineArgs) queued requests, new ones get 503 with Retry-After.
+    `allowed_hosts`: the Host headers answered (allowed_hosts_for), None = any; `expose_model_path`
+    shows the model's path in /v1/models; a body slower than `body_timeout` seconds gets a 408."""
     name = served_model_name or engine.engine.config.model_path
-    s = _Server(engine, name, max_request_bytes, trust_request_chat_template, tool_call_parser, grammar_timeout)
+    s = _Server(engine, name, max_request_bytes, trust_request_chat_template, tool_call_parser, grammar_timeout,
+                expose_model_path, body_timeout)
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat), methods=["POST"]),
@@ -454,7 +552,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),
     ]
-    middleware = [Middleware(_ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(_HostMiddleware, hosts=allowed_hosts)] if allowed_hosts is not None else []
+    middleware += [Middleware(_ApiKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = s

@@ -47,7 +47,12 @@ from serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream", "merge_delta"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError", "QueueTimeoutError", "RequestStream",
+           "merge_delta"]
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited longer than the server's queue timeout without starting (503)."""
 
 
 class EngineStepError(RuntimeError):
@@ -175,9 +180,23 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
+    # /health turns 503 when requests are in flight and no step has ended for this long: at least
+    # WATCHDOG_MIN seconds, and WATCHDOG_STEPS times the longest step seen (a step that compiles, a
+    # long prefill on a large model)
+    WATCHDOG_MIN = 60.0
+    WATCHDOG_STEPS = 10
+
+    def __init__(self, engine: LLMEngine, start: bool = True, queue_timeout: float | None = None) -> None:
         """engine: the front end and its cores. A core stepped by the caller (one in this process)
-        gets a thread of its own while this AsyncEngine runs; shutdown() hands it back."""
+        gets a thread of its own while this AsyncEngine runs; shutdown() hands it back.
+        queue_timeout: seconds a request may wait without starting, after which it fails with
+        QueueTimeoutError (the server's 503); None: as long as it takes."""
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise ValueError(f"--queue-timeout must be > 0 seconds, got {queue_timeout}")
+        self.queue_timeout = queue_timeout
+        self.watchdog_min = self.WATCHDOG_MIN
+        self._progress = time.monotonic()  # when a step last ended, or work last began after a pause
+        self._stall_logged = False
         self.engine = engine
         self.metrics = EngineMetrics()
         self._lock = threading.Lock()  # the FrontEnd's state and _live: event loops and the output thread
@@ -272,7 +291,8 @@ class AsyncEngine:
         return self._stats
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+                          request_id: str | None = None, priority: int = 0,
+                          timeout: float | None = None) -> RequestStream:
         """Check and queue a request; returns its stream. Raises ValueError for bad input (as
         FrontEnd.make_request), QueueFullError when max_num_queued_requests are queued,
         EngineDeadError when the engine does not run."""
@@ -286,11 +306,13 @@ class AsyncEngine:
                                  "retry later")
         rid = request_id if request_id is not None else uuid.uuid4().hex
         now = time.monotonic()
-        new = self.engine.make_request(rid, prompt, sampling_params, now, priority)
+        new = self.engine.make_request(rid, prompt, sampling_params, now, priority, timeout, self.queue_timeout)
         stream = RequestStream(self, rid, asyncio.get_running_loop(), new.core.sampling_params.output_kind)
         with self._lock:
             if self._stopping:
                 raise EngineDeadError(self._stop_reason)
+            if not self._live:  # work begins after a pause: the watchdog counts from now
+                self._progress = time.monotonic()
             self.engine.add(new)  # raises for an id in flight, and a core's refusal when it runs here
             self._live[rid] = _Live(stream, now, len(new.core.prompt_token_ids))
             self._in_flight += 1
@@ -348,9 +370,25 @@ class AsyncEngine:
                     self._died(dead.why)
                 return
 
+    def stalled(self) -> float | None:
+        """Seconds since the last step ended, when requests are in flight and that is longer than
+        the watchdog allows (a step stuck on the device or in a kernel); else None."""
+        if not self._live:
+            return None
+        quiet = time.monotonic() - self._progress
+        limit = max(self.watchdog_min, self.WATCHDOG_STEPS * self._stats.longest_step_seconds)
+        if quiet <= limit:
+            return None
+        if not self._stall_logged:
+            self._stall_logged = True
+            logger.error("no engine step has ended for %.0f s with %d requests in flight (the watchdog allows "
+                         "%.0f s): /health says 503 until one does", quiet, len(self._live), limit)
+        return quiet
+
     def _handle(self, batch: list[EngineCoreOutputs | CoreDead | None]) -> CoreDead | None:
         dead = None
         now = time.monotonic()
+        self._progress, self._stall_logged = now, False
         with self._lock:
             for item in batch:
                 if isinstance(item, CoreDead):
@@ -382,6 +420,11 @@ class AsyncEngine:
             if out.finished:
                 del self._live[out.request_id]
                 self.metrics.observe_finished(out, live.arrival_time, now)
+            if any(c.finish_reason == "queue_timeout" for c in out.outputs):
+                self._post(live.stream, QueueTimeoutError(
+                    f"the request waited {now - live.arrival_time:.1f} s in the queue without starting (the "
+                    f"server's --queue-timeout is {self.queue_timeout:g} s): retry later"))
+                continue
             if out.error is not None:  # this request failed on its own; the others in its step go on
                 if not out.finished:
                     del self._live[out.request_id]

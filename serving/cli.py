@@ -53,7 +53,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from jaxsched.core.buckets import bucket_pairs
     from jaxsched.engine.llm_engine import create_engine
-    from serving.app import build_app
+    from serving.app import allowed_hosts_for, build_app
     from serving.async_engine import AsyncEngine
     from serving.server import serve
 
@@ -83,10 +83,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
              args.tensor_parallel_size, args.data_parallel_size, "s" if args.data_parallel_size > 1 else "",
              "processes of their own" if args.engine_core_process else "this process", len(pairs),
              list(sc.token_buckets), list(sc.seq_buckets), eng.info.warmup_seconds)
-    engine = AsyncEngine(eng)  # max_num_queued_requests is one of the EngineArgs
+    engine = AsyncEngine(eng, queue_timeout=ns.queue_timeout)  # max_num_queued_requests is one of the EngineArgs
     api_key = ns.api_key or envs.api_key() or None
+    hosts = allowed_hosts_for(ns.host, ns.allowed_hosts.split(",") if ns.allowed_hosts else None)
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
-                    trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser)
+                    trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser,
+                    allowed_hosts=hosts, expose_model_path=ns.expose_model_path)
     front_ends = ()
     if ns.grpc_port is not None:
         from serving.grpc_server import GrpcFrontEnd
@@ -161,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSCHED_API_KEY, else none)")
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get HTTP 413")
+    srv.add_argument("--queue-timeout", type=float, default=None,
+                     help="seconds a request may wait in the queue without starting; then it gets HTTP 503 with "
+                          "Retry-After (an error event in a stream) and is counted in jaxsched:request_timeouts_total "
+                          "(default: no limit). A request's own limit is its `timeout` field")
+    srv.add_argument("--allowed-hosts", default=None,
+                     help="comma-separated Host header names the server answers, any port ('*': any name); the "
+                          "default for a server bound to 127.0.0.1, ::1 or localhost is localhost,127.0.0.1,[::1] "
+                          "(a web page's DNS rebinding cannot reach it), for other binds any")
+    srv.add_argument("--expose-model-path", action="store_true",
+                     help="show the model's path on disk as /v1/models' root (default: the served name)")
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
                           "a template is code the server runs, so by default they get HTTP 400")

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from jaxsched.core.limits import MAX_ALLOWED_TOKEN_IDS_TOTAL, MAX_DETOKENIZE_IDS, MAX_N, MAX_SEQUENCES
 from jaxsched.core.request import RequestOutputKind, SamplingParams, short_repr
 from jaxsched.engine.gguf_tokenizer import byte_alphabet
 from jaxsched.engine.outputs import Logprob
@@ -43,7 +44,6 @@ _BYTE_LEVEL = {c: b for b, c in byte_alphabet().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
-MAX_SEQUENCES = 2048  # prompts x n of one request (OpenAI takes up to 2048 prompts in one request)
 # OpenAI's chat roles; anything else is refused rather than rendered into the prompt
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template's own arguments: chat_template_kwargs only sets template variables
@@ -74,9 +74,20 @@ class Converter:
         self._token_text: dict[int, str] = {}
 
     # -- prompts (tokenized on the pool's threads) ------------------------------------------------
-    def _check_ids(self, ids: list[Any], param: str) -> list[int]:
+    def _check_count(self, ids: list[Any], param: str, limit: int) -> None:
+        """The O(1) check before any work over `ids`."""
         if not ids:
             raise RequestError(f"{param} is empty: pass at least one token", param=param)
+        if len(ids) > limit and param == "prompt":
+            raise RequestError(f"the prompt is {len(ids)} tokens but max_model_len is {limit}: shorten the prompt to "
+                               "fewer tokens than max_model_len", param=param, code="context_length_exceeded")
+        if len(ids) > limit:
+            raise RequestError(f"{param} has {len(ids)} token ids, more than the {limit} one request may carry: send "
+                               "fewer", param=param)
+
+    def _check_ids(self, ids: list[Any], param: str) -> list[int]:
+        """Every id an int of the vocabulary (a loop over them: on a worker thread, after
+        _check_count)."""
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {short_repr(t)}",
@@ -100,8 +111,25 @@ class Converter:
             raise RequestError(f"could not tokenize the {param}: {e}", param=param) from e
 
     async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
-        self._check_ids(ids, param)
-        return await self.utility_pool.run(lambda tok, ids: tok.decode(ids), ids)
+        self._check_count(ids, param, MAX_DETOKENIZE_IDS)
+        return await self.utility_pool.run(lambda tok, ids: tok.decode(self._check_ids(ids, param)), ids)
+
+    async def _checked_prompts(self, prompts: list[list[Any]]) -> list[tuple[list[int], None]]:
+        """Token-id prompts, counted here and checked id by id on a worker thread (a request may
+        carry millions of ids: the event loop must not walk them)."""
+        for p in prompts:
+            self._check_count(p, "prompt", self.max_model_len)
+        return await self.pool.run(lambda tok, ps: [(self._check_ids(p, "prompt"), None) for p in ps], prompts)
+
+    @staticmethod
+    def check_allowed_total(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+        """Every sequence carries the request's allowed_token_ids to the engine: a bound on their sum,
+        checked before anything walks the list."""
+        allowed, n = req.allowed_token_ids, min(req.n, MAX_N) if isinstance(req.n, int) and req.n > 0 else 1
+        if allowed and len(allowed) * num_prompts * n > MAX_ALLOWED_TOKEN_IDS_TOTAL:
+            raise RequestError(f"allowed_token_ids ({len(allowed)} ids) x {num_prompts} prompts x n = {n} is more "
+                               f"than {MAX_ALLOWED_TOKEN_IDS_TOTAL} ids in one request: send fewer prompts per "
+                               "request", param="allowed_token_ids")
 
     @staticmethod
     def check_sequences(num_prompts: int, n: int) -> None:
@@ -113,20 +141,18 @@ class Converter:
 
     async def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[tuple[list[int], str | None]]:
         """(token ids, text) of each prompt of a /v1/completions request."""
-        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
-            self.check_sequences(len(prompt), 1)  # before tokenizing any of them
         if isinstance(prompt, str):
             prompt = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            return [(self._check_ids(prompt, "prompt"), None)]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+            return await self._checked_prompts([prompt])  # one prompt of token ids
         if isinstance(prompt, list) and prompt:
+            self.check_sequences(len(prompt), 1)  # before tokenizing any of them
             if all(isinstance(p, str) for p in prompt):
                 for p in prompt:
                     self._check_length(p, "prompt")
                 return [(await self._nonempty(p, add_special_tokens), p) for p in prompt]
             if all(isinstance(p, list) for p in prompt):
-                return [(self._check_ids(p, "prompt"), None) for p in prompt]
+                return await self._checked_prompts(prompt)
         raise RequestError("prompt must be a non-empty string, a list of strings, a list of token ids or a list "
                            "of token-id lists", param="prompt")
 
@@ -271,9 +297,23 @@ class Converter:
         name, so = given[0]
         return so, "tools" if name == "tool_choice" else name
 
-    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_lens: list[int],
                         max_tokens: int | None, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None) -> list[SamplingParams]:
+        """The SamplingParams of each prompt (of these lengths). They differ only in max_tokens: the
+        rest is built and checked once."""
+        limits = [self._max_tokens(req, n, max_tokens) for n in prompt_lens]
+        self.check_allowed_total(req, len(prompt_lens))
+        first = self._sampling_params(req, limits[0], logprobs, structured_outputs)
+        self.check_sequences(len(prompt_lens), first.n)
+        try:
+            return [first.with_max_tokens(m) for m in limits]
+        except InvalidRequestError as e:
+            raise RequestError(str(e), param=e.param) from e
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                    max_tokens: int | None) -> int | None:
+        """A prompt's max_tokens, checked against max_model_len."""
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if prompt_len >= self.max_model_len:
             raise RequestError(f"the prompt is {prompt_len} tokens but max_model_len is {self.max_model_len}: "
@@ -287,6 +327,11 @@ class Converter:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
                 "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
                 code="context_length_exceeded")
+        return max_tokens
+
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                         logprobs: int | None, structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         bias = None
         if req.logit_bias:
             try:  # int() alone would also take "1_0", " 5 " and other digits than 0-9

@@ -48,6 +48,7 @@ _TOP_LEVEL = ("prompt", "text", "token_ids", "priority", "truncate_prompt_tokens
 # ASCII becomes 3), and a client refuses metadata past 8-16 KiB (grpcio's soft and hard limits):
 # longer messages are cut to this many UTF-8 bytes.
 MAX_MESSAGE_BYTES = 1500
+MAX_STREAMS_PER_CONNECTION = 256  # calls one connection may have open at once
 
 
 def trailer_safe(message: str) -> str:
@@ -57,11 +58,17 @@ def trailer_safe(message: str) -> str:
     return raw[:MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
 
 
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The client's address without its port ("ipv4:1.2.3.4:5678" -> "ipv4:1.2.3.4"), for fairness."""
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+
+
 def _status(err: RequestError) -> grpc.StatusCode:
     if err.status == 503:
         return grpc.StatusCode.RESOURCE_EXHAUSTED if err.code == "server_overloaded" else grpc.StatusCode.UNAVAILABLE
     return {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-            413: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(
+            413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(
         err.status, grpc.StatusCode.INTERNAL if err.status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)
 
 
@@ -207,20 +214,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         self.admitting[rid] = self.admitting.get(rid, 0) + 1
         abort_now = False
+        failed: RequestError | None = None
         try:
             req, prompt_field = completion_request(request)
-            prompts, params = await s.completion_inputs(req)  # one prompt: text or token ids
+            prompts, params = await s.completion_inputs(req, _peer_host(context))  # one prompt: text or token ids
             stream, = await s.add_requests([rid], [prompts[0][0]], [prompts[0][1]], params, req.priority,
                                            req.cache_salt, prompt_field)
         except RequestError as e:
-            await self._fail(context, e, prompt_field)
-            return
+            failed = e
         finally:
             self.admitting[rid] -= 1
             if not self.admitting[rid]:
                 del self.admitting[rid]
                 abort_now = rid in self.aborted  # Abort came while it was being admitted
                 self.aborted.discard(rid)
+        if failed is not None:
+            # (a duplicate of a call admitted meanwhile: the Abort meant for that one is carried out)
+            if abort_now and rid in self.live:
+                await s.engine.abort(rid)
+            await self._fail(context, failed, prompt_field)
+            return
         try:
             self.live[rid] = stream
             if abort_now:
@@ -275,13 +288,16 @@ class GenerationService(pb_grpc.GenerationServicer):
 class HealthService(health.aio.HealthServicer):
     """grpc.health.v1: SERVING while the engine runs, for the server ("") and for Generation."""
 
+    MAX_WATCHERS = 64  # Watch streams open at once; each holds a task and a stream of the server's
+
     def __init__(self, engine: Any) -> None:
         super().__init__()
         self.engine = engine
+        self._watching = 0
 
     async def _refresh(self) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if self.engine.is_running \
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+        up = self.engine.is_running and self.engine.stalled() is None
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE):
             await self.set(service, status)
 
@@ -289,6 +305,17 @@ class HealthService(health.aio.HealthServicer):
                     ) -> health_pb2.HealthCheckResponse:
         await self._refresh()
         return await super().Check(request, context)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if self._watching >= self.MAX_WATCHERS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self._watching} Health.Watch streams are open, the server's limit: close one, or "
+                                "poll with Check")
+        self._watching += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watching -= 1
 
 
 class _Malformed:
@@ -395,7 +422,9 @@ class GrpcFrontEnd:
             interceptors=[_ApiKey(self.api_key), _WellFormed()] if self.api_key else [_WellFormed()],
             # the HTTP side's body limit; a larger request is RESOURCE_EXHAUSTED. No port sharing:
             # a port in use is an error, not a second server answering half the calls.
-            options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
+            options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0),
+                     # calls one connection may have open at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)
+                     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)])
         pb_grpc.add_GenerationServicer_to_server(GenerationService(self.server), self.grpc)
         self.health = HealthService(self.server.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -71,6 +71,9 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that finished (not aborted).",
                                        ("finished_reason",))
+        self.request_timeouts = counter("request_timeouts", "Requests ended by a deadline: their own `timeout` "
+                                        "(kind deadline), or --queue-timeout before they started (kind queue).",
+                                        ("kind",))
         self.cache_config_info = Gauge(
             PREFIX + "cache_config_info", "The KV pool as configured (value 1; the figures are labels), per device "
             "of one engine: every device holds every block, with its share of the KV heads.",
@@ -135,7 +138,9 @@ class EngineMetrics:
         if out.metrics is not None and out.metrics.first_scheduled_time:
             self.request_queue_time.observe(max(0.0, out.metrics.first_scheduled_time - arrival_time))
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
-        if reason not in ("abort", "error"):
+        if reason in ("timeout", "queue_timeout"):
+            self.request_timeouts.labels(kind="deadline" if reason == "timeout" else "queue").inc()
+        elif reason not in ("abort", "error"):
             self.request_success.labels(finished_reason=reason).inc()
 
     def value(self, name: str, **labels: str) -> float:

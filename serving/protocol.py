@@ -8,10 +8,31 @@ request. Types are strict: "5" is not an int and true is not a number.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
+
+from jaxsched.core.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CHOICES,
+    MAX_DETOKENIZE_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP,
+    MAX_TOOLS,
+)
+
+# Lists and strings with a limit (jaxsched/core/limits.py), checked by the decoder as it converts
+# the body, before any of the server's own work over them; the error names the field.
+StopStrings = Annotated[list[str], Meta(max_length=MAX_STOP)]
+StopIds = Annotated[list[int], Meta(max_length=MAX_STOP)]
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
+AllowedIds = Annotated[list[int], Meta(max_length=MAX_ALLOWED_TOKEN_IDS)]
+Choices = Annotated[list[str], Meta(max_length=MAX_CHOICES)]
+RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)]
+DetokenizeIds = Annotated[list[int], Meta(max_length=MAX_DETOKENIZE_IDS)]
 
 
 class RequestError(Exception):
@@ -29,7 +50,7 @@ class RequestError(Exception):
 
 
 # OpenAI's error type of each status this server answers with; the others are invalid_request_error
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_overloaded"}
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error", 500: "server_error", 503: "server_overloaded"}
 
 
 class ErrorInfo(Struct):
@@ -71,7 +92,7 @@ class StructuredOutputsRequest(Struct, kw_only=True):
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Choices | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
@@ -120,11 +141,11 @@ class _Sampling(Struct, kw_only=True):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | StopStrings | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM's extensions
     top_k: int | None = None
@@ -132,11 +153,11 @@ class _Sampling(Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: int | None = 0
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopIds | None = None
     priority: int | None = 0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: AllowedIds | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -150,13 +171,13 @@ class _Sampling(Struct, kw_only=True):
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None  # vLLM's older spelling of structured_outputs
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None  # qualified names or {"qualname": ..., "args": ..., "kwargs": ...}
     cache_salt: str | None = None
-    request_id: str | None = None
+    request_id: RequestId | None = None
     session_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -169,6 +190,7 @@ class _Sampling(Struct, kw_only=True):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
+    timeout: float | None = None  # this server's: seconds after which the request ends (finish_reason "timeout")
 
     def __post_init__(self) -> None:
         for name, default in self._null_defaults.items():
@@ -210,7 +232,7 @@ class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=MAX_TOOLS)] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # the call a "tool" message answers
 
 
@@ -219,12 +241,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         **_Sampling._null_defaults, "add_special_tokens": False, "continue_final_message": False, "store": False,
         "include_reasoning": True}
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[ChatCompletionToolParam] | None = None
+    tools: Annotated[list[ChatCompletionToolParam], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a named function
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
@@ -241,7 +263,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI in favour of tools
+    functions: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None  # deprecated by OpenAI in favour of tools
     function_call: str | dict[str, Any] | None = None  # deprecated by OpenAI in favour of tool_choice
     # vLLM's extensions
     add_generation_prompt: bool | None = True
@@ -262,7 +284,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class TokenizeRequest(Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
@@ -271,7 +293,7 @@ class TokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeRequest(Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: DetokenizeIds
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -472,5 +494,7 @@ def decode_request(body: bytes, typ: type[T]) -> tuple[T, list[str]]:
             param = msg.rsplit(" - at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
         elif msg.startswith("Object missing required field `"):
             param = msg.split("`")[1]
+        if "of length <=" in msg:  # a limit (jaxsched/core/limits.py)
+            msg += ": this server's limit (see the README's limits); send less"
         raise RequestError(f"invalid request: {msg}", param=param, code="invalid_type") from e
     return obj, unknown

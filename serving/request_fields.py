@@ -47,7 +47,7 @@ class RequestField:
 
     name: str
     routes: tuple[str, ...]
-    source: str  # "openai" or "vllm"
+    source: str  # "openai", "vllm" or "jaxsched" (this server's own)
     status: str
     reason: str = ""
     accept: Callable[[Any, Any], bool] | None = None
@@ -167,6 +167,8 @@ FIELDS: tuple[RequestField, ...] = (
     _f("add_special_tokens", BOTH, "vllm"),
     _f("truncate_prompt_tokens", BOTH, "vllm"),
     _f("cache_salt", BOTH, "vllm"),
+    _f("timeout", BOTH, "jaxsched", note="seconds after arrival when the request ends, with finish_reason "
+       "\"timeout\" and what it has generated (its blocks freed)"),
     _f("request_id", BOTH, "vllm"),
     _f("session_id", BOTH, "vllm", note=_ID_ONLY),
     _f("return_token_offsets", BOTH, "vllm", note=_RENDER_ONLY),
@@ -288,7 +290,8 @@ def markdown_table() -> str:
     for f in sorted(FIELDS, key=lambda f: (f.name, f.routes)):
         routes = ", ".join(f"`{_ROUTE_PATHS[r]}`" for r in f.routes)
         note = (f.note or f.reason).replace("|", "\\|")
-        if f.source == "vllm":
-            note = f"vLLM's extension; {note}" if note else "vLLM's extension"
+        if f.source in ("vllm", "jaxsched"):
+            who = "vLLM's" if f.source == "vllm" else "this server's"
+            note = f"{who} extension; {note}" if note else f"{who} extension"
         rows.append(f"| `{f.name}` | {routes} | {f.status} | {note} |")
     return "\n".join(rows) + "\n"

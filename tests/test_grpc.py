@@ -474,3 +474,67 @@ def test_a_full_queue_is_resource_exhausted(llama_dir):
     assert msgs[-1].finished and len(tokens(msgs)) == 12
     assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_num_queued_requests is 1" in err.details()
+
+
+def test_an_abort_while_a_call_and_its_duplicate_are_admitted_is_never_lost(served, monkeypatch):
+    """Abort(X) while Generate(X) and a duplicate Generate(X) are both being admitted: the first
+    one is admitted, the duplicate fails afterwards; the abort still ends the first one's stream."""
+    s = served.app.state.server
+    inputs = s.completion_inputs
+
+    async def slow_inputs(req, client=""):
+        await asyncio.sleep(1.2 if req.prompt == "dup" else 0.6)  # the duplicate is admitted last
+        return await inputs(req, client)
+
+    monkeypatch.setattr(s, "completion_inputs", slow_inputs)
+    core = served.engine.engine.client.local_cores[0]
+    collect = core.runner.collect
+    monkeypatch.setattr(core.runner, "collect", lambda step: (time.sleep(0.03), collect(step))[1])  # >= 3 s
+
+    async def main():
+        async with grpc.aio.insecure_channel(served.target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            first = stub.Generate(pb.GenerateRequest(request_id="race", text=PROMPTS[0],
+                                                     sampling_params=greedy(100)), metadata=AUTH)
+            second = stub.Generate(pb.GenerateRequest(request_id="race", text="dup", sampling_params=greedy()),
+                                   metadata=AUTH)
+            await asyncio.sleep(0.2)  # both admitting
+            found = await stub.Abort(pb.AbortRequest(request_id="race"), metadata=AUTH)
+            msgs = []
+            while (m := await first.read()) is not grpc.aio.EOF:
+                msgs.append(m)
+            try:
+                await second.read()
+                dup = None
+            except grpc.aio.AioRpcError as e:
+                dup = e.code()
+            return found.found, msgs, dup
+
+    found, msgs, dup = asyncio.run(main())
+    assert found and dup == grpc.StatusCode.INVALID_ARGUMENT
+    assert msgs[-1].finished and [o.finish_reason for o in msgs[-1].outputs] == ["abort"]
+    assert owned(served.engine) == {}
+
+
+def test_health_watch_streams_are_capped(served, monkeypatch):
+    from serving.grpc_server import HealthService
+
+    monkeypatch.setattr(HealthService, "MAX_WATCHERS", 3)
+
+    async def main():
+        async with grpc.aio.insecure_channel(served.target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            watches = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
+            for w in watches:
+                assert (await w.read()).status == health_pb2.HealthCheckResponse.SERVING
+            extra = health.Watch(health_pb2.HealthCheckRequest(service=""))
+            try:
+                await extra.read()
+                code = None
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            for w in watches:
+                w.cancel()
+            return code
+
+    assert asyncio.run(main()) == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -438,7 +438,7 @@ def test_chains_of_refs_and_rules_as_long_as_the_size_limit_allows_compile(serve
     """llguidance reads a grammar with native recursion: a chain of ~2,500 $refs or rules used to
     overflow the compiling thread's stack and kill the server (SIGSEGV). The longest chain the size
     limit lets through must compile (or be refused), with the server alive."""
-    from jaxsched.structured.params import MAX_GRAMMAR_CHARS
+    from jaxsched.core.limits import MAX_GRAMMAR_CHARS
 
     for so in ({"json": _ref_chain(3000)}, {"json": _ref_chain(MAX_GRAMMAR_CHARS // 36)},
                {"grammar": _rule_chain(MAX_GRAMMAR_CHARS - 16)}):

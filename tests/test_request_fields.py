@@ -110,7 +110,7 @@ def _refused_value(route: str, f: Any) -> Any:
 def test_every_listed_field_is_declared(route_field: Any) -> None:
     route, f = route_field
     _leaf(route, f.name)  # raises where the Struct lacks it
-    assert f.status in (HONOURED, REFUSED) and f.source in ("openai", "vllm")
+    assert f.status in (HONOURED, REFUSED) and f.source in ("openai", "vllm", "jaxsched")
     assert set(f.routes) <= set(ROUTES)
     if f.checked:
         assert f.reason, f"{f.name} is refused without a reason"

@@ -188,3 +188,49 @@ def test_random_workload_conserves_blocks_and_replays_exactly():
     a = run_trace(1)
     assert any(d[1] for d in a), "the trace should exercise preemption"
     assert a == run_trace(1)
+
+
+def test_a_failed_request_forgets_only_its_own_cached_blocks():
+    """A request that ends with an error takes out of the prefix cache the blocks it computed (their
+    K/V may not match their hashes), not the prefix it found there: the next request sharing that
+    prefix still hits it."""
+    s, bm = make_sched(budget=64)
+    bm.enable_prefix_caching = True
+    shared = list(range(100, 124))  # three full blocks
+    s.add_request(Request("a", shared + [1], SamplingParams(max_tokens=1), eos_token_ids=(EOS,)))
+    step(s)
+    from_a = set(bm.cached)
+    assert len(from_a) == 3 and "a" not in s.requests
+    tail = list(range(200, 217))  # two more full blocks and a token
+    s.add_request(Request("b", shared + tail, SamplingParams(max_tokens=8), eos_token_ids=(EOS,)))
+    step(s)
+    assert bm.req_num_hits["b"] == 3 and len(set(bm.cached) - from_a) == 2
+    s.finish_requests(["b"], RequestStatus.FINISHED_ERROR)
+    assert set(bm.cached) == from_a
+    bm.check_invariants()
+    c = Request("c", shared + tail, SamplingParams(max_tokens=8), eos_token_ids=(EOS,))
+    assert len(bm.lookup(c)) == 3
+
+
+def test_deadlines_end_requests_and_a_queue_deadline_only_before_they_start():
+    s, bm = make_sched(max_num_seqs=2, budget=64)
+    late = make_req("late", max_tokens=20)
+    late.deadline = 10.0
+    queued = [make_req(r, max_tokens=20) for r in "abc"]
+    for r in queued:
+        r.queue_deadline = 5.0
+    for r in [late, *queued]:
+        s.add_request(r)
+    step(s)  # late and a start (max_num_seqs = 2); b and c wait
+    assert s.expire(4.9) == []
+    ended = s.expire(5.0)
+    assert sorted(r.request_id for r in ended) == ["b", "c"]
+    assert all(r.status == RequestStatus.FINISHED_QUEUE_TIMEOUT and r.finish_reason.value == "queue_timeout"
+               for r in ended)
+    assert "a" in s.requests  # it had started: its queue deadline no longer applies
+    step(s)
+    [gone] = s.expire(10.0)
+    assert gone.request_id == "late" and gone.status == RequestStatus.FINISHED_TIMEOUT
+    assert "late" not in bm.req_blocks and set(s.requests) == {"a"}
+    bm.check_invariants()
+    assert s.expire(1e9) == [] and not s.has_deadlines

@@ -13,7 +13,7 @@ import pytest
 from compiles import no_compilation
 
 from jaxsched import LLM, SamplingParams
-from jaxsched.core.request import MAX_LOGIT_BIAS
+from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.errors import InvalidRequestError
 from jaxsched.structured.params import StructuredOutputsParams as SO
 

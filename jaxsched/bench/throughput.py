@@ -27,6 +27,7 @@ from jaxsched.bench.driver import Run
 from jaxsched.bench.engine_args import add_engine_arguments, build_engine, describe_engine
 from jaxsched.bench.results import add_output_arguments, emit
 from jaxsched.core.request import RequestOutputKind, SamplingParams
+from jaxsched.core.stats import HOST_PHASES
 from jaxsched.core.step_cost import WITHIN  # the "close enough" share of the cost model's error report
 from jaxsched.structured.params import StructuredOutputsParams
 
@@ -144,10 +145,8 @@ def run_fields(r: Run) -> dict[str, Any]:
             d["device_busy_ms_per_step"] = round(c["device_busy_seconds"] / c["device_busy_steps"] * 1e3, 3)
         busy_ms = d.get("device_busy_ms_per_step", d["device_wait_ms_per_step"])
         d["device_idle_share"] = round(max(0.0, 1 - busy_ms / max(d["wall_ms_per_step"], 1e-9)), 4)
-    # the host's time per step by phase (schedule, pack, update, detokenize...), where the engine
-    # counts it: any *_seconds counter beyond the step's wall and device-wait time
-    phases = {k.removesuffix("_seconds"): round(v / steps * 1e3, 3) for k, v in c.items()
-              if k.endswith("_seconds") and k not in ("step_seconds", "device_seconds", "device_busy_seconds")}
+    # the host's time per step by phase (schedule, pack, launch, update, output), where the engine counts it
+    phases = {p: round(c[f"{p}_seconds"] / steps * 1e3, 3) for p in HOST_PHASES if f"{p}_seconds" in c}
     if phases:
         d["host_ms_per_step_by_phase"] = phases
         d["scheduling_share"] = round(c.get("schedule_seconds", 0.0) / max(step_s, 1e-9), 5)

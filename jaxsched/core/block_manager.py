@@ -65,6 +65,7 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks  # hash a block is cached under
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.req_num_registered: dict[str, int] = {}  # leading full blocks of a request registered
+        self.req_num_hits: dict[str, int] = {}  # leading blocks a request found in the cache (not its own work)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -162,6 +163,7 @@ class BlockManager:
             blocks.append(b)
         if computed_blocks:
             self.req_num_registered[rid] = len(computed_blocks)
+            self.req_num_hits[rid] = len(computed_blocks)
         if need:
             free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
             taken = list(itertools.islice(free_queue, need))  # the queue's front: least recently freed
@@ -188,6 +190,7 @@ class BlockManager:
         blocks = self.req_blocks.pop(request_id, None)
         self.req_slots.pop(request_id, None)
         self.req_num_registered.pop(request_id, None)
+        self.req_num_hits.pop(request_id, None)
         if not blocks:
             return
         for block in reversed(blocks):
@@ -196,6 +199,18 @@ class BlockManager:
                 self.free_queue[block] = None
             elif self.ref_cnt[block] < 0:  # pragma: no cover - a bookkeeping bug, never user input
                 raise RuntimeError(f"block {block} freed more often than allocated")
+
+    def forget_own_blocks(self, request_id: str) -> None:
+        """Forget the cached prefixes of the blocks a request computed itself (not those it found in
+        the cache): after it failed, their K/V may not be what their hashes say. The rest of the
+        cache stays."""
+        blocks = self.req_blocks.get(request_id) or ()
+        for b in blocks[self.req_num_hits.get(request_id, 0):]:
+            h = self.block_hash[b]
+            if h is not None:
+                self.block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""

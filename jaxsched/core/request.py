@@ -8,11 +8,13 @@ recompute after preemption, prefix-cache hits and overlapped scheduling are all 
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from jaxsched.core.limits import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS
 from jaxsched.errors import InvalidRequestError
 from jaxsched.structured.params import StructuredOutputsParams
 
@@ -28,6 +30,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6  # failed on its own (a value the step could not take); other requests go on
+    FINISHED_TIMEOUT = 7  # its deadline passed (Request.deadline)
+    FINISHED_QUEUE_TIMEOUT = 8  # it waited longer than its queue deadline without starting
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +45,8 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"
+    QUEUE_TIMEOUT = "queue_timeout"  # the server answers 503 (it never started); offline it is the finish reason
 
 
 _FINISH_REASON = {
@@ -48,6 +54,8 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_TIMEOUT: FinishReason.TIMEOUT,
+    RequestStatus.FINISHED_QUEUE_TIMEOUT: FinishReason.QUEUE_TIMEOUT,
 }
 
 
@@ -64,10 +72,6 @@ class RequestOutputKind(enum.IntEnum):
 
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what OpenAI-style clients send: int64, or uint64
-MAX_N = 128  # samples per request: each is a sequence in the batch, and they are added at once
-MAX_STOP = 64  # stop strings, and stop token ids, per request: each generated token is checked against them
-MAX_STOP_CHARS = 1024  # streaming holds back up to this many characters (a stop string may be starting)
-MAX_LOGIT_BIAS = 300  # logit_bias entries per request: the width of the step's bias table (batch.py)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
 
 
@@ -212,6 +216,9 @@ class SamplingParams:
         if allowed is not None:
             if not isinstance(allowed, (tuple, list)) or not allowed:
                 raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidRequestError(f"allowed_token_ids has {len(allowed)} ids; at most {MAX_ALLOWED_TOKEN_IDS} "
+                                          "are allowed", "allowed_token_ids")
             for t in allowed:
                 _int("allowed_token_ids", t, 0, INT32_MAX, "token ids of the vocabulary")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
@@ -219,6 +226,20 @@ class SamplingParams:
                 raise InvalidRequestError("allowed_token_ids cannot be combined with structured outputs: the grammar "
                                           "already decides which tokens may come; pass one of them",
                                           "allowed_token_ids")
+
+    def with_max_tokens(self, max_tokens: int | None) -> SamplingParams:
+        """These parameters with another max_tokens, which alone is checked: the prompts of one
+        request share the rest, checked once (a list of thousands of allowed ids among them)."""
+        if max_tokens == self.max_tokens:
+            return self
+        if max_tokens is not None:
+            _int("max_tokens", max_tokens, 1, INT32_MAX, "None = up to max_model_len")
+            if self.min_tokens > max_tokens:
+                raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})",
+                                          "min_tokens")
+        new = copy.copy(self)
+        object.__setattr__(new, "max_tokens", max_tokens)
+        return new
 
     @property
     def greedy(self) -> bool:
@@ -270,6 +291,10 @@ class Request:
     # with different salts never share blocks)
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: int = 0
+    # time.monotonic() after which the request ends (FINISHED_TIMEOUT), and after which it ends if it
+    # has not started yet (FINISHED_QUEUE_TIMEOUT); None: never
+    deadline: float | None = None
+    queue_deadline: float | None = None
     # metrics (time.monotonic() stamps, 0.0 = not yet)
     first_scheduled_time: float = 0.0
     first_token_time: float = 0.0

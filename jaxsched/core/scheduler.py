@@ -32,6 +32,7 @@ budget, and read best together; the pools live in block_manager.py and the order
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +119,8 @@ class Scheduler:
         self.swap_pool = SwapPool(config.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self._group_leader: dict[str, Request] = {}
+        # (when, order, request id, queue deadline only) of the requests that have deadlines
+        self._deadlines: list[tuple[float, int, str, bool]] = []
         self._finished_ids: list[str] = []
         self._next_seq_no = 0
         self.step_count = 0
@@ -151,6 +154,32 @@ class Scheduler:
         if request.group_id is not None:
             self._group_leader.setdefault(request.group_id, request)
         self._insert(self.waiting, request)
+        for when, queue in ((request.deadline, False), (request.queue_deadline, True)):
+            if when is not None:
+                heapq.heappush(self._deadlines, (when, request.seq_no, request.request_id, queue))
+
+    @property
+    def has_deadlines(self) -> bool:
+        return bool(self._deadlines)
+
+    def expire(self, now: float) -> list[Request]:
+        """End the requests whose deadline has passed (FINISHED_TIMEOUT), and those whose queue
+        deadline has passed before they started (FINISHED_QUEUE_TIMEOUT); their blocks are freed.
+        The ended requests, for their outputs. O(1) when nothing is due: called at every step."""
+        due: dict[str, RequestStatus] = {}
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, rid, queue = heapq.heappop(self._deadlines)
+            req = self.requests.get(rid)
+            if req is None or rid in due:
+                continue
+            if queue and (req.status != RequestStatus.WAITING or req.num_computed_tokens or req.output_token_ids
+                          or req.num_preemptions):
+                continue  # it started: the queue deadline no longer applies
+            due[rid] = RequestStatus.FINISHED_QUEUE_TIMEOUT if queue else RequestStatus.FINISHED_TIMEOUT
+        ended = [self.requests[rid] for rid in due]
+        for status in set(due.values()):
+            self.finish_requests([rid for rid, s in due.items() if s == status], status)
+        return ended
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never be scheduled instead of letting it wait forever."""
@@ -164,9 +193,10 @@ class Scheduler:
         if not ids:
             return
         if status == RequestStatus.FINISHED_ERROR:
-            # A failed request's blocks may hold K/V of other tokens than their hashes say (a row
-            # that could not be stored ran with zeros): forget the cache (rare path).
-            self.block_manager.reset_prefix_cache()
+            # A failed request's own blocks may hold K/V of other tokens than their hashes say (a
+            # row that could not be stored ran with zeros): their cached prefixes go, the rest stay
+            for rid in ids:
+                self.block_manager.forget_own_blocks(rid)
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
         self.swapped = [r for r in self.swapped if r.request_id not in ids]

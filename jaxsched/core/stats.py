@@ -30,6 +30,7 @@ class EngineStats:
     num_padded_tokens: int = 0  # padding tokens, since start
     last_step_padded_tokens: int = 0
     step_seconds: float = 0.0  # wall time of every step (LLMEngine.step), since start
+    longest_step_seconds: float = 0.0  # the longest step's wall time (several cores: the longest of theirs)
     device_seconds: float = 0.0  # of which the host waited on the device (jitted calls, block moves)
     # the device's own time on the steps it ran with nothing else in flight (the synchronous engine,
     # or the last step of the work), each from its model program's dispatch to its results being

@@ -263,6 +263,7 @@ class EngineCore:
         # followers, and sends them ahead of each step
         self.on_input: Callable[[EngineCoreRequest | AbortRequests], None] | None = None
         self.before_step: Callable[[], None] | None = None
+        self._longest_step = 0.0
         self._step_seconds = 0.0  # stats(): wall time of the steps, and the device's part of it
         self._device_seconds = 0.0
         self._busy_seconds = 0.0  # stats().device_busy_seconds / _steps
@@ -311,7 +312,8 @@ class EngineCore:
             raise InvalidRequestError(f"request_id {taken!r} is already in flight; use a unique id", "request_id")
         base = Request(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=params,
                        arrival_time=req.arrival_time, priority=req.priority, eos_token_ids=self.eos_token_ids,
-                       sample_seed=req.sample_seed, constraint=self.constraint(params), cache_salt=req.cache_salt)
+                       sample_seed=req.sample_seed, constraint=self.constraint(params), cache_salt=req.cache_salt,
+                       deadline=req.deadline, queue_deadline=req.queue_deadline)
         if n == 1:
             samples = [base]
         else:
@@ -379,6 +381,7 @@ class EngineCore:
         """Queue lengths, KV usage, preemptions, prefix-cache and padding figures (vLLM's names),
         and the steps' wall and device-wait seconds."""
         return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
+                                   longest_step_seconds=self._longest_step,
                                    device_seconds=self._device_seconds, device_busy_seconds=self._busy_seconds,
                                    device_busy_steps=self._busy_steps,
                                    **{f"{k}_seconds": v for k, v in self._phase_seconds.items()})
@@ -413,8 +416,7 @@ class EngineCore:
         by the previous call; this call's step runs on. Raises StepFailure (carrying the outputs
         built so far, the failed requests' with error set) when a step failed on the device."""
         t0 = time.perf_counter()
-        self._start_step()
-        outputs: list[EngineCoreOutput] = []
+        outputs = self._start_step()
         prev = self._in_flight  # dispatched by the last call, its tokens unread
         try:
             if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
@@ -431,13 +433,26 @@ class EngineCore:
                 outputs += self._apply(step, [step], alone=alone)
         except DeviceFailure as e:
             raise self._step_failed(e, outputs, prev) from e.cause
-        self._step_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self._step_seconds += seconds
+        self._longest_step = max(self._longest_step, seconds)
         return outputs
 
-    def _start_step(self) -> None:
+    def _start_step(self) -> list[EngineCoreOutput]:
+        """Between steps: the cost model fed, other hosts told (multi-host), and the requests past
+        their deadlines ended (their final outputs)."""
         self.apply_cost_observations()
+        expired = self.scheduler.expire(time.monotonic()) if self.scheduler.has_deadlines else []
+        if expired and self.on_input is not None:  # the other hosts drop them too
+            self.on_input(AbortRequests([r.request_id for r in expired]))
         if self.before_step is not None:
             self.before_step()
+        outputs = []
+        for req in expired:
+            o = EngineCoreOutput(req.request_id, [])
+            self._finished(req, o)
+            outputs.append(o)
+        return outputs
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -545,7 +560,7 @@ class EngineCore:
         for rid, why in reasons.items():
             if rid not in self.scheduler.requests:
                 continue
-            logger.error("request %s failed: %s", rid, why)
+            logger.error("request %r failed: %s", rid, why)
             for s in self._members(rid):
                 if s in self.scheduler.requests and s not in ended:
                     ended[s] = why if s == rid else f"a sample of this request failed: {why}"

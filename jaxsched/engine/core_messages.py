@@ -36,6 +36,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     priority: int = 0
     sample_seed: int = 0  # drawn by the front end, so a run replays whatever core runs it
     cache_salt: int = 0  # prefix caching: only requests of the same salt share blocks (0: none)
+    # time.monotonic() after which the core ends the request ("timeout"), and after which it ends it
+    # if it has not started ("queue_timeout"); None: never
+    deadline: float | None = None
+    queue_deadline: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling_params, dict):

@@ -116,10 +116,13 @@ class FrontEnd:
 
     def make_request(self, request_id: str, prompt: PromptType | Sequence[int],
                      params: SamplingParams | None = None, arrival_time: float | None = None,
-                     priority: int = 0) -> NewRequest:
+                     priority: int = 0, timeout: float | None = None,
+                     queue_timeout: float | None = None) -> NewRequest:
         """Check a request and build what its core gets, without adding it (so a batch can be
         checked up front). Every check a request gets is here (the server's own are about the
-        HTTP request's shape), each raising InvalidRequestError that names the field."""
+        HTTP request's shape), each raising InvalidRequestError that names the field. timeout:
+        seconds after arrival when the core ends it (finish reason "timeout"); queue_timeout:
+        seconds after arrival when the core ends it if it has not started ("queue_timeout")."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
@@ -135,9 +138,8 @@ class FrontEnd:
         for name, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids),
                                 ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids),
                                 ("logit_bias", "logit_bias keys", [t for t, _ in params.logit_bias or ()])):
-            for t in ids or ():
-                if t >= V:
-                    raise InvalidRequestError(f"{what} must be token ids in [0, {V}) (the vocab size), got {t}", name)
+            if ids and (t := max(ids)) >= V:  # (checked >= 0 in SamplingParams; max runs in C)
+                raise InvalidRequestError(f"{what} must be token ids in [0, {V}) (the vocab size), got {t}", name)
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)
@@ -145,15 +147,23 @@ class FrontEnd:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         check_penalty_capacity(params, ids, self.eos_token_ids, cfg.scheduler.max_model_len, V, cfg.penalty_capacity)
+        check_satisfiable(params, self.eos_token_ids)
         check_fits(len(ids), params.max_tokens, cfg.scheduler, cfg.cache.block_size, cfg.cache.num_usable_blocks)
         if params.structured_outputs is not None:  # a definition that does not compile is refused here
             self.grammars.compile(params.structured_outputs)
+        for name, seconds in (("timeout", timeout), ("queue_timeout", queue_timeout)):
+            if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                        or not 0 < seconds < 1e9):
+                raise InvalidRequestError(f"{name} must be a number of seconds > 0, got {seconds!r}", name)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         core = EngineCoreRequest(
-            request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time, priority,
+            request_id, ids, params, arrival, priority,
             sample_seed=seed % (2**31 - 1),
             # prefix caching: requests share cached blocks only with requests of the same salt
-            cache_salt=int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") if salt else 0)
+            cache_salt=int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") if salt else 0,
+            deadline=None if timeout is None else arrival + timeout,
+            queue_deadline=None if queue_timeout is None else arrival + queue_timeout)
         return NewRequest(core, text)
 
     def add(self, req: NewRequest) -> None:
@@ -188,3 +198,28 @@ class FrontEnd:
         if ended:
             self.client.abort_requests(ended)
         return outputs
+
+
+def check_satisfiable(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """Refuse constraints that exclude each other, found before the request runs. min_tokens holds
+    back the end-of-sequence and stop_token_ids tokens for the first min_tokens tokens: allowed ids
+    that are all of those, or choices too short to last that long (a token is at least one byte),
+    leave nothing to sample. What only sampling can find ends the request with an error naming the
+    fields (AllowedTokens.accept, the grammar's)."""
+    if params.min_tokens <= 0:
+        return
+    held = set(params.stop_token_ids) | set(eos_token_ids)
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) <= len(held) and held.issuperset(allowed):
+        raise InvalidRequestError(
+            f"every id of allowed_token_ids is an end-of-sequence or stop_token_ids token, which min_tokens = "
+            f"{params.min_tokens} holds back: nothing could be sampled; allow other tokens or set min_tokens to 0",
+            "allowed_token_ids")
+    so = params.structured_outputs
+    if so is not None and so.choice is not None:
+        longest = max(len(c.encode()) for c in so.choice)
+        if longest < params.min_tokens:
+            raise InvalidRequestError(
+                f"min_tokens = {params.min_tokens} but the longest structured_outputs.choice is {longest} bytes, "
+                "at most that many tokens: the request could never end; lower min_tokens",
+                "min_tokens")

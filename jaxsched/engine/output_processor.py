@@ -184,7 +184,7 @@ class OutputProcessor:
                 self._add_tokens(s, o, state.params.logprobs)
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode a token: this request alone fails
                 why = f"its output could not be processed: {type(e).__name__}: {e}"
-                logger.error("request %s failed: %s", state.request_id, why)
+                logger.error("request %r failed: %s", state.request_id, why)
                 for other in state.samples:
                     if other.finish_reason is None:
                         other.finish_reason, other.error, other.finished_time = "error", why, now

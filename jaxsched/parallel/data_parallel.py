@@ -170,8 +170,9 @@ class DataParallelClient(EngineCoreClient):
         """The cores' EngineStats summed; kv_cache_usage_perc over all cores' blocks."""
         each = [c.stats() for c in self.clients]
         summed = {f.name: sum(getattr(s, f.name) for s in each) for f in dataclasses.fields(EngineStats)
-                  if f.name != "kv_cache_usage_perc"}
-        return EngineStats(**summed, kv_cache_usage_perc=sum(s.kv_cache_usage_perc for s in each) / len(each))
+                  if f.name not in ("kv_cache_usage_perc", "longest_step_seconds")}
+        return EngineStats(**summed, kv_cache_usage_perc=sum(s.kv_cache_usage_perc for s in each) / len(each),
+                           longest_step_seconds=max(s.longest_step_seconds for s in each))
 
     @property
     def dead(self) -> str | None:

@@ -228,6 +228,8 @@ class MultiHostClient(InprocClient):
                     core.cost_model.observe(StepShape(T, S, context), seconds)
             for op in msg.ops:
                 if isinstance(op, EngineCoreRequest):
+                    # the leader's clock decides a deadline and sends the abort: none here
+                    op.deadline = op.queue_deadline = None
                     core.add_request(op)
                     if on_add is not None:
                         on_add(op)

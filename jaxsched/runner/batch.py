@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxsched import envs
-from jaxsched.core.request import INT32_MAX, MAX_LOGIT_BIAS, Request, SamplingParams
+from jaxsched.core.limits import MAX_LOGIT_BIAS
+from jaxsched.core.request import INT32_MAX, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
 from jaxsched.runner.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids, tracks_outputs
 from jaxsched.structured.grammar import fill_rows, mask_words

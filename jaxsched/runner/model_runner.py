@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched import platforms
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.core.buckets import bucket_pairs
-from jaxsched.core.request import MAX_LOGIT_BIAS
+from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.core.scheduler import SchedulerOutput
 from jaxsched.envs import cache_dir
 from jaxsched.models.layers import pack_linear_weights, untie_lm_head

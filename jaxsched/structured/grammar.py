@@ -75,6 +75,8 @@ class TokenConstraint:
 class AllowedTokens(TokenConstraint):
     """vLLM's allowed_token_ids: the same row every step."""
 
+    param = "allowed_token_ids"
+
     def __init__(self, ids: tuple[int, ...], vocab_size: int) -> None:
         self.ids = frozenset(ids)
         ids_ = np.fromiter(self.ids, np.int64, len(self.ids))
@@ -86,7 +88,12 @@ class AllowedTokens(TokenConstraint):
         row[:] = self.row
 
     def accept(self, token: int) -> str | None:
-        return None if token in self.ids else f"token {token} is not in allowed_token_ids"
+        if token in self.ids:
+            return None
+        # the mask let through only ids outside the set: every allowed id was masked as well
+        return ("no token of allowed_token_ids could be sampled here: min_tokens holds back the end-of-sequence "
+                "and stop_token_ids tokens, and allowed_token_ids has no other; allow other tokens or lower "
+                "min_tokens")
 
 
 class GrammarConstraint(TokenConstraint):

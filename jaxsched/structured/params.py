@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxsched.core.limits import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from jaxsched.errors import InvalidRequestError
 
 PARAM = "structured_outputs"
-MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar longer than this is refused before compiling
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Whitespace JSON output may put between two tokens: any JSON whitespace, up to 16 characters
 # (pretty printing three or four levels deep). Unbounded, a model that starts repeating a newline
@@ -58,6 +58,9 @@ class StructuredOutputsParams:
             if not isinstance(self.json, str):
                 raise InvalidRequestError(f"structured_outputs.json must be a JSON Schema (an object), got "
                                           f"{type(self.json).__name__}", f"{PARAM}.json")
+            if len(self.json) > MAX_GRAMMAR_CHARS:  # before parsing it
+                raise InvalidRequestError(f"structured_outputs.json is {len(self.json)} characters; at most "
+                                          f"{MAX_GRAMMAR_CHARS} are accepted", f"{PARAM}.json")
             try:
                 schema = json.loads(self.json)
             except RecursionError:
@@ -69,6 +72,9 @@ class StructuredOutputsParams:
                                           f'{{}}; for any object, json_object), got {type(schema).__name__}',
                                           f"{PARAM}.json")
         if self.choice is not None:
+            if isinstance(self.choice, (list, tuple)) and len(self.choice) > MAX_CHOICES:
+                raise InvalidRequestError(f"structured_outputs.choice has {len(self.choice)} alternatives; at most "
+                                          f"{MAX_CHOICES} are allowed", f"{PARAM}.choice")
             if not isinstance(self.choice, (list, tuple)) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
                 raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
