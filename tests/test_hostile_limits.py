@@ -31,8 +31,8 @@ BODY_TIMEOUT = 2.0
 
 
 class Server:
-    def __init__(self, url: str, ref: str, llm: LLM, engine: AsyncEngine) -> None:
-        self.url, self.ref, self.llm, self.engine = url, ref, llm, engine
+    def __init__(self, url: str, ref: str, llm: LLM, engine: AsyncEngine, app) -> None:
+        self.url, self.ref, self.llm, self.engine, self.app = url, ref, llm, engine, app
         self.http = httpx.Client(base_url=url, timeout=120, headers=HEADERS)
 
 
@@ -45,7 +45,7 @@ def server(llama_dir):
     app = build_app(engine, served_model_name="tiny", api_key=KEY, allowed_hosts=LOOPBACK_HOSTS,
                     body_timeout=BODY_TIMEOUT)
     with uvicorn_thread(app) as url:
-        yield Server(url, ref, llm, engine)
+        yield Server(url, ref, llm, engine, app)
     engine.shutdown()
 
 
@@ -336,3 +336,50 @@ def test_a_stuck_step_turns_health_503_until_it_ends(server, monkeypatch):
         t.join()
         assert c.get("/health").status_code == 200
     assert 503 in seen and done[0].status_code == 200
+
+
+# -- 3. grammar compiles are fair --------------------------------------------------------------------
+def test_slow_schemas_from_one_client_do_not_make_anothers_time_out(server, monkeypatch):
+    """A client (here 127.0.0.2) sends slow grammars: each is a 400 at the time limit and, while
+    one still compiles, its next ones are a 429 at once; another client's grammar compiles as usual."""
+    s = server.app.state.server
+    monkeypatch.setattr(s, "grammar_timeout", 1.0)
+    grammars = s.grammars
+    real = grammars.compile
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(grammars, name)
+
+        def compile(self, so):
+            if so.regex is not None and so.regex.startswith("slow"):
+                time.sleep(2.5)  # past the limit, as a hostile schema's compile would be
+            return real(so)
+
+    monkeypatch.setattr(s, "grammars", Slow())
+    hostile = httpx.Client(base_url=server.url, timeout=60, headers=HEADERS,
+                           transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    slow = {"model": "tiny", "prompt": "a", "max_tokens": 3, "structured_outputs": {"regex": "slow[0-9]+"}}
+    fine = {"model": "tiny", "prompt": "a", "max_tokens": 3, "structured_outputs": {"regex": "[0-9]{3}"}}
+    results: dict[str, list[int]] = {"hostile": [], "other": []}
+
+    def attack() -> httpx.Response:
+        threads = [threading.Thread(target=lambda: results["hostile"].append(
+            hostile.post(CMPL, json=slow).status_code)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = server.http.post(CMPL, json=fine)  # another client, while the hostile compiles run
+        results["other"].append(round(time.monotonic() - t0, 2))
+        for t in threads:
+            t.join()
+        return r
+
+    r = beside(server, attack)
+    assert r.status_code == 200, r.text[:300]
+    assert results["other"][0] < 1.0  # it did not wait for the hostile compiles
+    assert sorted(results["hostile"]) in ([400, 400, 400, 400], [400, 400, 400, 429], [400, 400, 429, 429],
+                                          [400, 429, 429, 429]), results
+    time.sleep(3)  # the stuck compiles end
+    assert s.grammar_pool.stuck == 0
