@@ -21,6 +21,7 @@ from jaxsched import LLM, SamplingParams
 from jaxsched.core import limits
 from serving.app import LOOPBACK_HOSTS, build_app
 from serving.async_engine import AsyncEngine
+from serving.grpc_server import GrpcFrontEnd
 
 ENGINE = {"max_model_len": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -44,8 +45,11 @@ def server(llama_dir):
     engine = AsyncEngine(llm.llm_engine)
     app = build_app(engine, served_model_name="tiny", api_key=KEY, allowed_hosts=LOOPBACK_HOSTS,
                     body_timeout=BODY_TIMEOUT)
-    with uvicorn_thread(app) as url:
-        yield Server(url, ref, llm, engine, app)
+    front = GrpcFrontEnd(app, 0, api_key=KEY)
+    with uvicorn_thread(app, engine, (front,)) as url:
+        s = Server(url, ref, llm, engine, app)
+        s.grpc_target = front.target
+        yield s
     engine.shutdown()
 
 
@@ -383,3 +387,81 @@ def test_slow_schemas_from_one_client_do_not_make_anothers_time_out(server, monk
                                           [400, 429, 429, 429]), results
     time.sleep(3)  # the stuck compiles end
     assert s.grammar_pool.stuck == 0
+
+
+# -- 7. one request's error keeps the prefix cache -----------------------------------------------------
+def test_a_request_that_fails_alone_keeps_the_others_cached_prefix(server):
+    """A request that fails on its own (here one carrying a value make_request would refuse, which
+    the step's guard fails) forgets only the blocks it computed: a later request sharing the
+    prefix it found cached still hits it."""
+    from jaxsched.engine.core_messages import EngineCoreRequest
+
+    prefix = list(range(10, 34))  # three full blocks of 8
+    base = {"model": "tiny", "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    assert server.http.post(CMPL, json={**base, "prompt": prefix + [40]}).status_code == 200
+
+    def hits() -> int:
+        return asyncio.run(server.engine.call(lambda e: e.block_manager.prefix_hits))[0]
+
+    def fail_one() -> httpx.Response:
+        def add(e):
+            e.add_request(EngineCoreRequest("fails-alone", prefix + list(range(50, 60)),
+                                            SamplingParams(temperature=0, max_tokens=5), time.monotonic()))
+            object.__setattr__(e.scheduler.requests["fails-alone"].sampling_params, "top_k", 2**40)
+
+        asyncio.run(server.engine.call(add))
+        idle(server)
+        before = hits()
+        r = server.http.post(CMPL, json={**base, "prompt": prefix + [41]})
+        r.hits = hits() - before
+        return r
+
+    r = beside(server, fail_one)
+    assert r.status_code == 200 and r.hits >= len(prefix), r.hits
+
+
+# -- 10. gRPC ----------------------------------------------------------------------------------------
+def test_grpc_abort_racing_a_duplicate_generate_is_not_lost(server, monkeypatch):
+    """Abort(X) while Generate(X) and a duplicate Generate(X) are both being admitted; the first is
+    admitted, the duplicate fails afterwards: the abort still ends the first one."""
+    import grpc
+
+    from jaxsched.proto import jaxsched_pb2 as pb
+    from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
+
+    s = server.app.state.server
+    inputs = s.completion_inputs
+
+    async def slow_inputs(req, client=""):
+        if req.prompt in ("race", "dup"):
+            await asyncio.sleep(1.2 if req.prompt == "dup" else 0.6)  # the duplicate is admitted last
+        return await inputs(req, client)
+
+    monkeypatch.setattr(s, "completion_inputs", slow_inputs)
+    core = server.engine.engine.client.local_cores[0]
+    collect = core.runner.collect
+    monkeypatch.setattr(core.runner, "collect", lambda step: (time.sleep(0.03), collect(step))[1])
+    auth = (("authorization", f"Bearer {KEY}"),)
+    params = pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            first = stub.Generate(pb.GenerateRequest(request_id="race", text="race", sampling_params=params),
+                                  metadata=auth)
+            second = stub.Generate(pb.GenerateRequest(request_id="race", text="dup", sampling_params=params),
+                                   metadata=auth)
+            await asyncio.sleep(0.2)
+            found = (await stub.Abort(pb.AbortRequest(request_id="race"), metadata=auth)).found
+            msgs = [m async for m in first]
+            try:
+                await second.read()
+                dup = None
+            except grpc.aio.AioRpcError as e:
+                dup = e.code()
+            return found, msgs, dup
+
+    found, msgs, dup = beside(server, lambda: asyncio.run(main()))
+    assert found and dup == grpc.StatusCode.INVALID_ARGUMENT
+    assert msgs[-1].finished and [o.finish_reason for o in msgs[-1].outputs] == ["abort"]
+    assert idle(server) == {}
