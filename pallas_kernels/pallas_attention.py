@@ -40,9 +40,11 @@ from pallas_kernels import tuning
 
 try:  # the Triton backend of Pallas; deprecated from jax 0.11 on but still shipped
     from jax.experimental.pallas import triton as plgpu
-except ImportError as e:  # pragma: no cover - only on a jax build without it
-    raise ImportError("attention backend 'pallas' needs jax.experimental.pallas.triton; use a jax "
-                      "release that ships it (0.10 or 0.11) or attention_backend='xla'") from e
+    _MISSING: str | None = None
+except ImportError as e:  # a jax without it: this backend cannot run, and says why (backends.choose)
+    plgpu = None
+    _MISSING = (f"jax {jax.__version__} has no jax.experimental.pallas.triton ({e}); attention backend 'pallas' "
+                "needs a jax release that ships it (0.10 or 0.11)")
 
 _NEG_INF = -1e30  # finite, so exp(s - m) of a fully masked chunk is exp(0), never NaN
 # Triton's dot reads float32 operands as TF32 unless asked for HIGHEST (IEEE); float32 pools are
@@ -56,6 +58,8 @@ def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
     """Why backend "pallas" cannot run these shapes, or None. The other backend to use instead is
     not named here: backends.choose names the one "auto" would pick on the platform."""
     H, P = head_dim, block_size
+    if _MISSING is not None:
+        return _MISSING
     if H < 16 or H & (H - 1):
         return (f"q: head_dim H={H} is not supported by attention backend 'pallas'; it needs a power of "
                 f"two >= 16 (16, 32, 64, 128, 256)")

@@ -81,6 +81,28 @@ def parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
+def traced_run(trace_dir, engine, reqs, params, overlap) -> dict:
+    """One more run under jax.profiler.trace: the trace's summary (device_trace.summary), or
+    {"error": ...} when the profiler cannot start or its trace cannot be read (CUPTI missing on a
+    GPU, for one): the untraced runs' figures must come out whatever the profiler does."""
+    import jax
+
+    from jaxsched.bench import device_trace
+
+    # without the Python tracer (every Python call an event: a slower host and a far larger
+    # trace) and the programs' HLO; the device's activity and XLA's host regions stay
+    try:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        opts.enable_hlo_proto = False
+        with jax.profiler.trace(trace_dir, profiler_options=opts):
+            traced = throughput.measure(engine, reqs, params, ["continuous"], overlap)[0]
+        return device_trace.summary(trace_dir, traced.num_steps)
+    except Exception as e:  # reported in the results instead of ending the run
+        logging.getLogger(__name__).warning("the traced run failed: %s", e, exc_info=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--json", action="store_true", help="also print one JSON line of all figures")
@@ -147,19 +169,8 @@ def main() -> None:
         res["cost_model_error"] = d["cost_model_error"]
         res["deferred_decode_rows"] = engine.core.scheduler.num_deferred
     if args.trace_dir:
-        import jax
-
-        from jaxsched.bench import device_trace
-
-        # without the Python tracer (every Python call an event: a slower host and a far larger
-        # trace) and the programs' HLO; the device's activity and XLA's host regions stay
-        opts = jax.profiler.ProfileOptions()
-        opts.python_tracer_level = 0
-        opts.enable_hlo_proto = False
-        with jax.profiler.trace(args.trace_dir, profiler_options=opts):
-            traced = throughput.measure(engine, reqs, params, ["continuous"], overlaps[-1:])[0]
-        res["trace"] = device_trace.summary(args.trace_dir, traced.num_steps)
-        busy = res["trace"]["device_busy_ms_per_step"]
+        res["trace"] = traced_run(args.trace_dir, engine, reqs, params, overlaps[-1:])
+        busy = res["trace"].get("device_busy_ms_per_step")
         if busy is not None:  # the kernels' time against the untraced run's wall time per step
             res["device_busy_share"] = round(min(busy / res["wall_ms_per_step"], 1.0), 3)
     # the device's idle share is a figure of the synchronous run: with --overlap both, of the off run
@@ -201,7 +212,9 @@ def main() -> None:
         print(f"overlap on / off    {res['overlap_speedup']}x; with overlap the host's share of the step is "
               f"{res['host_share_with_overlap'] * 100:.1f} % (wall per step against the device-only time; "
               f"{res['host_share_with_overlap_by_wait'] * 100:.1f} % against the wait alone)")
-    if "trace" in res:
+    if "trace" in res and "error" in res["trace"]:
+        print(f"trace               not taken: {res['trace']['error']}")
+    elif "trace" in res:
         t = res["trace"]
         if t["device_busy_ms_per_step"] is None:
             print(f"trace               no device plane (lines: {t['device_lines']}); host regions only")

@@ -150,3 +150,30 @@ def test_xla_options_only_where_they_pay():
     assert "xla_cpu_experimental_ynn_fusion_type" in platforms.CPU.step_compiler_options("xla")
     assert platforms.CPU.step_compiler_options("numba") == {}
     assert platforms.GPU.step_compiler_options("xla") == platforms.GPU.step_compiler_options("pallas") == {}
+
+
+def test_a_jax_without_pallas_triton_imports_and_auto_falls_back_with_a_reason():
+    """Pallas' Triton backend is deprecated since jax 0.11: where a jax lacks it, pallas_kernels
+    still imports, "auto" on a GPU takes the next backend and says why, and "pallas" asked by name
+    is refused naming the module."""
+    code = r'''
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ImportError("removed in this jax")
+sys.meta_path.insert(0, NoTriton())
+from pallas_kernels import backends
+b, skipped = backends.choose("auto", "gpu", 64, None, "bfloat16", "bfloat16")
+print(b.name)
+print(skipped[0])
+try:
+    backends.choose("pallas", "gpu", 64, None, "bfloat16", "bfloat16")
+except ValueError as e:
+    print("refused:", e)
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+    name, why, refused = out.strip().splitlines()[-3:]
+    assert name != "pallas" and "jax.experimental.pallas.triton" in why and "pallas" in why
+    assert refused.startswith("refused:") and "jax.experimental.pallas.triton" in refused

@@ -441,3 +441,26 @@ def test_serve_over_grpc_measures_the_same_requests(served, capsys):
     assert list(req.sampling_params.structured_outputs.choice.choices) == ["a", "b"]
     assert bench_main(["serve", "--grpc", "127.0.0.1:1", "-n", "2"]) == 2
     assert "cannot reach the gRPC server" in capsys.readouterr().err
+
+
+def test_bench_offline_keeps_its_figures_when_the_profiler_fails(llama_dir, monkeypatch, capsys, tmp_path):
+    """The profiler raising (as when CUPTI cannot load on a GPU) costs the trace, not the run's figures."""
+    import jax
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import bench_offline
+
+    def broken(*a, **k):
+        raise RuntimeError("CUPTI could not be loaded")
+
+    monkeypatch.setattr(jax.profiler, "trace", broken)
+    flags = ["--model", llama_dir, "-n", "4", *SMALL, "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+             "--max-model-len", "128", "--engine-arg", "block_size=8", "--engine-arg", "warm_up_runs=false",
+             "--overlap", "both", "--json", "--trace-dir", str(tmp_path / "trace")]
+    monkeypatch.setattr(sys, "argv", ["bench_offline.py", *flags])
+    bench_offline.main()
+    out = capsys.readouterr().out
+    res = json.loads(out.splitlines()[-1])
+    assert res["trace"] == {"error": "RuntimeError: CUPTI could not be loaded"}
+    assert res["output_tokens_per_s"] > 0 and res["overlap_speedup"] > 0 and "device_busy_share" not in res
+    assert "trace               not taken: RuntimeError" in out

@@ -138,6 +138,20 @@ def test_resolve_takes_every_auto_from_the_record(record):
     assert cfg.async_scheduling  # the tiny model leaves a CPU's cores idle; on a GPU the host works beside it
 
 
+@pytest.mark.parametrize("checkpoint", ["float32", "float16", "bfloat16"])
+def test_a_gpu_runs_any_checkpoint_in_bfloat16_unless_dtype_says_otherwise(checkpoint):
+    """As vLLM: a float32 checkpoint is served in 16 bits on a GPU; --dtype float32 keeps it; the CPU
+    keeps float32."""
+    import dataclasses
+
+    model = dataclasses.replace(TINY, dtype=checkpoint)
+    kw = {"max_num_seqs": 8, "num_gpu_blocks_override": 64, "attention_backend": "xla"}
+    mem = {"weights_bytes": lambda m, d: 0, "memory": lambda: (1 << 30, 1 << 30), "reserved": 0}
+    assert resolve(EngineArgs(**kw), model, "m", "gpu", **mem).dtype == "bfloat16"
+    assert resolve(EngineArgs(dtype="float32", **kw), model, "m", "gpu", **mem).dtype == "float32"
+    assert resolve(EngineArgs(**kw), model, "m", "cpu", **mem).dtype == "float32"
+
+
 def test_another_accelerator_gets_the_gpus_choices_under_its_name():
     tpu = platforms.of("tpu")
     assert tpu.name == "tpu" and not tpu.host_runs_model and tpu.layer_weights == platforms.GPU.layer_weights
