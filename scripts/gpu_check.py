@@ -5,7 +5,9 @@
 
 Phases, each in its own subprocess (so each starts with the GPU's memory free) with a time limit
 inside a total budget; the JSON is rewritten after every phase, so a phase that fails or runs out
-of time still leaves the others' figures:
+of time still leaves the others' figures. They run most wanted first, each limited to its share of
+the budget (SHARES): model, bench (the traced run first, then unrolled layers, the other sampler,
+the other backends, tensor parallelism), sampler, and the already measured kernel matrix last:
   kernels  1. "pallas" against reference_attention on the GPU: bf16 and f32, G = 1, 4, 7, 8,
               pages 8 to 128, ragged prefill + decode rows, a split-K decode.
            2. device-to-device copy bandwidth (y = x + 1 over 1 GiB: bytes read + written).
@@ -306,6 +308,12 @@ def run_phase(argv: list[str], timeout: float, env: dict) -> tuple[dict | None, 
     return None, f"exit {p.returncode}: {p.stderr.strip()[-1500:]}"
 
 
+# Each phase's share of --budget-s (its limit; a phase that ends early leaves its time to the later
+# ones, which never get more than is left). In the order they run: most wanted first.
+SHARES = {"model": 0.1, "traced": 0.3, "unrolled": 0.25, "sampler_branches": 0.15, "other_backend": 0.15,
+          "tp2": 0.15, "sampler": 0.1, "kernels": 0.4}
+
+
 def device_count(env: dict) -> int:
     """jax's device count, asked in a subprocess (this process never initialises jax)."""
     p = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=env, capture_output=True,
@@ -331,22 +339,29 @@ def orchestrate(args) -> int:
     common = ["--iters", str(args.iters), "--runs", str(args.runs), "--backends", args.backends] + (
         ["--dry-run"] if args.dry_run else [])
 
-    print("== kernels: correctness, copy bandwidth, timings", flush=True)
-    budget = min(args.kernels_s, left() - 30)
-    part = out_path.with_suffix(".kernels.part.json")
-    res, status = run_phase(me + ["--phase", "kernels", "--phase-budget-s", str(budget - 20), "--part", str(part)]
-                            + common, budget, env)
-    if res is None and part.is_file():  # timed out or crashed: keep what it had measured
-        res = json.loads(part.read_text())
-    part.unlink(missing_ok=True)
-    report["phases"]["kernels"] = status
-    report["kernels"] = res
-    save()
+    def budget(share: float, floor: float = 30.0) -> float:
+        """A phase's limit: its share of the whole budget (at least `floor`), never more than is left.
+        Phases run in order of value, so a cut falls on the least needed figures."""
+        return max(0.0, min(left(), max(share * args.budget_s, floor)))
+
+    def kernels() -> None:
+        print("== kernels: correctness, copy bandwidth, timings", flush=True)
+        limit = min(args.kernels_s, budget(SHARES["kernels"]), left() - 5)
+        part = out_path.with_suffix(".kernels.part.json")
+        res, status = run_phase(me + ["--phase", "kernels", "--phase-budget-s", str(max(limit - 20, 10)), "--part",
+                                      str(part)] + common, limit, env)
+        if res is None and part.is_file():  # timed out or crashed: keep what it had measured
+            res = json.loads(part.read_text())
+        part.unlink(missing_ok=True)
+        report["phases"]["kernels"] = status
+        report["kernels"] = res
+        save()
 
     print("== model: random-weight checkpoint", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / ("llama-tiny" if args.dry_run else "llama-1b-random")
-        res, status = run_phase(me + ["--phase", "model", "--model-dir", str(folder)] + common, min(120, left()), env)
+        res, status = run_phase(me + ["--phase", "model", "--model-dir", str(folder)] + common,
+                                budget(SHARES["model"]), env)
         report["phases"]["model"] = status
         report["model"] = res
         save()
@@ -360,29 +375,27 @@ def orchestrate(args) -> int:
                        "--max-num-batched-tokens", "512", "--max-model-len", "1024"])
             backends = args.backends.split(",")
             first = backends[0]
-            # (report key, attention backend, extra flags). The first backend runs without, then with overlapped
-            # scheduling (the device's idle share without it, the host's share of a step with it;
-            # issue 16), and one more run under a profiler trace: the device's busy time per step as
-            # the device saw it (the host's timings only say how long it was blocked). Then the same
-            # backend with the layers unrolled in the program (layers.py: no scan slicing stacked
-            # weights, which XLA may copy before each dot, and no per-layer switch, a host sync on a
-            # GPU; a longer warm-up): the platform record keeps "stacked" on GPUs until this says
-            # otherwise. It runs before the other backends, whose figures are known, so that a
-            # budget cut falls on those: each run may take all the time left (an even split would
-            # cut the unrolled run, whose warm-up compiles L layers into every program).
-            # Before it, with overlap on, the sampler as the other platform's choice
-            # (the platform record's sampler_branches): on a GPU "device", one program with lax.conds, whose
-            # predicates XLA:GPU reads back to the host, so the call waits for the step's model
-            # program; against the first run's default "host" (cond-free programs the host picks).
+            # (report key, attention backend, extra flags, budget share), in order of value. First the
+            # open question: the first backend without, then with overlapped scheduling (the device's
+            # idle share without it, the host's share of a step with it) and one more run under a
+            # profiler trace (the device's busy time per step as the device saw it; the host's
+            # timings only say how long it was blocked). Then the layers unrolled in the program
+            # (layers.py: no scan slicing stacked weights, no per-layer switch; a longer warm-up): the
+            # platform record keeps "stacked" on GPUs until this says otherwise. Then, with overlap
+            # on, the sampler as the other platform's choice (sampler_branches "device": lax.conds
+            # whose predicates XLA:GPU reads back to the host) against the first run's "host". The
+            # other backends, whose figures are known, come after; the kernel matrix last.
             other = "host" if args.dry_run else "device"  # the dry run's CPU default is "device"
-            runs = [(first, first, ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")]),
-                    (f"{first}_sampler_{other}", first, ["--overlap", "on", "--engine-arg", f"sampler_branches={other}"]),
-                    (f"{first}_unrolled", first, ["--engine-arg", "layer_weights=unrolled"])]
-            runs += [(b, b, []) for b in backends[1:]]
-            for key, backend, extra in runs:
+            runs = [(first, first, ["--overlap", "both", "--trace-dir", str(Path(tmp) / "trace")], SHARES["traced"]),
+                    (f"{first}_unrolled", first, ["--engine-arg", "layer_weights=unrolled"], SHARES["unrolled"]),
+                    (f"{first}_sampler_{other}", first, ["--overlap", "on", "--engine-arg",
+                                                         f"sampler_branches={other}"], SHARES["sampler_branches"])]
+            runs += [(b, b, [], SHARES["other_backend"]) for b in backends[1:]]
+            for key, backend, extra, share in runs:
                 shown = [x for x in extra if not x.startswith(tmp)]  # not the trace folder
                 print(f"== bench {key}: attention_backend={backend} {' '.join(shown)}", flush=True)
-                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra, left(), env)
+                r, status = run_phase(bench + ["--engine-arg", f"attention_backend={backend}"] + extra, budget(share),
+                                      env)
                 report["phases"][f"bench_{key}"] = status
                 report["bench"][key] = r
                 save()
@@ -391,24 +404,26 @@ def orchestrate(args) -> int:
             if devices > 1:
                 print("== bench: tensor_parallel_size=2 (pallas)", flush=True)
                 r, status = run_phase(bench + ["--engine-arg", "attention_backend=pallas", "--engine-arg",
-                                               "tensor_parallel_size=2"], left(), env)
+                                               "tensor_parallel_size=2"], budget(SHARES["tp2"]), env)
                 report["phases"]["bench_tp2"] = status
                 report["bench"]["pallas_tp2"] = r
             else:
                 print(f"== bench: tensor_parallel_size=2 skipped: {devices} device(s) here, it needs 2", flush=True)
                 report["bench"]["pallas_tp2"] = f"skipped: {devices} device(s), tensor parallelism needs 2"
             save()
-    # The sampler's cond-free programs alone (tuning.SAMPLER_VARIANTS, the GPU's choice), greedy rows:
-    # what the filters' sort over [S, V] costs beside the step, and so whether each variant earns its
-    # compile at warm-up. Last: it is the least needed figure when the budget runs short.
+    # The sampler's cond-free programs alone (the GPU's choice), greedy rows: what the filters' sort
+    # over [S, V] costs beside the step, and so whether each variant earns its compile at warm-up.
     print("== sampler variants: ms per call", flush=True)
     sampler = [sys.executable, str(ROOT / "scripts" / "bench_sampler.py"), "--variants", "--json"] + (
         ["--vocab", "1000", "--seqs", "8", "--reps", "3"] if args.dry_run else
         ["--vocab", str(LLAMA_1B["vocab_size"]), "--seqs", "64", "256", "--reps", "20"])
-    res, status = run_phase(sampler, min(120, left()), env)
+    res, status = run_phase(sampler, budget(SHARES["sampler"]), env)
     report["phases"]["sampler"] = status
     report["sampler_variants"] = res
     save()
+    # Last: the kernel matrix, measured on the H200 already (docs/PERFORMANCE.md, "GPU (H200)");
+    # its correctness cases still decide "OK".
+    kernels()
     ok = all(s == "ok" for s in report["phases"].values()) and all(
         c["ok"] for c in (report.get("kernels") or {}).get("correctness", [{"ok": False}]))
     report["ok"] = ok

@@ -464,3 +464,22 @@ def test_bench_offline_keeps_its_figures_when_the_profiler_fails(llama_dir, monk
     assert res["trace"] == {"error": "RuntimeError: CUPTI could not be loaded"}
     assert res["output_tokens_per_s"] > 0 and res["overlap_speedup"] > 0 and "device_busy_share" not in res
     assert "trace               not taken: RuntimeError" in out
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_phase_most_wanted_first(tmp_path):
+    """scripts/gpu_check.py --dry-run on this CPU: every phase ok and in the JSON, the traced run
+    first among the benchmarks and the kernel matrix last."""
+    import os
+    import subprocess
+
+    out = tmp_path / "gpu_check.json"
+    p = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "gpu_check.py"), "--dry-run",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900, check=False,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    phases = list(res["phases"])
+    assert phases[:2] == ["model", "bench_pallas"] and phases[-1] == "kernels", phases
+    assert all(v == "ok" for v in res["phases"].values()) and res["ok"]
+    assert "trace" in res["bench"]["pallas"] and "device_lines_counted" in res["bench"]["pallas"]["trace"]

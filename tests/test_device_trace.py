@@ -65,3 +65,18 @@ def test_summary_without_a_device_plane(tmp_path):
 def test_summary_says_where_it_looked(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.xplane.pb under"):
         device_trace.summary(str(tmp_path), steps=1)
+
+
+def test_only_the_stream_lines_count_as_the_devices_work(tmp_path):
+    """A device plane's other lines (launch statistics, derived views of any name) are not the
+    device's work: with stream lines present, only they count."""
+    names = {1: "gemm", 2: "launch"}
+    gpu = _plane("/device:GPU:0", [
+        _line("Stream #13(Compute)", [(1, 0, 400)]),
+        _line("Kernel Launch Stats", [(2, 1000, 500)]),  # would add 500 us and stretch the window
+    ], names)
+    _write(tmp_path, [gpu])
+    s = device_trace.summary(str(tmp_path), steps=1)
+    assert s["device_busy_ms_per_step"] == pytest.approx(0.4) and s["device_window_ms_per_step"] == pytest.approx(0.4)
+    assert s["device_lines_counted"] == ["Stream #13(Compute)"]
+    assert set(s["device_lines"]) == {"Stream #13(Compute)", "Kernel Launch Stats"}

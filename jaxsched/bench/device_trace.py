@@ -19,6 +19,14 @@ from typing import Any
 _DERIVED = ("XLA Modules", "XLA Ops", "Steps", "Framework Ops", "Framework Name Scope", "Source", "XLA TraceMe")
 
 
+def _stream_lines(lines: list[Any]) -> list[Any]:
+    """The lines of a device plane whose events are the device's own work: CUPTI's stream lines
+    ("Stream #7(Compute)", "Stream #14(MemcpyH2D)"). A plane without such names (another runtime)
+    falls back to every line but the ones XLA derives from the streams."""
+    streams = [line for line in lines if line.name.startswith("Stream")]
+    return streams or [line for line in lines if line.name not in _DERIVED]
+
+
 def newest_trace(trace_dir: str) -> str | None:
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     return max(files, key=os.path.getmtime) if files else None
@@ -42,18 +50,24 @@ def summary(trace_dir: str, steps: int, top: int = 12) -> dict[str, Any]:
     path = newest_trace(trace_dir)
     if path is None:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: did jax.profiler.trace write there?")
-    data = ProfileData.from_file(path)
+    return summarize(ProfileData.from_file(path).planes, steps, top) | {"file": path}
+
+
+def summarize(planes: Any, steps: int, top: int = 12) -> dict[str, Any]:
+    """summary()'s figures from a trace's planes (objects with .name and .lines; lines with .name
+    and .events; events with .name, .start_ns, .duration_ns)."""
     steps = max(steps, 1)
     intervals: list[tuple[float, float]] = []
     kernels: Counter[str] = Counter()
     host: Counter[str] = Counter()
     device_lines: list[str] = []
-    for plane in data.planes:
+    counted: list[str] = []
+    for plane in planes:
         if plane.name.startswith("/device:") and "CPU" not in plane.name:
-            for line in plane.lines:
-                device_lines.append(line.name)
-                if line.name in _DERIVED:
-                    continue
+            lines = list(plane.lines)
+            device_lines += [line.name for line in lines]
+            for line in _stream_lines(lines):
+                counted.append(line.name)
                 for ev in line.events:
                     intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
                     kernels[ev.name[:80]] += ev.duration_ns
@@ -63,7 +77,8 @@ def summary(trace_dir: str, steps: int, top: int = 12) -> dict[str, Any]:
                     continue
                 for ev in line.events:
                     host[ev.name[:80]] += ev.duration_ns
-    res: dict[str, Any] = {"file": path, "steps": steps, "device_lines": sorted(set(device_lines))}
+    res: dict[str, Any] = {"steps": steps, "device_lines": sorted(set(device_lines)),
+                           "device_lines_counted": sorted(set(counted))}
     if intervals:
         window = max(e for _, e in intervals) - min(s for s, _ in intervals)
         busy = union_ns(intervals)
