@@ -375,8 +375,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     n_reserved = reserved_cores(args.cpu_reserved_cores, platform, reserved)
     dtype = args.dtype
     if dtype == "auto":
-        # the platform's dtype, else the checkpoint's 16-bit one (float16 checkpoints run in
-        # bfloat16, which has float32's range); float32 checkpoints stay float32
+        # the platform's dtype (a CPU's float32, a GPU's bfloat16), else the checkpoint's: 16-bit
+        # ones in bfloat16 (float32's range), float32 ones as they are
         dtype = plat.dtype or ("float32" if model.dtype in ("float32", "float64") else "bfloat16")
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     tp = args.tensor_parallel_size
