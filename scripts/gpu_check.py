@@ -10,7 +10,9 @@ the budget (SHARES): model, bench (the traced run first, then unrolled layers, t
 the other backends, tensor parallelism), sampler, and the already measured kernel matrix last:
   kernels  1. "pallas" against reference_attention on the GPU: bf16 and f32, G = 1, 4, 7, 8,
               pages 8 to 128, ragged prefill + decode rows, a split-K decode.
-           2. device-to-device copy bandwidth (y = x + 1 over 1 GiB: bytes read + written).
+           2. denominators: device-to-device copy bandwidth (y = x + 1 over 1 GiB: bytes read +
+              written), read-only bandwidth (a sum over 1 GiB), bf16 matmul TFLOP/s (8192^3 dots
+              chained in one jit), and the card's published figures (PUBLISHED) beside them.
            3. timings of backends "pallas" and "xla": decode B = 64, 256 x context 512, 2048, 8192
               (N = 32, K = 8, H = 128, P = 16, bf16), a mixed prefill + decode step (4 chunks of 256
               tokens + 252 decodes at 2048) and a prefill step (4 prompts of 512). GB/s = bytes of KV
@@ -44,6 +46,10 @@ Table to fill in from the JSON (not yet measured on the H200):
   | decode B=256 ctx=8192      |           |             |           |        |
   | mixed T=2048 S=256         |           |             |           |        |
   | prefill T=2048 (4 x 512)   |           |             |           |        |
+  | denominators: copy ____ GB/s, read ____ GB/s, published ____ GB/s (kernels.copy_gb_s, read_gb_s,
+  |   published_gb_s); bf16 matmul ____ TFLOP/s of ____ published (matmul_tflop_s, published_tflop_s)
+  | pallas decode GB/s as a share of the read-only figure (timings.*.pallas.fraction_of_read) and of the
+  |   published one (fraction_of_published)
   | engine output tokens/s, 1B bf16: pallas ____  xla ____  (copy bandwidth ____ GB/s)
   | pallas, overlap off / on: device idle ____ % (device_idle_share), host share of a step with overlap
   |   ____ % (host_share_with_overlap), speedup ____x (overlap_speedup); host ms per step by phase
@@ -173,6 +179,39 @@ def copy_bandwidth(dry: bool, iters: int, runs: int) -> float:
     return 2 * n * 2 / dt / 1e9
 
 
+def read_bandwidth(dry: bool, iters: int, runs: int) -> float:
+    """GB/s of reading a buffer far larger than L2 once a call (a sum; nothing written back): the
+    denominator of a kernel that only reads its KV, where the copy's figure also pays for writes.
+    Each call's sum depends on the one before, so XLA cannot hoist it out of the loop."""
+    import jax.numpy as jnp
+
+    n = (1 << 20) if dry else (1 << 29)
+    x = jnp.ones((n,), jnp.bfloat16)
+    acc = jnp.zeros((), jnp.float32)
+    dt = time_loop(lambda a, x: a * 0.5 + jnp.sum((x + a.astype(x.dtype)).astype(jnp.float32)), acc, (x,),
+                   iters, runs)
+    return n * 2 / dt / 1e9
+
+
+def matmul_peak(dry: bool, iters: int, runs: int) -> float:
+    """TFLOP/s of large bf16 matmuls chained inside one jit (each call's input the previous call's
+    output, kept bounded by a tanh whose cost is a rounding error beside the n^3 dot)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 256 if dry else 8192
+    key = jax.random.PRNGKey(3)
+    x = jax.random.normal(key, (n, n), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / n**0.5).astype(jnp.bfloat16)
+    dt = time_loop(lambda x, w: jnp.tanh(x @ w), x, (w,), iters, runs)
+    return 2 * n**3 / dt / 1e12
+
+
+# the card's own figures (its data sheet), beside the measured ones: HBM bandwidth GB/s, dense bf16 TFLOP/s
+PUBLISHED = {"NVIDIA H200": (4800, 989), "NVIDIA H100 80GB HBM3": (3350, 989), "NVIDIA H100": (3350, 989),
+             "NVIDIA A100-SXM4-80GB": (2039, 312), "NVIDIA A100-SXM4-40GB": (1555, 312)}
+
+
 def time_kernels(dry: bool, iters: int, runs: int, backends: list[str], deadline: float) -> dict:
     import jax
     import jax.numpy as jnp
@@ -233,12 +272,23 @@ def phase_kernels(args) -> dict:
     res["correctness"] = check_correctness(args.dry_run)
     save()
     res["copy_gb_s"] = round(copy_bandwidth(args.dry_run, args.iters, args.runs), 1)
-    print(f"  device-to-device copy: {res['copy_gb_s']} GB/s (read + write)", flush=True)
+    res["read_gb_s"] = round(read_bandwidth(args.dry_run, args.iters, args.runs), 1)
+    res["matmul_tflop_s"] = round(matmul_peak(args.dry_run, args.iters, args.runs), 2)
+    kind = jax.devices()[0].device_kind
+    res["device_kind"] = kind
+    res["published_gb_s"], res["published_tflop_s"] = PUBLISHED.get(kind, (None, None))
+    print(f"  {kind}: copy {res['copy_gb_s']} GB/s (read + write), read {res['read_gb_s']} GB/s, bf16 matmul "
+          f"{res['matmul_tflop_s']} TFLOP/s; published {res['published_gb_s']} GB/s, {res['published_tflop_s']} "
+          "TFLOP/s", flush=True)
     save()
     res["timings"] = time_kernels(args.dry_run, args.iters, args.runs, args.backends.split(","), deadline)
     for r in res["timings"].values():
         if isinstance(r.get("pallas"), dict):
-            r["pallas"]["fraction_of_copy"] = round(r["pallas"]["kv_gb_s"] / res["copy_gb_s"], 3)
+            gb = r["pallas"]["kv_gb_s"]
+            r["pallas"]["fraction_of_copy"] = round(gb / res["copy_gb_s"], 3)
+            r["pallas"]["fraction_of_read"] = round(gb / res["read_gb_s"], 3)
+            if res["published_gb_s"]:
+                r["pallas"]["fraction_of_published"] = round(gb / res["published_gb_s"], 3)
     save()
     return res
 
