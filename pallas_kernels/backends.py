@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxsched import platforms
 from pallas_kernels import numba_attention
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
+from pallas_kernels.pallas_attention import prepare as pallas_prepare
 from pallas_kernels.pallas_attention import unsupported_reason as pallas_unsupported
 from pallas_kernels.pool_storage import BF16_BITS
 from pallas_kernels.reference_attention import reference_attention
@@ -51,6 +52,10 @@ class AttentionBackend:
     # in one kernel, or None where it cannot run those arrays; no function, or None: the layer runs
     # layers.apply_rope and kv_cache.write_kv in XLA (the same values)
     rope_write: Callable | None = field(default=None, repr=False)
+    # (T, N, K, H, P, block_tables, seq_lens, query_start_loc, num_seqs) -> what every layer's call
+    # derives from the step's metadata alone, computed once a step outside the layer loop and passed
+    # to attend as `meta` (layers.paged_attend); None: the backend derives nothing worth hoisting
+    prepare: Callable | None = field(default=None, repr=False)
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -64,10 +69,11 @@ class AttentionBackend:
         return jnp.dtype(dtype)
 
 
-def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale):
+def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale,
+            meta=None):
     validate_pallas(q, k_cache, block_tables)  # the Triton lowering's own rules, named before tracing
     return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale)
+                            sm_scale=sm_scale, meta=meta)
 
 
 def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
@@ -96,7 +102,7 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # The Pallas kernels with the Triton lowering (pallas_attention.py). They load [P, H] tiles and
     # bfloat16 natively. 16-token blocks, as vLLM's GPU backends use.
     AttentionBackend("pallas", _pallas, k_transposed=False, bf16_as_bits=False, default_block_size=16,
-                     auto_on=("gpu",), why_unsupported=_pallas_unsupported),
+                     auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare),
     # A numba kernel called through XLA's FFI that reads pages where they lie (numba_attention.py).
     # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
     # scores too.

@@ -74,9 +74,11 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                    *, sm_scale: float, backend: str = "xla"):
-    """Attention of this step's tokens over their sequences' paged KV. See the module docstring."""
+                    *, sm_scale: float, backend: str = "xla", meta=None):
+    """Attention of this step's tokens over their sequences' paged KV. See the module docstring.
+    meta: the backend's prepare() of this step (the same for every layer), when the caller has it."""
     attend = backends.get(backend).attend
     validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, backend)
+    extra = {} if meta is None else {"meta": meta}
     return attend(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                  sm_scale=sm_scale)
+                  sm_scale=sm_scale, **extra)

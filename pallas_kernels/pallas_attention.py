@@ -30,6 +30,7 @@ an array. On CPU the kernels run with interpret=True, which is how the tests che
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,9 +203,50 @@ def _tile_map(q_lens, is_prefill, NT: int, Qb: int):
     return jnp.where(used, row, -1).astype(jnp.int32), jnp.where(used, first, 0).astype(jnp.int32)
 
 
+class StepMeta(NamedTuple):
+    """What every layer's call needs from the step's metadata alone, computed once a step (prepare)
+    outside the layer loop, not in each layer: the block table padded to whole chunks, the decode
+    rows' lengths and first tokens, the prefill tile map, and where each token's output comes from."""
+
+    bt: jax.Array  # i32[S, M'] the block table padded to a multiple of the chunk's pages
+    dec_lens: jax.Array  # i32[S] a decode row's length, 0 for the others
+    starts: jax.Array  # i32[S] each row's first token
+    tile_row: jax.Array  # i32[NT] the row of each prefill tile (-1 past the last)
+    tile_first: jax.Array  # i32[NT] its first token within the row
+    keep: jax.Array  # bool[Tq] tokens of prefill rows (their output is the prefill kernel's)
+    dest: jax.Array  # i32[S] where a decode row's output goes (Tq: nowhere)
+
+
+def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, query_start_loc, num_seqs,
+            config: tuning.PallasConfig | None = None) -> StepMeta:
+    """The step's StepMeta for T tokens of N query heads over K KV heads of dim H in P-token pages."""
+    S, M = block_tables.shape
+    cfg = config or tuning.pallas_config(T, S, N, K, H, P, M)
+    Qb = cfg.q_tile
+    Tq = max(T, Qb)
+    step = max(cfg.prefill_kv_pages, cfg.decode_kv_pages)
+    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % step)))  # a chunk's page ids stay in range
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    real = jnp.arange(S) < num_seqs[0]
+    is_decode = real & (q_lens == 1)
+    is_prefill = real & (q_lens > 1)
+    starts = query_start_loc[:-1]
+    # Prefill rows: NT tiles cover any step of this bucket (each row adds at most one partial tile,
+    # and a prefill row has >= 2 tokens).
+    NT = -(-T // Qb) + min(S, T // 2)
+    tile_row, tile_first = _tile_map(q_lens, is_prefill, NT, Qb)
+    t = jnp.arange(Tq, dtype=jnp.int32)
+    tok_row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="compare_all") - 1, 0, S - 1)
+    keep = is_prefill[tok_row] & (t < query_start_loc[S])
+    dest = jnp.where(is_decode, starts, Tq)  # Tq is out of range: dropped
+    return StepMeta(bt, jnp.where(is_decode, seq_lens, 0), starts, tile_row, tile_first, keep, dest)
+
+
 def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                     sm_scale: float, interpret: bool | None = None, config: tuning.PallasConfig | None = None):
-    """Ragged paged attention with the Pallas kernels; interpret=None means interpret on CPU only."""
+                     sm_scale: float, interpret: bool | None = None, config: tuning.PallasConfig | None = None,
+                     meta: StepMeta | None = None):
+    """Ragged paged attention with the Pallas kernels; interpret=None means interpret on CPU only.
+    meta: the step's StepMeta (prepare), computed once for all layers; None computes it here."""
     if interpret is None:
         interpret = not platforms.of(jax.default_backend()).triton
     T, N, H = q.shape
@@ -213,15 +255,12 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
     G = N // K
     Gp = tuning.next_pow2(G)
     cfg = config or tuning.pallas_config(T, S, N, K, H, P, M)
+    if meta is None:
+        meta = prepare(T, N, K, H, P, block_tables, seq_lens, query_start_loc, num_seqs, cfg)
     Qb = cfg.q_tile
     Tq = max(T, Qb)  # a tile's window needs Qb rows even in a step of fewer tokens
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    step = max(cfg.prefill_kv_pages, cfg.decode_kv_pages)
-    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % step)))  # a chunk's page ids stay in range
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    real = jnp.arange(S) < num_seqs[0]
-    is_decode = real & (q_lens == 1)
-    is_prefill = real & (q_lens > 1)
+    bt = meta.bt
     qg = q.reshape(T, K, G, H)  # f[T, K, Gp, H] after the padding below
     if Gp != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
@@ -231,7 +270,7 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
     Rd = max(16, Gp)
     NS = cfg.decode_splits
     NPAD = K * Gp + Rd - Gp
-    starts = query_start_loc[:-1]
+    starts = meta.starts
     q_dec = qg[jnp.clip(starts, 0, T - 1)].reshape(S, K * Gp, H)
     q_dec = jnp.pad(q_dec, ((0, 0), (0, NPAD - K * Gp), (0, 0)))  # f[S, NPAD, H]
     decode = pl.pallas_call(
@@ -244,7 +283,7 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
         compiler_params=_compiler_params(cfg.decode_warps, cfg.decode_stages),
     )
     # f32[NS, S, NPAD, H] normalised per split, f32[NS, S, NPAD] its log-sum-exp
-    o_parts, lse = decode(layer, jnp.where(is_decode, seq_lens, 0), bt, q_dec, k_cache, v_cache)
+    o_parts, lse = decode(layer, meta.dec_lens, bt, q_dec, k_cache, v_cache)
     o_parts, lse = o_parts[:, :, : K * Gp], lse[:, :, : K * Gp]
     if NS == 1:
         o_dec = o_parts[0]  # f32[S, K * Gp, H]
@@ -252,10 +291,8 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
         wgt = jnp.exp(lse - lse.max(axis=0, keepdims=True))
         o_dec = (wgt[..., None] * o_parts).sum(axis=0) / wgt.sum(axis=0)[..., None]
 
-    # Prefill rows: NT tiles cover any step of this bucket (each row adds at most one partial tile,
-    # and a prefill row has >= 2 tokens).
-    NT = -(-T // Qb) + min(S, T // 2)
-    tile_row, tile_first = _tile_map(q_lens, is_prefill, NT, Qb)
+    NT = meta.tile_row.shape[0]
+    tile_row, tile_first = meta.tile_row, meta.tile_first
     qp = qg if Tq == T else jnp.pad(qg, ((0, Tq - T), (0, 0), (0, 0), (0, 0)))
     prefill = pl.pallas_call(
         functools.partial(_prefill_kernel, sm_scale=sm_scale, Qb=Qb, Gp=Gp, pages=cfg.prefill_kv_pages),
@@ -268,10 +305,6 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
 
     # Assemble: prefill rows as the kernel wrote them (other rows were never written), decode rows
     # scattered in, everything else (padding tokens) zero.
-    t = jnp.arange(Tq, dtype=jnp.int32)
-    tok_row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="compare_all") - 1, 0, S - 1)
-    o = jnp.where(is_prefill[tok_row][:, None, None, None] & (t < query_start_loc[S])[:, None, None, None],
-                  o, 0)
-    dest = jnp.where(is_decode, starts, Tq)  # Tq is out of range: dropped
-    o = o.at[dest].set(o_dec.reshape(S, K, Gp, H).astype(o.dtype), mode="drop")
+    o = jnp.where(meta.keep[:, None, None, None], o, 0)
+    o = o.at[meta.dest].set(o_dec.reshape(S, K, Gp, H).astype(o.dtype), mode="drop")
     return o[:T, :, :G].reshape(T, N, H)

@@ -39,6 +39,44 @@ def lowered_text(fn, *args) -> tuple[str, float]:
     return text, time.perf_counter() - t0
 
 
+_FUNC = re.compile(r"func\.func (?:private|public) @([\w.$-]+)")
+_CALL = re.compile(r"call @([\w.$-]+)")
+
+
+def functions(text: str) -> dict[str, str]:
+    """Each function of a lowered module, by name: its text (up to the next function)."""
+    marks = [(m.start(), m.group(1)) for m in _FUNC.finditer(text)] + [(len(text), "")]
+    return {name: text[start:marks[i + 1][0]] for i, (start, name) in enumerate(marks[:-1])}
+
+
+def loop_body(text: str) -> str:
+    """The body region of the first stablehlo.while of `text` (the layer scan's)."""
+    j = text.index("do {", text.index("stablehlo.while"))
+    depth = 0
+    for k in range(j + 3, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[j:k]
+    raise AssertionError("unbalanced while body")
+
+
+def reachable(fragment: str, funcs: dict[str, str]) -> set[str]:
+    """The functions called from `fragment`, and from those, transitively."""
+    seen: set[str] = set()
+    todo = set(_CALL.findall(fragment))
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in funcs:
+            seen.add(name)
+            todo |= set(_CALL.findall(funcs[name]))
+    return seen
+
+
+# what attention derives from the step's metadata alone (the prefill tile map, the token-to-row map):
+# computed once a step (AttentionBackend.prepare), never inside the layer loop
+STEP_ONLY = ("searchsorted", "cumsum")
+
+
 def ops(text: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for name in _OP.findall(text):
@@ -75,12 +113,17 @@ def test_model_programs_have_no_cond_one_loop_when_stacked_and_their_kernel_call
         assert "stablehlo.case" not in counts and "stablehlo.if" not in counts, f"T={T} S={S}: a conditional"
         assert counts.get("stablehlo.while", 0) == (1 if weights == "stacked" else 0), counts.get("stablehlo.while")
         assert text.count(TRITON_CALL) == (2 if weights == "stacked" else 2 * L), text.count(TRITON_CALL)
+        funcs = functions(text)
+        if weights == "stacked":  # nothing of the step's metadata is recomputed in each turn of the scan
+            inside = reachable(loop_body(funcs["main"]), funcs)
+            assert not [f for f in inside if f.startswith(STEP_ONLY)], sorted(inside)
+        else:  # once for all L layers
+            assert sum(len(re.findall(rf"call @{name}\b", text)) for name in ("searchsorted", "cumsum")) == 2
 
 
+@pytest.mark.parametrize("runner", ["stacked"], indirect=True)  # the sampler is the same for both forms
 def test_every_host_sampler_variant_has_no_cond(runner):
-    weights, r, _ = runner
-    if weights != "stacked":
-        pytest.skip("the sampler programs do not depend on the layer weights' form")
+    _, r, _ = runner
     from jaxsched.runner.batch import SAMPLER_I32, flat_sizes
 
     variants = r.sampler_variants

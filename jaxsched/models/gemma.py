@@ -96,7 +96,9 @@ class GemmaForCausalLM(nnx.Module):
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
         h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
+        # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
+                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]))
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.

@@ -138,19 +138,30 @@ class DecoderLayers(nnx.Module):
         return h[: rows.shape[0]], (k_cache, v_cache)
 
 
-def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> Attend:
+def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
+                 shape: tuple[int, int, int, int] | None = None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
 
     With a mesh whose "model" axis has several devices, the step runs per shard under shard_map:
     each device's own heads of q/k/v and of the pool (split on K), the batch metadata replicated,
-    so neither the write nor the kernel needs a collective (parallel.py)."""
-    k_transposed = backends.get(backend).k_transposed
-    rope_write = backends.get(backend).rope_write
+    so neither the write nor the kernel needs a collective (parallel.py).
+
+    shape: (N, K, H, P) of the model and its pool: a backend that derives per-step values from the
+    metadata (AttentionBackend.prepare) gets them computed here, once, outside the layer loop."""
+    record = backends.get(backend)
+    k_transposed = record.k_transposed
+    rope_write = record.rope_write
+    meta = None
+    if record.prepare is not None and shape is not None:
+        N, K, H, page = shape
+        n = shards_of(mesh)
+        meta = record.prepare(batch.token_ids.shape[0], N // n, K // n, H, page, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, batch.num_seqs)
 
     def local(q, k, v, k_cache, v_cache, li, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
-              num_seqs):
+              num_seqs, meta):
         fused = rope_write(q, k, v, cos, sin, k_cache, v_cache, li, slot_mapping) if rope_write else None
         if fused is None:
             q = apply_rope(q, cos, sin)
@@ -159,18 +170,18 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None) -> A
         else:  # the backend's own kernel for both (AttentionBackend.rope_write)
             q, k_cache, v_cache = fused
         o = paged_attention(q, k_cache, v_cache, li, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale, backend=backend)
+                            sm_scale=sm_scale, backend=backend, meta=meta)
         return o, k_cache, v_cache
 
     if shards_of(mesh) > 1:
         heads, pool, rep = P(None, "model", None), P(None, None, "model"), P()
         # check_vma off: the kernels (custom calls, pallas_call) carry no varying-axes annotations
-        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 8),
+        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 9),
                               out_specs=(heads, pool, pool), check_vma=False)
 
     def attend(q, k, v, k_cache, v_cache, li):
         o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, li, cos, sin, batch.slot_mapping, batch.block_tables,
-                                    batch.seq_lens, batch.query_start_loc, batch.num_seqs)
+                                    batch.seq_lens, batch.query_start_loc, batch.num_seqs, meta)
         T, N, H = o.shape
         return o.reshape(T, N * H), k_cache, v_cache
 

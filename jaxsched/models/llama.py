@@ -119,7 +119,9 @@ class LlamaForCausalLM(nnx.Module):
             return h + linear(p, silu_gate_up(p, rms_norm(h, p["post_norm"], eps), shards), "down", "down_bias")
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh)
+        # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
+        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
+                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]))
         h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend,
                             batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
