@@ -35,7 +35,13 @@ from jaxsched.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxsched.proto import jaxsched_pb2 as pb
 from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
 from serving.app import engine_failure
-from serving.async_engine import EngineDeadError, EngineStepError, RequestStream, merge_delta
+from serving.async_engine import (
+    EngineDeadError,
+    EngineStepError,
+    QueueTimeoutError,
+    RequestStream,
+    merge_delta,
+)
 from serving.protocol import CompletionRequest, RequestError
 
 logger = logging.getLogger(__name__)
@@ -246,6 +252,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield msg
         except (EngineDeadError, EngineStepError) as e:  # shut down, or this request failed alone
             await self._fail(context, engine_failure(e), prompt_field)
+        except QueueTimeoutError as e:  # waited past --queue-timeout without starting: UNAVAILABLE, retryable
+            await self._fail(context, RequestError(str(e), status=503, code="queue_timeout"))
         finally:  # also when the client cancels: closing an unfinished stream aborts its request
             if self.live.get(rid) is stream:
                 del self.live[rid]

@@ -465,3 +465,33 @@ def test_grpc_abort_racing_a_duplicate_generate_is_not_lost(server, monkeypatch)
     assert found and dup == grpc.StatusCode.INVALID_ARGUMENT
     assert msgs[-1].finished and [o.finish_reason for o in msgs[-1].outputs] == ["abort"]
     assert idle(server) == {}
+
+
+def test_a_grpc_call_past_the_queue_timeout_is_unavailable(server, monkeypatch):
+    import grpc
+
+    from jaxsched.proto import jaxsched_pb2 as pb
+    from jaxsched.proto import jaxsched_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(server.engine, "queue_timeout", 0.05)
+    auth = (("authorization", f"Bearer {KEY}"),)
+    params = pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+
+            async def one():
+                try:
+                    return [m async for m in stub.Generate(pb.GenerateRequest(text=BYSTANDER, sampling_params=params),
+                                                           metadata=auth)][-1].usage.completion_tokens
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), e.details()
+
+            return await asyncio.gather(*(one() for _ in range(32)))
+
+    res = asyncio.run(main())
+    late = [r for r in res if isinstance(r, tuple)]
+    assert late and all(code == grpc.StatusCode.UNAVAILABLE and "queue" in details for code, details in late), late
+    assert all(r == 40 for r in res if not isinstance(r, tuple))
+    assert idle(server) == {}
