@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import threading
 import time
 import uuid
@@ -30,7 +31,7 @@ from starlette.routing import Route
 
 import jaxsched
 from jaxsched.core.limits import MAX_UNKNOWN_FIELDS_LOGGED
-from jaxsched.core.request import SamplingParams
+from jaxsched.core.request import SamplingParams, short_repr
 from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.structured.params import StructuredOutputsParams
@@ -85,13 +86,6 @@ def _json(obj: Any) -> Response:
     return Response(_enc.encode(obj), media_type="application/json")
 
 
-def shown(text: str, limit: int = 80) -> str:
-    """A client's string as a log line may hold it: escaped (no line breaks or terminal codes of
-    the client's in the log), cut to `limit` characters."""
-    out = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
-    return out if len(out) <= limit else out[:limit] + "..."
-
-
 def client_of(request: Request) -> str:
     """Who sent a request, for sharing work fairly: its remote address."""
     return request.client.host if request.client is not None else ""
@@ -115,15 +109,12 @@ class _HostMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             values = [v for k, v in scope["headers"] if k == b"host"]
-            host = values[0].decode("latin-1").lower() if len(values) == 1 else None
-            if host is not None and not host.startswith("["):
-                host = host.rsplit(":", 1)[0] if ":" in host else host
-            elif host is not None:
-                host = host[:host.index("]") + 1] if "]" in host else host
+            # the name without its port: "localhost:8000" -> "localhost", "[::1]:8000" -> "[::1]"
+            host = re.sub(r":\d*$", "", values[0].decode("latin-1").lower()) if len(values) == 1 else None
             if host not in self.hosts:
                 resp = error_response(RequestError(
                     f"this server answers requests for {', '.join(sorted(self.hosts))} only (Host header "
-                    f"{'missing or repeated' if host is None else repr(shown(host))}); to serve other names, start it "
+                    f"{'missing or repeated' if host is None else short_repr(host)}); to serve other names, start it "
                     "with --allowed-hosts", status=400, code="invalid_host"))
                 await resp(scope, receive, send)
                 return
@@ -416,13 +407,13 @@ class _Server:
         except (EngineDeadError, EngineStepError) as e:  # shutdown, or this request failed alone
             err = engine_failure(e, r.grammar_source)
             if err.status >= 500 and err.status != 503:
-                err = server_error(err.message, f"stream {shown(r.rid)} ended", status=err.status,
+                err = server_error(err.message, f"stream {short_repr(r.rid, 80)} ended", status=err.status,
                                    code=err.code or "internal_error")
             else:
-                logger.info("stream %s ended: %s", shown(r.rid), e)
+                logger.info("stream %s ended: %s", short_repr(r.rid, 80), e)
             yield sse(ErrorResponse(ErrorInfo(err.message, err.type, err.param, err.code)))
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-            err = server_error(f"{type(e).__name__}: {e}", f"stream {shown(r.rid)} failed", exc=e)
+            err = server_error(f"{type(e).__name__}: {e}", f"stream {short_repr(r.rid, 80)} failed", exc=e)
             yield sse(ErrorResponse(ErrorInfo(err.message, err.type, None, err.code)))
         finally:
             for s in streams:
@@ -464,7 +455,7 @@ class _Server:
 
 def _log_unknown(unknown: list[str], route: str) -> None:
     if unknown:
-        names = [shown(u, 40) for u in unknown[:MAX_UNKNOWN_FIELDS_LOGGED]]
+        names = [u[:40] for u in unknown[:MAX_UNKNOWN_FIELDS_LOGGED]]  # (the list's repr escapes them)
         more = f" and {len(unknown) - len(names)} more" if len(unknown) > len(names) else ""
         logger.warning("%s: ignoring unknown fields %s%s", route, names, more)
 

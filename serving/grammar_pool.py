@@ -88,10 +88,13 @@ class GrammarPool:
             raise
 
     # -- under the lock ---------------------------------------------------------------------------
+    def _wanted(self) -> int:
+        """Threads to keep: the workers, plus one per compile past its limit (at most max_stuck)."""
+        return self.workers + min(sum(self._s.stuck.values()), self.max_stuck)
+
     def _grow(self) -> None:
         s = self._s
-        want = self.workers + min(sum(s.stuck.values()), self.max_stuck)
-        if s.idle == 0 and s.threads < want and s.turn:
+        if s.idle == 0 and s.threads < self._wanted() and s.turn:
             s.threads += 1
             threading.Thread(target=self._work, name=f"{self.name}-{s.threads}", daemon=True).start()
 
@@ -124,7 +127,7 @@ class GrammarPool:
                 s = self._s
                 s.idle += 1
                 while (job := self._next()) is None:
-                    if s.threads > self.workers + min(sum(s.stuck.values()), self.max_stuck):
+                    if s.threads > self._wanted():
                         s.idle -= 1
                         s.threads -= 1
                         return  # an extra thread whose stuck compile has ended

@@ -485,41 +485,33 @@ class JsonToolParser(ToolParser):
     output with required_tools_schema() produces for tool_choice "required"."""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls, end = self._calls(text)
+        return (None, calls) if end is not None and _skip_space(text, end) == len(text) else (text, [])
+
+    @classmethod
+    def complete_calls(cls, text: str) -> list[ToolCall]:
+        """The whole calls at the start of an array cut short (max_tokens): those before the cut."""
+        return cls._calls(text)[0]
+
+    @staticmethod
+    def _calls(text: str) -> tuple[list[ToolCall], int | None]:
+        """The calls of the array `text` starts with, and where the array ends (None: it does not,
+        or an element is not a call; the calls are then those before)."""
         pos = _skip_space(text, 0)
-        if not text.startswith("[", pos):
-            return text, []
         calls: list[ToolCall] = []
+        if not text.startswith("[", pos):
+            return calls, None
         while True:
             scan = _scan_object(text, _skip_space(text, pos + 1))
             call = scan and _call_from_scan(text, scan)
             if not call:
-                return text, []
+                return calls, None
             calls.append(call)
             pos = _skip_space(text, scan.end)
             if text.startswith("]", pos):
-                break
+                return calls, pos + 1
             if not text.startswith(",", pos):
-                return text, []
-        if _skip_space(text, pos + 1) != len(text):
-            return text, []
-        return None, calls
-
-    @staticmethod
-    def complete_calls(text: str) -> list[ToolCall]:
-        """The whole calls at the start of an array cut short (max_tokens): those before the cut."""
-        pos = _skip_space(text, 0)
-        calls: list[ToolCall] = []
-        if not text.startswith("[", pos):
-            return calls
-        while True:
-            scan = _scan_object(text, _skip_space(text, pos + 1))
-            call = scan and _call_from_scan(text, scan)
-            if not call:
-                return calls
-            calls.append(call)
-            pos = _skip_space(text, scan.end)
-            if not text.startswith(",", pos):
-                return calls
+                return calls, None
 
     def _advance(self, text: str, update: StreamUpdate) -> None:
         while True:

@@ -75,10 +75,11 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what OpenAI-style clients send: int6
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
 
 
-def short_repr(v: object) -> str:
-    """repr(v), cut to 40 characters: error messages quote what they got without echoing a huge input."""
+def short_repr(v: object, limit: int = 40) -> str:
+    """repr(v), cut to `limit` characters: error messages and log lines quote what they got without
+    echoing a huge input (repr escapes line breaks and control characters)."""
     r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def _int(name: str, v: object, lo: int, hi: int | None, meaning: str) -> None:

@@ -447,12 +447,7 @@ class EngineCore:
             self.on_input(AbortRequests([r.request_id for r in expired]))
         if self.before_step is not None:
             self.before_step()
-        outputs = []
-        for req in expired:
-            o = EngineCoreOutput(req.request_id, [])
-            self._finished(req, o)
-            outputs.append(o)
-        return outputs
+        return self._final_outputs(expired)
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -570,6 +565,10 @@ class EngineCore:
         for req in reqs:
             req.error, req.error_param = ended[req.request_id], None
         self.scheduler.finish_requests(list(ended), RequestStatus.FINISHED_ERROR)
+        return self._final_outputs(reqs)
+
+    def _final_outputs(self, reqs: list[Request]) -> list[EngineCoreOutput]:
+        """The last outputs (no new token) of requests ended between steps."""
         outputs = []
         for req in reqs:
             o = EngineCoreOutput(req.request_id, [])
