@@ -23,6 +23,7 @@ from pallas_kernels.pallas_attention import prepare as pallas_prepare
 from pallas_kernels.pallas_attention import unsupported_reason as pallas_unsupported
 from pallas_kernels.pool_storage import BF16_BITS
 from pallas_kernels.reference_attention import reference_attention
+from pallas_kernels.xla_attention import prepare as xla_prepare
 from pallas_kernels.xla_attention import xla_attention
 
 AUTO = "auto"
@@ -116,7 +117,7 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # backend uses: XLA:CPU's gathers copy a page per index, so bigger pages read faster. Both
     # measured in docs/PERFORMANCE.md, "Decisions in the code".
     AttentionBackend("xla", xla_attention, k_transposed=True, bf16_as_bits=True, default_block_size=128,
-                     auto_on=None, why_unsupported=_runs_anything),
+                     auto_on=None, why_unsupported=_runs_anything, prepare=xla_prepare),
     # The obviously-correct version every other backend is tested against (reference_attention.py);
     # O(T * M * P) memory, so never chosen by "auto".
     AttentionBackend("reference", reference_attention, k_transposed=False, bf16_as_bits=True,

@@ -6,6 +6,9 @@ that K pages are stored transposed: k_cache is f[L, NB, K, H, P] (backends.py sa
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -47,15 +50,13 @@ def _chunk_kv(cache, layer, block_tables_rows, j, bpc, pages_transposed=False):
     return pool_values(x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * A, B))
 
 
-def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scale, bpc):
-    """Single-query attention for every row. q_rows f[S, N, H]; rows with kv_len 0 give zeros."""
+def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc):
+    """Single-query attention for every row. q_rows f[S, N, H]; bt: their block tables, padded to
+    whole chunks of bpc blocks (StepMeta); rows with kv_len 0 give zeros."""
     S, N, H = q_rows.shape
     _, _, K, P, _ = v_cache.shape
     G = N // K
     C = bpc * P
-    M = block_tables.shape[1]
-    # pad the block table so the last chunk's dynamic slice stays in range
-    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % bpc)))
     qg = q_rows.reshape(S, K, G, H).astype(jnp.float32) * sm_scale
     n_chunks = (jnp.max(kv_lens) + C - 1) // C
 
@@ -82,16 +83,16 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, block_tables, kv_lens, sm_scal
     return out.reshape(S, N, H)
 
 
-def _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, is_prefill,
+def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is_prefill,
                    out, sm_scale, q_tile, tiles_per_group, bpc):
-    """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence."""
+    """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence.
+    bt: the block tables padded to whole chunks of bpc blocks (StepMeta)."""
     T, N, H = q.shape
     _, _, K, P, _ = v_cache.shape
-    S, M = block_tables.shape
+    S = bt.shape[0]
     G = N // K
     C = bpc * P
     Qb, GT = q_tile, tiles_per_group
-    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % bpc)))
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     n_tiles = jnp.where(is_prefill, (q_lens + Qb - 1) // Qb, 0)
     tile_end = jnp.cumsum(n_tiles)  # [S]
@@ -136,28 +137,55 @@ def _row_groups(S: int, most: int) -> int:
     return max(1, min(most, S // 8))
 
 
-def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                   *, sm_scale: float):
-    T, _N, _H = q.shape
-    S = block_tables.shape[0]
-    cfg = tuning.xla_cpu_config(v_cache.shape[3])
+class StepMeta(NamedTuple):
+    """What every layer's call needs from the step's metadata alone, computed once a step (prepare)
+    outside the layer loop: the block table padded to whole chunks, the rows' kinds, and the decode
+    rows' order with their tables and lengths in it."""
+
+    bt: jax.Array  # i32[S, M'] the block table padded to whole chunks of either path
+    is_decode: jax.Array  # bool[S]
+    is_prefill: jax.Array  # bool[S]
+    order: jax.Array  # i32[S] decode rows longest first (then every other row)
+    dec_bt: jax.Array  # i32[S, M'] bt in that order
+    dec_lens: jax.Array  # i32[S] a decode row's length in that order, 0 for the others
+
+
+def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, query_start_loc, num_seqs) -> StepMeta:
+    """The step's StepMeta (AttentionBackend.prepare's arguments)."""
+    S, M = block_tables.shape
+    cfg = tuning.xla_cpu_config(P)
+    chunk = math.lcm(cfg.decode_kv_blocks, cfg.prefill_kv_blocks)
+    bt = jnp.pad(block_tables, ((0, 0), (0, (-M) % chunk)))  # every chunk's dynamic slice stays in range
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     real_row = jnp.arange(S) < num_seqs[0]
     is_decode = real_row & (q_lens == 1)
-    is_prefill = real_row & (q_lens > 1)
+    kv_lens = jnp.where(is_decode, seq_lens, 0)
+    # Rows sorted longest first, then cut into groups of consecutive rows, each its own loop (decode
+    # below): a loop runs to its own longest row, so short rows stop costing gathers of padding pages,
+    # and XLA:CPU runs independent loops on separate threads. Padding and prefill rows have kv_len 0,
+    # so they sort to the end.
+    order = jnp.argsort(-kv_lens) if _row_groups(S, cfg.decode_row_groups) > 1 else jnp.arange(S)
+    return StepMeta(bt, is_decode, real_row & (q_lens > 1), order, bt[order], kv_lens[order])
+
+
+def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
+                  *, sm_scale: float, meta: StepMeta | None = None):
+    """meta: the step's StepMeta (prepare), computed once for all layers; None computes it here."""
+    T, N, H = q.shape
+    S = block_tables.shape[0]
+    P = v_cache.shape[3]
+    cfg = tuning.xla_cpu_config(P)
+    if meta is None:
+        meta = prepare(T, N, k_cache.shape[2], H, P, block_tables, seq_lens, query_start_loc, num_seqs)
+    is_decode, is_prefill = meta.is_decode, meta.is_prefill
     starts = query_start_loc[:-1]
 
     def decode(out):
-        kv_lens = jnp.where(is_decode, seq_lens, 0)
-        # Rows sorted longest first, then cut into n groups of consecutive rows, each its own loop:
-        # a loop runs to its own longest row, so short rows stop costing gathers of padding pages
-        # (rows of a step span ~64-640 tokens here), and XLA:CPU runs independent loops on separate
-        # threads. Padding and prefill rows have kv_len 0, so they sort to the end.
         n = _row_groups(S, cfg.decode_row_groups)
-        order = jnp.argsort(-kv_lens) if n > 1 else jnp.arange(S)
+        order = meta.order
         rows = starts[order]
         q_rows = q[jnp.clip(rows, 0, T - 1)]
-        bt, lens = block_tables[order], kv_lens[order]
+        bt, lens = meta.dec_bt, meta.dec_lens
         R = -(-S // n)  # rows per group; the last group may be smaller (never empty: n <= S // 8)
         o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
                                           bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
@@ -165,7 +193,7 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
-        return _prefill_tiles(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc,
+        return _prefill_tiles(q, k_cache, v_cache, layer, meta.bt, seq_lens, query_start_loc,
                               is_prefill, out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group,
                               cfg.prefill_kv_blocks)
 

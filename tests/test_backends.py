@@ -177,3 +177,30 @@ except ValueError as e:
     name, why, refused = out.strip().splitlines()[-3:]
     assert name != "pallas" and "jax.experimental.pallas.triton" in why and "pallas" in why
     assert refused.startswith("refused:") and "jax.experimental.pallas.triton" in refused
+
+
+def test_the_xla_backend_derives_its_step_values_outside_the_layer_scan(llama_dir):
+    """The "xla" backend's padded block table and its decode rows' order (an argsort) come from the
+    step's metadata alone: prepare() computes them once a step, so the stacked layers' scan body
+    holds no sort and no pad of an int32 table (before, every layer padded the table and sorted)."""
+    import functools
+
+    from test_gpu_programs import functions, loop_body, reachable, sds
+
+    from jaxsched import LLM
+    from jaxsched.runner.batch import flat_sizes
+
+    llm = LLM(llama_dir, max_model_len=64, max_num_seqs=16, max_num_batched_tokens=32, block_size=16,
+              attention_backend="xla", layer_weights="stacked")
+    r = llm.llm_engine.core.runner
+    T, S = 32, 16  # 16 rows: several decode row groups, so the rows are sorted; M = 4 pads to 8
+    args = (sds(r._state_leaves), sds(r.kv), sds(r.block_table),
+            jax.ShapeDtypeStruct((r.scheduler_config.max_num_seqs,), "int32"),
+            jax.ShapeDtypeStruct((flat_sizes(T, S)[0],), "int32"))
+    text = jax.jit(functools.partial(r._forward, T=T, S=S)).lower(*args).as_text()
+    funcs = functions(text)
+    body = loop_body(funcs["main"])
+    inside = body + "".join(funcs[f] for f in reachable(body, funcs))
+    assert "stablehlo.sort" in text and re.search(r"stablehlo\.pad .*-> tensor<16x8xi32>", text)
+    assert "stablehlo.sort" not in inside
+    assert not re.search(r"stablehlo\.pad .*-> tensor<\d+x\d+xi32>", inside)
