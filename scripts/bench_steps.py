@@ -184,7 +184,7 @@ def main() -> None:
             with_limits += t
             t, ids_off = _replay(runner, exe, flat, S, 1)
             without += t
-        n = int(BatchDescriptor.from_flat(flat[1], flat[2], T, S, runner.max_blocks_per_seq).num_seqs[0])
+        n = int(BatchDescriptor.from_flat(flat[1], flat[2], T, S).num_seqs[0])
         same = "same" if np.array_equal(ids[:n], ids_off[:n]) else "DIFFERENT"
         print(f"decode step (T={T}, S={S}, {n} real rows) with row limits:    {_fmt(with_limits)}")
         print(f"decode step (T={T}, S={S}, {n} real rows) without row limits: {_fmt(without)} ({same} ids)")

@@ -40,12 +40,19 @@ def test_pack_mixed_step():
     for row, (rid, sr) in enumerate(out.scheduled.items()):
         blocks = bm.block_ids(rid)
         assert list(sr.block_ids) == blocks  # the scheduler's output carries the block table
-        np.testing.assert_array_equal(batch.block_tables[row, : len(blocks)], blocks)
-        assert (batch.block_tables[row, len(blocks):] == 0).all()
+        table = packer.tables.mirror[batch.row_slots[row]]  # what the step's writes make of its slot's row
+        np.testing.assert_array_equal(table[: len(blocks)], blocks)
+        assert (table[len(blocks):] == 0).all()
         lo, hi = batch.query_start_loc[row], batch.query_start_loc[row + 1]
         pos = batch.positions[lo:hi]
         np.testing.assert_array_equal(batch.slot_mapping[lo:hi], np.asarray(blocks)[pos // 8] * 8 + pos % 8)
-    assert (batch.slot_mapping[total:] == 0).all() and (batch.block_tables[3:] == 0).all()
+    assert (batch.slot_mapping[total:] == 0).all() and (batch.row_slots[3:] == 0).all()  # the null slot
+    # the writes: every block of the three rows, once, in their slots' rows; padding writes 0 at 0
+    n = sum(len(sr.block_ids) for sr in out.scheduled.values())
+    assert batch.table_overflow is None and (batch.table_writes[n:] == 0).all() and (batch.table_values[n:] == 0).all()
+    got = np.zeros_like(packer.tables.mirror).reshape(-1)
+    got[batch.table_writes[:n]] = batch.table_values[:n]
+    np.testing.assert_array_equal(got.reshape(packer.tables.mirror.shape), packer.tables.mirror)
     # sampling arrays
     np.testing.assert_allclose(batch.temperature[:3], [0.5, 1.0, 1.0])
     np.testing.assert_array_equal(batch.top_k[:3], [3, 0, 0])
@@ -55,9 +62,9 @@ def test_pack_mixed_step():
     np.testing.assert_array_equal(batch.sample_index[:3], [1, 1, 0])
     np.testing.assert_array_equal(batch.num_logprobs[:S], [-1, 2] + [-1] * (S - 2))
     # every field is a view of the two flat buffers, which rebuild the same descriptor
-    assert (batch.flat_i32.size, batch.flat_f32.size) == flat_sizes(T, S, 16)
-    again = BatchDescriptor.from_flat(batch.flat_i32.copy(), batch.flat_f32.copy(), T, S, 16)
-    np.testing.assert_array_equal(again.block_tables, batch.block_tables)
+    assert (batch.flat_i32.size, batch.flat_f32.size) == flat_sizes(T, S)
+    again = BatchDescriptor.from_flat(batch.flat_i32.copy(), batch.flat_f32.copy(), T, S)
+    np.testing.assert_array_equal(again.table_writes, batch.table_writes)
     np.testing.assert_array_equal(again.top_p, batch.top_p)
 
 
@@ -73,4 +80,4 @@ def test_pack_reuses_buffers_without_stale_values():
     small = packer.pack(s2.schedule())
     assert small.num_seqs[0] == 1
     assert (small.token_ids[1:] == 0).all() and (small.seq_lens[1:] == 0).all()
-    assert (small.temperature[1:] == 0).all() and (small.block_tables[1:] == 0).all()
+    assert (small.temperature[1:] == 0).all() and (small.row_slots[1:] == 0).all()

@@ -104,8 +104,9 @@ def test_model_programs_have_no_cond_one_loop_when_stacked_and_their_kernel_call
     weights, r, L = runner
     assert r.config.layer_weights == weights and r.config.attention_backend == "pallas"
     for T, S in r.bucket_pairs():
-        n_i32 = r.compile.__func__.__globals__["flat_sizes"](T, S, r.max_blocks_per_seq)[0]
-        args = (sds(r._state_leaves), sds(r.kv), jax.ShapeDtypeStruct((r.scheduler_config.max_num_seqs,), "int32"),
+        n_i32 = r.compile.__func__.__globals__["flat_sizes"](T, S)[0]
+        args = (sds(r._state_leaves), sds(r.kv), sds(r.block_table),
+                jax.ShapeDtypeStruct((r.scheduler_config.max_num_seqs,), "int32"),
                 jax.ShapeDtypeStruct((n_i32,), "int32"))
         text, seconds = lowered_text(functools.partial(r._forward, T=T, S=S), *args)
         counts = ops(text)
@@ -129,7 +130,7 @@ def test_every_host_sampler_variant_has_no_cond(runner):
     variants = r.sampler_variants
     assert len(variants) > 1 and all(v is not None for v in variants)  # "host": cond-free programs
     for S in sorted({S for _, S in r.bucket_pairs()}):
-        _, n_f32 = flat_sizes(0, S, 0)
+        _, n_f32 = flat_sizes(0, S)
         tables = tuple(jax.ShapeDtypeStruct(shape, dt) for shape, dt in r._table_shapes(S))
         args = (jax.ShapeDtypeStruct((S, r.model_config.vocab_size), "float32"),
                 jax.ShapeDtypeStruct((len(SAMPLER_I32) * S,), "int32"), jax.ShapeDtypeStruct((n_f32,), "float32"),

@@ -11,6 +11,7 @@ installed); the module itself imports without torch, as others import its prompt
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -33,6 +34,7 @@ from jaxsched.core.scheduler import Scheduler
 from jaxsched.models.layers import LAYER_WEIGHTS
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.runner.batch import BatchDescriptor, BatchPacker
+from jaxsched.runner.block_table import step_block_tables
 from pallas_kernels import backends
 
 SENTENCES = [
@@ -134,14 +136,21 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     kv = tuple(jnp.zeros(s) for s in backends.get(model.attention_backend).pool_shapes(
         cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim))
 
-    forward = jax.jit(lambda state, kv, fi, ff, T, S: nnx.merge(graphdef, state)(
-        kv, BatchDescriptor.from_flat(fi, ff, T, S, M)), static_argnums=(4, 5))
+    table = jnp.zeros(packer.tables.mirror.shape, jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=(5, 6))
+    def forward(state, kv, table, fi, ff, T, S):
+        batch = BatchDescriptor.from_flat(fi, ff, T, S)
+        table, batch.block_tables = step_block_tables(table, batch)
+        logits, kv = nnx.merge(graphdef, state)(kv, batch)
+        return logits, kv, table
     seen: list[tuple[Request, int, np.ndarray]] = []  # (request, position, our logits)
     n_steps = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
         batch = packer.pack(out)
-        logits, kv = forward(state, kv, batch.flat_i32, batch.flat_f32, out.token_bucket, out.seq_bucket)
+        assert batch.table_overflow is None
+        logits, kv, table = forward(state, kv, table, batch.flat_i32, batch.flat_f32, out.token_bucket, out.seq_bucket)
         logits = np.asarray(logits)
         for i, row in enumerate(out.scheduled.values()):
             # the scheduler counts a row's tokens as computed when it schedules them: its last is at - 1

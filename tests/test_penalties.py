@@ -39,8 +39,8 @@ def make_request(rid, prompt, output, eos=(2,), **params) -> Request:
 
 
 def batch_for(reqs: list[Request], tables: PenaltyTables, S: int) -> BatchDescriptor:
-    ni, nf = flat_sizes(16, S, 1)
-    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S, 1)
+    ni, nf = flat_sizes(16, S)
+    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S)
     b.top_p[:] = 1.0
     b.num_logprobs[:] = -1
     for i, r in enumerate(reqs):
@@ -58,12 +58,12 @@ def batch_for(reqs: list[Request], tables: PenaltyTables, S: int) -> BatchDescri
 @jax.jit
 def _penalise(logits, fi, ff, pi, pc):
     S = logits.shape[0]
-    return apply_penalties(logits, BatchDescriptor.from_flat(fi, ff, 16, S, 1, pi, pc))
+    return apply_penalties(logits, BatchDescriptor.from_flat(fi, ff, 16, S, pi, pc))
 
 
 @jax.jit
 def _sample(logits, fi, ff, pi, pc):
-    return sample(logits, BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1, pi, pc), 2)
+    return sample(logits, BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], pi, pc), 2)
 
 
 def test_device_penalties_match_vllm_formulas():
@@ -102,7 +102,7 @@ def test_device_penalties_match_vllm_formulas():
 
 @jax.jit
 def _penalise_pending(logits, fi, ff, pi, pc, pending):
-    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1, pi, pc)
+    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], pi, pc)
     b.pending_token = pending
     return apply_penalties(logits, b)
 

@@ -12,8 +12,8 @@ from jaxsched.runner.sampler import SamplerOutput, argmax_rows, sample
 
 
 def make_batch(S: int, **fields) -> BatchDescriptor:
-    ni, nf = flat_sizes(16, S, 1)
-    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S, 1)
+    ni, nf = flat_sizes(16, S)
+    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S)
     b.top_p[:] = 1.0
     b.num_logprobs[:] = -1
     for k, v in fields.items():
@@ -23,7 +23,7 @@ def make_batch(S: int, **fields) -> BatchDescriptor:
 
 @jax.jit
 def _run(logits, fi, ff):
-    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0], 1)
+    b = BatchDescriptor.from_flat(fi, ff, 16, logits.shape[0])
     return sample(logits, b, 3)
 
 

@@ -21,8 +21,8 @@ S, V, W, LB, K = 16, 700, 8, 4, 3  # V over 512 and not a multiple of it: both a
 
 
 def _batch(**fields) -> BatchDescriptor:
-    ni, nf = flat_sizes(16, S, 1)
-    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S, 1,
+    ni, nf = flat_sizes(16, S)
+    b = BatchDescriptor.from_flat(np.zeros(ni, np.int32), np.zeros(nf, np.float32), 16, S,
                                   np.zeros((S, W), np.int32), np.zeros((S, W), np.float32),
                                   np.full((S, mask_words(V)), -1, np.int32), np.full((S, LB), V, np.int32),
                                   np.zeros((S, LB), np.float32))
@@ -70,7 +70,7 @@ def _scenario(parts: tuple[str, ...], logits: np.ndarray) -> tuple[BatchDescript
 
 @functools.partial(jax.jit, static_argnames=("features",))
 def _sample(logits, fi, ff, pen_ids, pen_counts, mask, bias_ids, bias_values, features):
-    b = BatchDescriptor.from_flat(fi, ff, 16, S, 1, pen_ids, pen_counts, mask, bias_ids, bias_values)
+    b = BatchDescriptor.from_flat(fi, ff, 16, S, pen_ids, pen_counts, mask, bias_ids, bias_values)
     return sample(logits, b, K, features)
 
 

@@ -5,7 +5,8 @@ into two preallocated flat numpy buffers, one int32 and one float32. Every field
 is a view into them, so a step costs exactly two host-to-device copies whatever the field count;
 the jitted step rebuilds the same descriptor on the device from the flat arrays (slicing there is
 free). Padding tokens point at slot 0 of the null page; padding rows have no tokens, length 0 and
-an all-null block table.
+the null slot's all-null block table. The block tables themselves stay on the device and travel
+as changes (block_table.py), so nothing a step sends grows with max_model_len.
 """
 
 from __future__ import annotations
@@ -20,39 +21,47 @@ from jaxsched import envs
 from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.core.request import INT32_MAX, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
+from jaxsched.runner.block_table import BlockTables, write_capacity
 from jaxsched.runner.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids, tracks_outputs
 from jaxsched.structured.grammar import fill_rows, mask_words
 
 
 def _flat(kind: str, shape):
-    """A field that views the `kind` ("i32" / "f32") flat buffer; shape(T, S, M) gives its shape."""
+    """A field that views the `kind` ("i32" / "f32") flat buffer; shape(T, S) gives its shape."""
     return field(metadata={"flat": kind, "shape": shape})
 
 
-def _tokens(T: int, S: int, M: int) -> tuple[int, ...]:
+def _tokens(T: int, S: int) -> tuple[int, ...]:
     return (T,)
 
 
-def _rows(T: int, S: int, M: int) -> tuple[int, ...]:
+def _rows(T: int, S: int) -> tuple[int, ...]:
     return (S,)
+
+
+def _writes(T: int, S: int) -> tuple[int, ...]:
+    return (write_capacity(T, S),)
 
 
 @dataclass
 class BatchDescriptor:
     """One step's inputs. numpy views on the host, jax arrays inside the jitted step.
 
-    Shapes use the glossary: T tokens (bucket), S sequences (bucket), M max blocks per sequence.
-    The fields made with _flat are, in this order, the layout of the two flat buffers.
+    Shapes use the glossary: T tokens (bucket), S sequences (bucket), M max blocks per sequence,
+    C block table writes (block_table.write_capacity). The fields made with _flat are, in this
+    order, the layout of the two flat buffers.
     """
 
     token_ids: object = _flat("i32", _tokens)  # i32[T]  new tokens, request after request
     positions: object = _flat("i32", _tokens)  # i32[T]  their positions in their sequences
     slot_mapping: object = _flat("i32", _tokens)  # i32[T]  block * P + offset; padding -> 0 (null page)
-    query_start_loc: object = _flat("i32", lambda T, S, M: (S + 1,))  # i32[S + 1] where each request's tokens start
+    query_start_loc: object = _flat("i32", lambda T, S: (S + 1,))  # i32[S + 1] where each request's tokens start
     seq_lens: object = _flat("i32", _rows)  # i32[S]  KV length of each request after this step
-    block_tables: object = _flat("i32", lambda T, S, M: (S, M))  # i32[S, M] each request's blocks; unused -> 0
+    row_slots: object = _flat("i32", _rows)  # i32[S]  each row's slot in the device block table; padding -> 0
+    table_writes: object = _flat("i32", _writes)  # i32[C]  flat indices of the table entries this step changes
+    table_values: object = _flat("i32", _writes)  # i32[C]  their block ids (padding: 0 at 0)
     logits_indices: object = _flat("i32", _rows)  # i32[S]  index in T of each request's last new token
-    num_seqs: object = _flat("i32", lambda T, S, M: (1,))  # i32[1]  real requests; rows past it are padding
+    num_seqs: object = _flat("i32", lambda T, S: (1,))  # i32[1]  real requests; rows past it are padding
     top_k: object = _flat("i32", _rows)  # i32[S]  0 = off
     seeds: object = _flat("i32", _rows)  # i32[S]  per-request sampling seed
     sample_index: object = _flat("i32", _rows)  # i32[S]  output index of the token sampled this step
@@ -71,6 +80,11 @@ class BatchDescriptor:
     presence_penalty: object = _flat("f32", _rows)  # f32[S]
     frequency_penalty: object = _flat("f32", _rows)  # f32[S]
     repetition_penalty: object = _flat("f32", _rows)  # f32[S]
+    # i32[S, M] each row's blocks (unused -> 0, the null page): table[row_slots] inside the model's
+    # program (block_table.py); None on the host, which never builds the whole table
+    block_tables: object = None
+    # host only: the block table writes past C, (indices, values), applied before the step
+    table_overflow: tuple[np.ndarray, np.ndarray] | None = None
     # The penalty tables are not in the flat buffers: W is sized for the longest possible history
     # (up to max_model_len), so they go to the device only in steps where a request uses them.
     penalty_ids: object = None  # i32[S, W] distinct prompt/output token ids of each penalised row
@@ -104,7 +118,7 @@ class BatchDescriptor:
         return int(self.seq_lens.shape[0])
 
     @classmethod
-    def from_flat(cls, flat_i32, flat_f32, T: int, S: int, M: int, penalty_ids=None,
+    def from_flat(cls, flat_i32, flat_f32, T: int, S: int, penalty_ids=None,
                   penalty_counts=None, token_mask=None, bias_ids=None, bias_values=None) -> BatchDescriptor:
         """Rebuild the descriptor from the flat buffers (numpy or jax arrays alike), plus the
         penalty tables (fresh zero tables of PENALTY_CAPACITY columns when not given) and the
@@ -114,21 +128,21 @@ class BatchDescriptor:
             penalty_counts = np.zeros((S, PENALTY_CAPACITY), np.float32)
         kw = {"penalty_ids": penalty_ids, "penalty_counts": penalty_counts, "token_mask": token_mask,
               "bias_ids": bias_ids, "bias_values": bias_values}
-        for name, start, stop, shape in _layout("i32", T, S, M):
+        for name, start, stop, shape in _layout("i32", T, S):
             kw[name] = flat_i32[start:stop].reshape(shape)
-        for name, start, stop, shape in _layout("f32", T, S, M):
+        for name, start, stop, shape in _layout("f32", T, S):
             kw[name] = flat_f32[start:stop].reshape(shape)
         return cls(**kw, flat_i32=flat_i32, flat_f32=flat_f32)
 
 
 @functools.cache
-def _layout(which: str, T: int, S: int, M: int) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+def _layout(which: str, T: int, S: int) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
     """(name, start, stop, shape) of each field of the "i32" or "f32" buffer; cached per bucket
     because pack() runs every step."""
     out, offset = [], 0
     for f in fields(BatchDescriptor):
         if f.metadata.get("flat") == which:
-            shape = f.metadata["shape"](T, S, M)
+            shape = f.metadata["shape"](T, S)
             size = int(np.prod(shape))
             out.append((f.name, offset, offset + size, shape))
             offset += size
@@ -174,15 +188,15 @@ class SamplerRows:
         """rows_i32: i32[7 S], SAMPLER_I32's fields one after the other; flat_f32: the step's float32
         buffer."""
         kw = {name: rows_i32[i * S : (i + 1) * S] for i, name in enumerate(SAMPLER_I32)}
-        for name, start, stop, shape in _layout("f32", 0, S, 0):  # row fields only: T and M do not matter
+        for name, start, stop, shape in _layout("f32", 0, S):  # row fields only: T does not matter
             kw[name] = flat_f32[start:stop].reshape(shape)
         return cls(**kw, penalty_ids=penalty_ids, penalty_counts=penalty_counts, token_mask=token_mask,
                    bias_ids=bias_ids, bias_values=bias_values)
 
 
-def flat_sizes(T: int, S: int, M: int) -> tuple[int, int]:
+def flat_sizes(T: int, S: int) -> tuple[int, int]:
     """Lengths of the int32 and float32 flat buffers for a (T, S) bucket."""
-    return _layout("i32", T, S, M)[-1][2], _layout("f32", T, S, M)[-1][2]
+    return _layout("i32", T, S)[-1][2], _layout("f32", T, S)[-1][2]
 
 
 class BatchPacker:
@@ -192,11 +206,10 @@ class BatchPacker:
                  penalty_capacity: int = PENALTY_CAPACITY, vocab_size: int = 0, grammar_executor=None) -> None:
         """vocab_size: V, the width of the token masks and the logit_bias tables' "no entry" id;
         0 packs no constraint tables (the sampler then skips those stages)."""
-        self.M = max_blocks_per_seq
         self.P = block_size
         self.V = vocab_size
         self.grammar_executor = grammar_executor  # a callable giving llguidance's thread pool, or None
-        n_i32, n_f32 = flat_sizes(max_tokens, max_seqs, max_blocks_per_seq)
+        n_i32, n_f32 = flat_sizes(max_tokens, max_seqs)
         VW = mask_words(vocab_size) if vocab_size else 1
         # Two sets of buffers, used in turns: a CPU device may read a step's numpy input in place
         # (zero copy) while it runs, and with overlapped scheduling the next step is packed then.
@@ -210,6 +223,7 @@ class BatchPacker:
         self._turn = 0
         self.max_seqs = max_seqs
         self.penalties = PenaltyTables(penalty_capacity)
+        self.tables = BlockTables(max_seqs, max_blocks_per_seq)  # one slot per row a step can have
         self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
         # the last packed step, when a next step of the same rows each one token further can be
         # packed from its buffers (_pack_steady); None otherwise
@@ -221,9 +235,18 @@ class BatchPacker:
         self.steady_gathers = 0  # of those, the ones whose rows were fewer than the last step's
 
     def forget_prev(self) -> None:
-        """After a failed step: no pending token will come from the steps packed so far."""
+        """After a failed step: no pending token will come from the steps packed so far, and the
+        device's block table is a fresh one of zeros (ModelRunner.recover_pool)."""
         self._prev_rows = {}
         self._steady = None
+        self.tables.reset()
+
+    def end_requests(self, out: SchedulerOutput) -> None:
+        """Let go of what the requests that left the running batch with this step's decisions
+        (finished, aborted, preempted, swapped out) held: their block table slots and penalty
+        tables. pack() calls it; a step without rows calls it alone."""
+        self.tables.release(itertools.chain(out.finished_ids, out.preempted, out.swapped_out))
+        self.penalties.forget(out.finished_ids)
 
     def pack(self, out: SchedulerOutput) -> BatchDescriptor:
         """The step's arrays. A request whose values do not fit them (which make_request's checks
@@ -232,6 +255,7 @@ class BatchPacker:
         `rejected`."""
         rows = list(out.scheduled.values())
         buffers = self._buffers[self._turn]  # both tries fill the same set: the other may be in use
+        self.end_requests(out)
         if self._steady is not None:
             try:
                 b = self._pack_steady(out, rows, buffers)
@@ -242,6 +266,7 @@ class BatchPacker:
             if b is not None:
                 if self.verify_steady:
                     self._verify(out, rows, b)
+                b.table_overflow = self.tables.take_writes(b.table_writes, b.table_values)
                 self._turn ^= 1
                 self.steady_packs += 1
                 if len(self._prev_rows) != len(rows):  # rows ended since the last step
@@ -255,6 +280,8 @@ class BatchPacker:
                 raise
             b = self._pack(out, rows, bad, buffers)
             b.rejected = {rows[i].request.request_id: why for i, why in bad.items()}
+        # the writes both tries staged (block_table.py): a try that raised staged some already
+        b.table_overflow = self.tables.take_writes(b.table_writes, b.table_values)
         self._steady = _Steady.after(out, rows, b, self._turn)
         self._turn ^= 1
         self._prev_rows = {row.request.request_id: i for i, row in enumerate(rows) if row.samples}
@@ -312,7 +339,8 @@ class BatchPacker:
             b.query_start_loc[n + 1 :] = n
             b.logits_indices[:n] = np.arange(n, dtype=np.int32)
             b.num_seqs[0] = n
-            b.block_tables[:n] = old.block_tables[k]
+        b.table_writes[:] = 0  # the last step's writes are on the device
+        b.table_values[:] = 0
         b.seq_lens[:n] = seq_lens
         pos = b.positions[:n]
         pos[:] = seq_lens - 1
@@ -322,10 +350,10 @@ class BatchPacker:
         else:
             b.token_ids[:n] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos.tolist())]
         n_blocks = np.fromiter((len(row.block_ids) for row in rows), np.int32, n)
+        slots = b.row_slots[:n]
         for i in np.flatnonzero(n_blocks != last_blocks).tolist():  # a row that entered a new block
-            b.block_tables[i, : n_blocks[i]] = rows[i].block_ids
-        b.slot_mapping[:n] = b.block_tables[np.arange(n), pos // P] * P + pos % P
-        self.penalties.forget(out.finished_ids)
+            self.tables.sync(int(slots[i]), rows[i].block_ids)
+        b.slot_mapping[:n] = self.tables.mirror[slots, pos // P] * P + pos % P
         self._steady = _Steady(T, S, n, reqs, self._turn, seq_lens, n_blocks, st.from_prev)
         self.steady_gathers += keep is not None
         return b
@@ -336,10 +364,10 @@ class BatchPacker:
         key = (id(buffers), T, S)
         kw = self._views.get(key)
         if kw is None:
-            n_i32, n_f32 = flat_sizes(T, S, self.M)
+            n_i32, n_f32 = flat_sizes(T, S)
             i32, f32, pen_ids, pen_counts, mask, bias_ids, bias_values = buffers
             tables = (mask[:S], bias_ids[:S], bias_values[:S]) if self.V else (None, None, None)
-            proto = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, self.M, pen_ids[:S], pen_counts[:S],
+            proto = BatchDescriptor.from_flat(i32[:n_i32], f32[:n_f32], T, S, pen_ids[:S], pen_counts[:S],
                                               *tables)
             kw = self._views[key] = {f.name: getattr(proto, f.name) for f in fields(BatchDescriptor)
                                      if f.metadata.get("flat") or f.name in _VIEWS}
@@ -360,14 +388,18 @@ class BatchPacker:
         return True
 
     def _verify(self, out: SchedulerOutput, rows: list[ScheduledRequest], b: BatchDescriptor) -> None:
-        """Pack the step in full into a scratch set of buffers and check _pack_steady's arrays equal it."""
+        """Pack the step in full into a scratch set of buffers and check _pack_steady's arrays equal
+        it, but for the block table writes: the steady pack staged them, so the full pack finds
+        none to make; the table's mirror is checked against the rows' block lists instead."""
         full = self._pack(out, rows, {}, self._scratch_buffers())
         for name in ("flat_i32", "flat_f32"):
             got, want = getattr(b, name), getattr(full, name)
-            if not np.array_equal(got, want):
-                layout = _layout(name[-3:], full.num_tokens_bucket, full.num_seqs_bucket, self.M)
-                bad = [f for f, start, stop, _ in layout if not np.array_equal(got[start:stop], want[start:stop])]
+            layout = _layout(name[-3:], full.num_tokens_bucket, full.num_seqs_bucket)
+            bad = [f for f, start, stop, _ in layout if f not in ("table_writes", "table_values")
+                   and not np.array_equal(got[start:stop], want[start:stop])]
+            if bad:
                 raise AssertionError(f"the steady pack differs from the full pack in {bad}")
+        self.tables.check(rows, b.row_slots[: len(rows)])
 
     def _pack(self, out: SchedulerOutput, sched: list[ScheduledRequest], bad: dict[int, str],
               buffers: tuple[np.ndarray, ...]) -> BatchDescriptor:
@@ -409,16 +441,11 @@ class BatchPacker:
         pos = b.positions
         pos[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - qsl[:n], lens)
 
-        # Block tables: every request's block list flattened once, scattered into [S, M] at once.
-        bt = b.block_tables
-        tables = [row.block_ids for row in sched]
-        n_blocks = np.fromiter(map(len, tables), np.int32, n)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(n_blocks.sum()))
-        b_rows = np.repeat(np.arange(n, dtype=np.int32), n_blocks)
-        b_cols = np.arange(flat.size, dtype=np.int32) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-        bt[b_rows, b_cols] = flat
+        # Block tables: each row's slot on the device, and the entries that changed (block_table.py)
+        slots = b.row_slots[:n]
+        slots[:] = self.tables.place(sched)
         p = pos[:total]
-        b.slot_mapping[:total] = bt[rows, p // P] * P + p % P
+        b.slot_mapping[:total] = self.tables.mirror[slots[rows], p // P] * P + p % P
 
         # Sampling arrays: one column per field from one pass over the requests.
         params = [r.sampling_params for r in reqs]
@@ -436,7 +463,6 @@ class BatchPacker:
         b.top_p[n:] = 1.0
         b.num_logprobs[n:] = -1
 
-        self.penalties.forget(out.finished_ids)
         pending = dict(zip(prev, src))
         for i, sp in enumerate(params):
             # a prefill chunk that samples nothing needs no table (its logits are dropped)
@@ -490,7 +516,7 @@ _VIEWS = ("penalty_ids", "penalty_counts", "token_mask", "bias_ids", "bias_value
 
 # the row fields a steady step takes from the last step's rows as they are (batch.BatchPacker._pack_steady);
 # the others are the same for every such row (0) or move with each token
-_ROW_VALUES = ("top_k", "seeds", "num_logprobs", "temperature", "top_p", "min_p")
+_ROW_VALUES = ("top_k", "seeds", "num_logprobs", "temperature", "top_p", "min_p", "row_slots")
 
 # set (to anything but 0) in the environment: every step packed by BatchPacker._pack_steady is
 # checked against the full pack (tests/conftest.py sets it for the whole suite)

@@ -45,6 +45,7 @@ from jaxsched.envs import cache_dir
 from jaxsched.models.layers import pack_linear_weights, untie_lm_head
 from jaxsched.parallel.mesh import place
 from jaxsched.runner.batch import SAMPLER_I32, BatchDescriptor, BatchPacker, SamplerRows, flat_sizes
+from jaxsched.runner.block_table import OVERFLOW_CHUNK, apply_writes, step_block_tables
 from jaxsched.runner.sampler import SamplerOutput, sample
 from jaxsched.runner.sampler import needs as sampler_needs
 from jaxsched.structured.grammar import mask_words
@@ -215,6 +216,8 @@ class ModelRunner:
                                                 cache.block_size, cfg.head_dim)
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
+        self.block_table = self._new_block_table()  # i32[R + 1, M], updated by every model program
+        self._table_writer = None  # the overflow writes' program (block_table.py), compiled at warm-up
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
         # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
         # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
@@ -289,23 +292,25 @@ class ModelRunner:
         return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
-    def _forward(self, weights, kv, prev_ids, flat_i32, *, T: int, S: int):
-        """The model's part of a step. weights: the state's leaves (the `state` setter). prev_ids:
+    def _forward(self, weights, kv, table, prev_ids, flat_i32, *, T: int, S: int):
+        """The model's part of a step. weights: the state's leaves (the `state` setter). table: the
+        device block table (block_table.py), which the step's writes update. prev_ids:
         i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
         scheduled before the host read them take them from here (batch.from_prev), and so do
         penalised rows' tables (batch.pending_src). Returns the pool, the logits f32[S, V] and the
-        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S])."""
+        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S]), and the table."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
-        _, n_f32 = flat_sizes(T, S, self.max_blocks_per_seq)
-        batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S, self.max_blocks_per_seq)
+        _, n_f32 = flat_sizes(T, S)
+        batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S)
+        table, batch.block_tables = step_block_tables(table, batch)  # once a step, for every layer
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         src = batch.pending_src
         batch.pending_token = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], -1)
         with self._row_limits(batch, T, S):
             logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
-        return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32])
+        return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32]), table
 
     def _row_limits(self, batch, T: int, S: int):
         """With packed matmuls: the step's real tokens and sequences, so that the kernels skip its
@@ -329,12 +334,13 @@ class ModelRunner:
 
     def compile(self, T: int, S: int):
         """The model's program for bucket pair (T, S)."""
-        n_i32, _ = flat_sizes(T, S, self.max_blocks_per_seq)
-        # with a mesh: the pool stays split on its heads, the logits and rows replicated
+        n_i32, _ = flat_sizes(T, S)
+        # with a mesh: the pool stays split on its heads, the logits, rows and block table replicated
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
-                                                              self._replicated)}
-        fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1,), **out)
-        return self._compiled(fn.lower(self._state_leaves, self.kv, self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
+                                                              self._replicated, self._replicated)}
+        fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1, 2), **out)
+        return self._compiled(fn.lower(self._state_leaves, self.kv, self.block_table,
+                                       self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
                                        self._input((n_i32,), jnp.int32), T=T, S=S))
 
     def compile_sampler(self, S: int, features: frozenset[str] | None = None):
@@ -344,7 +350,7 @@ class ModelRunner:
         # reads its own copy)
         out = {} if self.mesh is None else {"out_shardings": (self._replicated,) * 3}
         fn = jax.jit(self._sample, static_argnames=("S", "features"), **out)
-        _, n_f32 = flat_sizes(0, S, 0)  # the float32 buffer holds row fields only (as SamplerRows reads it)
+        _, n_f32 = flat_sizes(0, S)  # the float32 buffer holds row fields only (as SamplerRows reads it)
         tables = tuple(self._input(shape, dt) for shape, dt in self._table_shapes(S))
         return self._compiled(fn.lower(self._input((S, self.model_config.vocab_size), jnp.float32),
                                        self._input((len(SAMPLER_I32) * S,), jnp.int32),
@@ -448,6 +454,9 @@ class ModelRunner:
             if S not in self._samplers:
                 self._samplers[S] = tuple(self.compile_sampler(S, f) for f in self.sampler_variants)
         self._compile_swaps()
+        if self._table_writer is None:
+            ids = self._input((OVERFLOW_CHUNK,), jnp.int32)
+            self._table_writer = jax.jit(apply_writes, donate_argnums=(0,)).lower(self.block_table, ids, ids).compile()
         V = self.model_config.vocab_size
         for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
             (pi, pc, m, bi, bv) = self._table_shapes(S)
@@ -471,7 +480,7 @@ class ModelRunner:
         """Run every sampler variant run_once did not (it runs the cheapest) once, on zeros."""
         V = self.model_config.vocab_size
         for S, programs in self._samplers.items():
-            _, n_f32 = flat_sizes(0, S, 0)
+            _, n_f32 = flat_sizes(0, S)
             args = (self._device(np.zeros((S, V), np.float32)), self._device(np.zeros(len(SAMPLER_I32) * S, np.int32)),
                     self._device(np.zeros(n_f32, np.float32)), self._idle_tables[S])
             self._fetch(*(p(*args)[0] for p in programs[1:]))
@@ -493,7 +502,7 @@ class ModelRunner:
                 self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
                 step.device_seconds = time.perf_counter() - t0
             if out.is_empty:
-                self.packer.penalties.forget(out.finished_ids)
+                self.packer.end_requests(out)
                 return step
             t0 = time.perf_counter()
             batch = self.packer.pack(out)
@@ -538,6 +547,8 @@ class ModelRunner:
         mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
         bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
         tables = (*pen, *mask, *bias)
+        if batch.table_overflow is not None:
+            self._write_overflow(*batch.table_overflow)
         ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
                                                    self._put(batch.flat_f32), tables, self.step_needs(batch))
         self.ran.add((T, S))
@@ -554,7 +565,8 @@ class ModelRunner:
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
         then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
         Updates the pool; returns (ints, floats, next prev_ids), on the device."""
-        self.kv, logits, rows_i32 = exe(self._state_leaves, self.kv, prev_ids, flat_i32)
+        self.kv, logits, rows_i32, self.block_table = exe(self._state_leaves, self.kv, self.block_table, prev_ids,
+                                                          flat_i32)
         self.model_dispatched = time.perf_counter()
         return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
 
@@ -597,7 +609,21 @@ class ModelRunner:
             logger.error("the KV pool was lost with the failed step; allocating a fresh one")
             self.kv = self._new_pool(self.kv[0].dtype)
         self._prev_ids = self._device(np.zeros(self.scheduler_config.max_num_seqs, np.int32))
+        self.block_table = self._new_block_table()
         self.packer.forget_prev()
+
+    def _new_block_table(self):
+        return self._device(np.zeros(self.packer.tables.mirror.shape, np.int32))
+
+    def _write_overflow(self, writes: np.ndarray, values: np.ndarray) -> None:
+        """A step's block table writes past its buffer's capacity, in chunks (padding: 0 at 0)."""
+        for i in range(0, writes.size, OVERFLOW_CHUNK):
+            w = np.zeros(OVERFLOW_CHUNK, np.int32)
+            v = np.zeros(OVERFLOW_CHUNK, np.int32)
+            chunk = slice(i, i + OVERFLOW_CHUNK)
+            w[: writes[chunk].size] = writes[chunk]
+            v[: values[chunk].size] = values[chunk]
+            self.block_table = self._table_writer(self.block_table, self._put(w), self._put(v))
 
     def _device(self, x: np.ndarray):
         """A constant input kept on the device(s), replicated."""
