@@ -35,8 +35,13 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineArgs:
     """Arguments of `LLM(...)` / `LLMEngine(...)`, named as vLLM names them."""
 
-    model: str | None = None  # HF folder or .gguf file; None means the demo model
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    # a Hugging Face model folder, a .gguf file or a Hub id ("Qwen/Qwen3-0.6B", models/hub.py); None
+    # means the demo model
+    model: str | None = None
+    tokenizer: str | None = None  # a folder or Hub id; defaults to the model's own tokenizer
+    revision: str | None = None  # the Hub model's branch, tag or commit (default: main)
+    tokenizer_revision: str | None = None  # the same for a Hub tokenizer given apart
+    download_dir: str | None = None  # the Hugging Face cache to use (default: huggingface_hub's, HF_HUB_CACHE)
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings

@@ -27,6 +27,9 @@ API_KEY = "JAXSCHED_API_KEY"
 JAX_PLATFORMS = ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")
 # XLA's CPU client sizes its thread pools from these, in this order (platforms/cpu_affinity.py)
 XLA_POOL_SIZE = ("PJRT_NPROC", "NPROC")
+# 1 / true / yes / on: a Hub model id is looked up in the Hugging Face cache only, never downloaded
+# (models/hub.py); huggingface_hub reads HF_TOKEN, HF_HOME and HF_HUB_CACHE itself
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 
 
 def _flag(name: str) -> bool:
@@ -51,6 +54,13 @@ def host_malloc(environ: Mapping[str, str] | None = None) -> str:
                          "auto keeps it when jax runs on the CPU and lets an engine with small programs give "
                          "threads arenas of their own")
     return choice
+
+
+def hf_hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (TRANSFORMERS_OFFLINE too), read when asked: the
+    library reads it once, at its import."""
+    value = os.environ.get(HF_HUB_OFFLINE) or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def verify_pack() -> bool:

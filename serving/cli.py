@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation for prompts given as flags or on stdin")
-    gen.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    gen.add_argument("model", nargs="?", default=None, help="a Hugging Face model folder, .gguf file or Hub id such as "
+                     "Qwen/Qwen3-0.6B (default: the demo model)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several (default: read stdin)")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_flags(gen)
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    srv.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    srv.add_argument("model", nargs="?", default=None, help="a Hugging Face model folder, .gguf file or Hub id such as "
+                     "Qwen/Qwen3-0.6B (default: the demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--grpc-port", type=int, default=None,

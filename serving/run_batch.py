@@ -394,7 +394,8 @@ def _count_lines(path: str) -> int | None:
 # -- the command ------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """run-batch's own flags (the engine flags are added by cli.add_engine_flags)."""
-    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: the demo model)")
+    parser.add_argument("model", nargs="?", default=None, help="a Hugging Face model folder, .gguf file or Hub id "
+                        "(default: the demo model)")
     parser.add_argument("-i", "--input-file", required=True, help="the batch file: one request per line (JSONL)")
     parser.add_argument("-o", "--output-file", required=True,
                         help="where one result per input line is written, in input order (JSONL)")

@@ -400,8 +400,9 @@ async def benchmark(ns: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = None
     if ns.tokenizer:
         from jaxsched.engine.tokenizer import load_tokenizer
+        from jaxsched.models.hub import resolve
 
-        tokenizer = load_tokenizer(ns.tokenizer)
+        tokenizer = load_tokenizer(resolve(ns.tokenizer, field="--tokenizer"))
     reqs = workloads.build(ns, vocab_size=None, tokenizer=tokenizer)
     classes = classes_of(len(reqs), ns.priority_share, ns.seed)
     key = ns.api_key or envs.client_api_key()

@@ -73,6 +73,7 @@ from jaxsched.engine.core_messages import (
 from jaxsched.engine.tokenizer import load_tokenizer
 from jaxsched.errors import InvalidRequestError
 from jaxsched.models.demo import demo_model_path
+from jaxsched.models.hub import local_args
 from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
 from jaxsched.parallel.hosts import same_pool_on_every_host
 from jaxsched.parallel.mesh import engine_devices, make_mesh
@@ -150,7 +151,7 @@ class EngineCore:
         """devices: the jax devices this core runs on, tensor_parallel_size of them (a data-parallel
         core's group); None: the first tensor_parallel_size devices (of every process, with
         several hosts)."""
-        args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
+        args = local_args(args if args is not None else EngineArgs.from_kwargs(**kwargs))
         self.engine_index = engine_index
         t0 = time.perf_counter()
         path = args.model or str(demo_model_path())

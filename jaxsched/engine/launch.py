@@ -9,6 +9,7 @@ from jaxsched.config import EngineArgs
 from jaxsched.engine.core import EngineCore
 from jaxsched.engine.core_client import EngineCoreClient, InprocClient, Outbox, ThreadClient
 from jaxsched.engine.core_process import ProcessClient
+from jaxsched.models.hub import local_args
 from jaxsched.parallel.data_parallel import DataParallelClient, data_parallel_cores, start_cores
 from jaxsched.parallel.multihost import MultiHostClient
 
@@ -19,6 +20,7 @@ def make_client(args: EngineArgs, devices: Sequence[Any] | None = None, own_loop
     the caller: serving/cli.py) puts each core in a process of its own. data_parallel_size > 1:
     that many cores, each with its own loop. distributed_coordinator: this host's core of an
     engine over several hosts."""
+    args = local_args(args)  # a Hub id downloaded (or found in the cache) once, before any core starts
     if args.distributed_coordinator is not None:
         return MultiHostClient(args)
     if args.engine_core_process:
