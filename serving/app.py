@@ -35,6 +35,7 @@ from jaxsched.core.request import SamplingParams, short_repr
 from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.structured.params import StructuredOutputsParams
+from serving import reasoning
 from serving.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -152,7 +153,7 @@ class _Server:
     def __init__(self, engine: AsyncEngine, name: str, max_request_bytes: int,
                  trust_request_chat_template: bool = False, tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
                  grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT, expose_model_path: bool = False,
-                 body_timeout: float = BODY_TIMEOUT) -> None:
+                 body_timeout: float = BODY_TIMEOUT, reasoning_parser: str | None = None) -> None:
         llm = engine.engine
         self.engine = engine
         self.name = name
@@ -167,6 +168,7 @@ class _Server:
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}: one of {', '.join(sorted(PARSERS))}")
         self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning.reasoning_parser(reasoning_parser)
         # Grammars compile here, on their own threads with a time limit, before the request reaches
         # a core. A core in this process shares this compiler, so the compiled grammar travels with
         # the request (GrammarCompiler.compile) and its loop never compiles one; a core in a process
@@ -356,6 +358,11 @@ class _Server:
         r = ChatResponder(self.conv, f"chatcmpl-{req.request_id or uuid.uuid4().hex}", self.name, req, [len(ids)],
                           [None])
         r.tools = tools
+        if req.include_reasoning is False and self.reasoning is None:
+            raise RequestError("include_reasoning=false needs a server that separates reasoning from the reply: "
+                               "start it with --reasoning-parser, or leave include_reasoning out",
+                               param="include_reasoning")
+        r.reasoning, r.include_reasoning = self.reasoning, req.include_reasoning is not False
         return await self.respond(request, r, [ids], [sp])
 
     async def respond(self, request: Request, r: Responder, prompts: list[list[int]], params: list[Any]) -> Response:
@@ -522,17 +529,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, trust_request_chat_template: bool = False,
               tool_call_parser: str | None = DEFAULT_TOOL_PARSER,
               grammar_timeout: float = GRAMMAR_COMPILE_TIMEOUT, allowed_hosts: Sequence[str] | None = None,
-              expose_model_path: bool = False, body_timeout: float = BODY_TIMEOUT) -> Starlette:
+              expose_model_path: bool = False, body_timeout: float = BODY_TIMEOUT,
+              reasoning_parser: str | None = None) -> Starlette:
     """The server's ASGI app. `served_model_name` defaults to the model's path; `api_key` guards
     /v1/*; chat templates sent in requests are refused unless `trust_request_chat_template`;
     `tool_call_parser` reads tool calls out of the model's text (tool_choice "auto"; None refuses
     it); a grammar that takes longer than `grammar_timeout` seconds to compile gets a 400. Beyond
     the engine's max_num_queued_requests (EngineArgs) queued requests, new ones get 503 with Retry-After.
     `allowed_hosts`: the Host headers answered (allowed_hosts_for), None = any; `expose_model_path`
-    shows the model's path in /v1/models; a body slower than `body_timeout` seconds gets a 408."""
+    shows the model's path in /v1/models; a body slower than `body_timeout` seconds gets a 408;
+    `reasoning_parser` separates chat outputs' reasoning_content from their content (reasoning.py)."""
     name = served_model_name or engine.engine.config.model_path
     s = _Server(engine, name, max_request_bytes, trust_request_chat_template, tool_call_parser, grammar_timeout,
-                expose_model_path, body_timeout)
+                expose_model_path, body_timeout, reasoning_parser)
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat), methods=["POST"]),

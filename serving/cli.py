@@ -24,6 +24,7 @@ from jaxsched import envs
 from jaxsched.engine_flags import add_engine_flags, engine_args_from
 from serving import run_batch
 from serving.chat_tools import DEFAULT_TOOL_PARSER
+from serving.reasoning import REASONING_PARSERS
 from serving.server import DEFAULT_SHUTDOWN_TIMEOUT
 from serving.tool_calls import PARSERS
 
@@ -88,7 +89,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     hosts = allowed_hosts_for(ns.host, ns.allowed_hosts.split(",") if ns.allowed_hosts else None)
     app = build_app(engine, served_model_name=name, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                     trust_request_chat_template=ns.trust_request_chat_template, tool_call_parser=ns.tool_call_parser,
-                    allowed_hosts=hosts, expose_model_path=ns.expose_model_path)
+                    allowed_hosts=hosts, expose_model_path=ns.expose_model_path, reasoning_parser=ns.reasoning_parser)
     front_ends = ()
     if ns.grpc_port is not None:
         from serving.grpc_server import GrpcFrontEnd
@@ -182,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="how tool calls are read out of the model's text for tool_choice 'auto' (default: "
                           "%(default)s, the <tool_call>{json}</tool_call> format of Hermes, Qwen and SmolLM3 models; "
                           "llama3_json: Llama 3's JSON format)")
+    srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                     help="separate reasoning models' thinking (<think>...</think>) into reasoning_content: qwen3 "
+                          "(the model opens <think> itself) or deepseek_r1 (the chat template opens it); default: "
+                          "none, the thinking stays in content")
     srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                      help="seconds requests in flight get to finish after SIGTERM / SIGINT before they are failed "
                           "and the server exits (default: %(default)s)")

@@ -359,6 +359,7 @@ class ChatResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
     tool_calls: list[ToolCallOut] | None = None  # present only when the model called tools
+    reasoning_content: str | None = None  # vLLM's: the thinking, with --reasoning-parser (serving/reasoning.py)
 
 
 class ChatChoice(Struct):
@@ -394,6 +395,7 @@ class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(Struct):

@@ -212,8 +212,8 @@ FIELDS: tuple[RequestField, ...] = (
     _f("echo", (CHAT,), "vllm", REFUSED, "echoing the last message in the reply is not implemented"),
     _f("best_of", (CHAT,), "vllm", REFUSED, "best-of-n sampling is not implemented: leave it unset or equal to n",
        accept=_equal_to_n),
-    _f("include_reasoning", (CHAT,), "vllm", REFUSED,
-       "this server does not separate a model's reasoning from its reply, so it cannot leave it out"),
+    _f("include_reasoning", (CHAT,), "vllm", note="false only where the server runs with --reasoning-parser, "
+       "which separates the reasoning it leaves out"),
     _f("documents", (CHAT,), "vllm", REFUSED,
        "passing retrieval documents to the chat template is not implemented"),
     _f("media_io_kwargs", (CHAT,), "vllm", REFUSED, _NO_MM),

@@ -28,6 +28,7 @@ from serving.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from serving.reasoning import ReasoningParser
 
 
 class Responder(ABC):
@@ -108,16 +109,26 @@ class ChatResponder(Responder):
     req: ChatCompletionRequest
     prompt_param = "messages"
     tools: ChatTools | None = None  # set when the request has tools (chat_tools.py)
+    # set when the server has a --reasoning-parser (reasoning.py); include_reasoning false drops the
+    # reasoning it separates from the content
+    reasoning: type[ReasoningParser] | None = None
+    include_reasoning: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reasoning_streams: dict[int, ReasoningParser] = {}  # choice index -> its reader
 
     def _logprobs(self, token_ids: list[int], logprobs: Any) -> Any:
         return self.conv.chat_logprobs(token_ids, logprobs, self.req.top_logprobs or 0) if logprobs else None
 
     def choice(self, prompt: int, c: CompletionOutput) -> ChatChoice:
-        message, reason = ChatResponseMessage("assistant", c.text), c.finish_reason
+        reasoning, content = self.reasoning.parse(c.text) if self.reasoning else (None, c.text)
+        reasoning = reasoning if self.include_reasoning else None
+        message, reason = ChatResponseMessage("assistant", content, reasoning_content=reasoning), c.finish_reason
         if self.tools is not None:
-            content, calls = self.tools.parse(c.text)
+            content, calls = self.tools.parse(content or "")
             if calls:
-                message = ChatResponseMessage("assistant", content, self.tools.calls_out(calls))
+                message = ChatResponseMessage("assistant", content, self.tools.calls_out(calls), reasoning)
                 reason = finish_reason(reason, True)
         return ChatChoice(self.index(prompt, c), message, self._logprobs(c.token_ids, c.logprobs), reason,
                           c.stop_reason)
@@ -132,13 +143,29 @@ class ChatResponder(Responder):
     def delta_choice(self, prompt: int, d: CompletionOutput) -> ChatStreamChoice | None:
         index = self.index(prompt, d)
         logprobs = self._logprobs(d.token_ids, d.logprobs)
+        finished = d.finish_reason is not None
+        reasoning, content = None, d.text
+        if self.reasoning is not None:
+            reasoning, content = self._reasoning_stream(index, d.text, finished)
         if self.tools is None:
-            return ChatStreamChoice(index, DeltaMessage(content=d.text), logprobs, d.finish_reason)
-        content, calls = self.tools.stream(index, d.text, d.finish_reason is not None)
+            if reasoning is None and content is None and not finished and logprobs is None and d.text:
+                return None  # text held back (a <think> tag may be starting): nothing to send yet
+            return ChatStreamChoice(index, DeltaMessage(content=content, reasoning_content=reasoning), logprobs,
+                                    d.finish_reason)
+        content, calls = self.tools.stream(index, content or "", finished)
         reason = finish_reason(d.finish_reason, self.tools.called(index))
-        if content is None and calls is None and reason is None and logprobs is None:
+        if content is None and calls is None and reason is None and logprobs is None and reasoning is None:
             return None  # text held back (a tool call may be starting): nothing to send yet
-        return ChatStreamChoice(index, DeltaMessage(content=content, tool_calls=calls), logprobs, reason)
+        return ChatStreamChoice(index, DeltaMessage(content=content, tool_calls=calls, reasoning_content=reasoning),
+                                logprobs, reason)
+
+    def _reasoning_stream(self, index: int, new_text: str, finished: bool) -> tuple[str | None, str | None]:
+        """(new reasoning, new content) of a choice's new text (reasoning None unless included)."""
+        parser = self._reasoning_streams.get(index)
+        if parser is None:
+            parser = self._reasoning_streams[index] = self.reasoning()
+        reasoning, content = parser.feed(new_text, finished)
+        return (reasoning if self.include_reasoning else None), content
 
     def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)

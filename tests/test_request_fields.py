@@ -167,6 +167,7 @@ def test_default_and_null_are_taken(route_field: Any) -> None:
     (COMPLETIONS, "suffix", None), (CHAT, "logit_bias", {"5": -100.0}), (CHAT, "tool_choice", "required"),
     (COMPLETIONS, "best_of", 3), (CHAT, "priority", 5), (CHAT, "metadata", {"a": "b"}),
     (CHAT, "stream_options.include_obfuscation", False), (CHAT, "guided_json", {"type": "object"}),
+    (CHAT, "include_reasoning", False),  # checked by the server: a 400 without --reasoning-parser
 ])
 def test_taken_values(route: str, name: str, value: Any) -> None:
     refuse_unsupported(_request(route, name, value), route)
@@ -176,7 +177,7 @@ def test_taken_values(route: str, name: str, value: Any) -> None:
     (CHAT, "store", True), (CHAT, "service_tier", "flex"), (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "best_of", 2), (CHAT, "echo", True), (COMPLETIONS, "suffix", "end"), (CHAT, "prompt_logprobs", 0),
     (CHAT, "prompt_cache_options", {"mode": "explicit"}), (COMPLETIONS, "use_beam_search", True),
-    (COMPLETIONS, "length_penalty", 0.5), (CHAT, "include_reasoning", False), (COMPLETIONS, "stream_interval", 4),
+    (COMPLETIONS, "length_penalty", 0.5), (COMPLETIONS, "stream_interval", 4),
     (CHAT, "response_format.type", "structural_tag"), (CHAT, "structured_outputs.structural_tag", "{}"),
     (CHAT, "function_call", "auto"), (CHAT, "functions", [{"name": "f"}]),
 ])

@@ -31,8 +31,9 @@ _WORDS = (
 )
 
 
-def build_tokenizer(folder: str):
-    """Train a byte-level BPE (vocab ~300) and save it as a fast tokenizer with a chat template."""
+def build_tokenizer(folder: str, added_tokens: tuple[str, ...] = ()):
+    """Train a byte-level BPE (vocab ~300) and save it as a fast tokenizer with a chat template;
+    `added_tokens` (such as a reasoning model's "<think>") are tokens of their own, not special."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +47,7 @@ def build_tokenizer(folder: str):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens(list(added_tokens))
     os.makedirs(folder, exist_ok=True)
     fast.save_pretrained(folder)
     return fast
