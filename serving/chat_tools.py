@@ -3,7 +3,7 @@ the model's text becomes OpenAI tool calls (whole, or streamed as delta.tool_cal
 
 tool_choice decides the mode:
 - "auto" (the default when tools are given): the model writes text or calls in its own format, read
-  by the server's --tool-call-parser (serving/tool_calls.py: hermes, llama3_json).
+  by the server's --tool-call-parser (serving/tool_calls.py: hermes, llama3_json, mistral, pythonic).
 - "required": the output is forced by structured outputs to a JSON array of one or more
   {"name", "parameters"} objects, one of the tools each (at most one unless parallel_tool_calls).
 - a named function: the output is forced to that function's arguments object.
@@ -51,6 +51,8 @@ DEFAULT_TOOL_PARSER = "hermes"
 _FORMATS = {
     "hermes": 'To call one, write <tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>',
     "llama3_json": 'To call one, write only {"name": <function name>, "parameters": <arguments object>}',
+    "mistral": 'To call one, write [TOOL_CALLS][{"name": <function name>, "arguments": <arguments object>}]',
+    "pythonic": "To call one, write only [function_name(argument=value, ...)] with Python literal values",
 }
 
 

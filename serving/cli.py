@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(PARSERS),
                      help="how tool calls are read out of the model's text for tool_choice 'auto' (default: "
                           "%(default)s, the <tool_call>{json}</tool_call> format of Hermes, Qwen and SmolLM3 models; "
-                          "llama3_json: Llama 3's JSON format)")
+                          "llama3_json: Llama 3's JSON format; mistral: [TOOL_CALLS] and a JSON list, or v11's "
+                          "name[ARGS]{...}; pythonic: [f(a=1), g()] as Llama 3.2 and 4 write)")
     srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                      help="separate reasoning models' thinking (<think>...</think>) into reasoning_content: qwen3 "
                           "(the model opens <think> itself) or deepseek_r1 (the chat template opens it); default: "

@@ -13,6 +13,7 @@ Pure Python, with no engine or jax import, so that the server and its tests need
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -238,6 +239,13 @@ def _arguments_so_far(text: str, scan: _ObjectScan) -> str:
         scan.decoded = (start, whole.end(), decoded + json.loads('"' + whole.group() + '"'))
         return scan.decoded[2]
     return ""  # null or a wrong type: nothing to send before the object is complete
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _leftover(pieces: list[str]) -> str | None:
@@ -532,10 +540,124 @@ class JsonToolParser(ToolParser):
                 return
 
 
+class MistralToolParser(JsonToolParser):
+    """Mistral: `[TOOL_CALLS]` then a JSON array of `{"name": "f", "arguments": {...}}` (tokenizers before
+    v11), or then `f[ARGS]{...}` once per call, each after its own `[TOOL_CALLS]` (v11 on). Text before the
+    first tag is content. `[TOOL_CALLS]` is a special token, dropped from text that skips special tokens
+    (the default): an output that starts with the array is calls too. Streamed: content until the tag;
+    an array's calls as they are written (JsonToolParser's reading); the v11 form when it is complete."""
+
+    TAG = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "lead"  # before the first character that says calls or content
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.TAG)
+        if at < 0:
+            return super().parse(text)
+        calls: list[ToolCall] = []
+        pos = at
+        while text.startswith(self.TAG, pos):
+            pos = _skip_space(text, pos + len(self.TAG))
+            if text.startswith("[", pos):
+                array, end = self._calls(text[pos:])
+                if end is None:
+                    return text, []
+                calls += array
+                pos = _skip_space(text, pos + end)
+                continue
+            args = text.find(self.ARGS, pos)
+            name = text[pos:args].strip() if args >= 0 else ""
+            scan = _scan_object(text, _skip_space(text, args + len(self.ARGS))) if name else None
+            if scan is None or not _is_object(text[scan.start:scan.end]):
+                return text, []
+            calls.append(ToolCall(new_call_id(), name, text[scan.start:scan.end]))
+            pos = _skip_space(text, scan.end)
+        if pos != len(text) or not calls:
+            return text, []
+        return _leftover([text[:at]]), calls
+
+    def _advance(self, text: str, update: StreamUpdate) -> None:
+        if self._mode == "lead":
+            pos = _skip_space(text, 0)
+            if pos == len(text) or (self.TAG.startswith(text[pos:]) and not text.startswith(self.TAG, pos)):
+                return  # nothing yet, or the tag's first characters
+            # a bare array: the tag was dropped with the special tokens; else content up to the tag
+            self._mode = "start" if text.startswith("[", pos) and not text.startswith(self.TAG, pos) else "content"
+        if self._mode == "content":
+            at = text.find(self.TAG, self._pos)
+            if at < 0:
+                stop = len(text) - _partial_tag(text, self._pos, self.TAG)
+                self._send_content(update, text[self._pos:stop])
+                self._pos = stop
+                return
+            self._send_content(update, text[self._pos:at])
+            self._pos = _skip_space(text, at + len(self.TAG))
+            if self._pos == len(text):
+                self._mode = "tag"
+                return
+            self._mode = "start" if text[self._pos] == "[" else "held"
+        if self._mode == "tag":
+            self._pos = _skip_space(text, self._pos)
+            if self._pos == len(text):
+                return
+            self._mode = "start" if text[self._pos] == "[" else "held"
+        if self._mode != "held":  # "held": the v11 form, sent by finish() once parse() reads it
+            super()._advance(text, update)
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / 4's pythonic calls: `[get_weather(city="Paris"), get_time()]`, keyword arguments with
+    Python literal values, nothing else in the text (Llama 4's `<|python_start|>` / `<|python_end|>`
+    around it are taken). Read with Python's own parser (ast), never evaluated. Streamed: content
+    unless the text starts with `[`; calls when the list is complete (finish)."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.START).removesuffix(self.END).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return text, []
+        return None, calls
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall:
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            raise ValueError("not a call with keyword arguments only")
+        name = ast.unparse(node.func)
+        if not re.fullmatch(r"[A-Za-z_][\w.\-]*", name):
+            raise ValueError("not a function name")
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+    def _advance(self, text: str, update: StreamUpdate) -> None:
+        if self._mode == "start":
+            body = text.lstrip()
+            if not body or self.START.startswith(body) or body.startswith(self.START):
+                return  # may become a call list
+            self._mode = "held" if body.startswith("[") else "content"
+        if self._mode == "content":
+            self._send_content(update, text[self._pos:])
+            self._pos = len(text)
+
+
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "json": JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 

@@ -15,7 +15,9 @@ from serving.tool_calls import (
     HermesToolParser,
     JsonToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     NamedCallStream,
+    PythonicToolParser,
     StreamUpdate,
     ToolParser,
     call_from_named,
@@ -68,8 +70,28 @@ JSON_TEXTS = [
     json.dumps([{"name": "get_weather", "parameters": {"city": "Rome"}}], indent=2),
     '{"name": "get_time", "parameters": {}}',  # not an array: content
 ]
+MISTRAL_TEXTS = [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + LONG_ARGS + '}, {"name": "get_time", "arguments": {}}]',
+    'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    '[{"name": "get_time", "arguments": {}}]',  # the tag dropped with the special tokens
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}',  # tokenizer v11
+    "[TOOL_CALLS]get_weather[ARGS]{broken",
+    "No call here [TOOL_CALL] but brackets [1, 2].",
+    "[1, 2, 3]",
+]
+PYTHONIC_TEXTS = [
+    '[get_weather(city="Paris", days=3), get_time()]',
+    '<|python_start|>[get_weather(city="Zürich \\"Z\\"", nested={"a": [1, 2.5, None, True]})]<|python_end|>',
+    " [get_time()] ",
+    "[get_weather('Paris')]",  # a positional argument: content
+    "[os.system(cmd)]",  # a name, not a literal: content
+    "[1, 2]",
+    "The answer is [42].",
+    "Sure, here it is.",
+]
 CASES = ([(HermesToolParser, t) for t in HERMES_TEXTS] + [(Llama3JsonToolParser, t) for t in LLAMA_TEXTS]
-         + [(JsonToolParser, t) for t in JSON_TEXTS])
+         + [(JsonToolParser, t) for t in JSON_TEXTS] + [(MistralToolParser, t) for t in MISTRAL_TEXTS]
+         + [(PythonicToolParser, t) for t in PYTHONIC_TEXTS])
 
 
 def feed(parser: ToolParser, text: str, ends: list[int]) -> list[StreamUpdate]:
@@ -197,7 +219,41 @@ def test_parse_json_array():
     one = '[{"name": "f", "parameters": {}}'
     for text in (JSON_TEXTS[2], "[]", one + "] extra", one):
         assert JsonToolParser().parse(text) == (text, [])
-    assert set(PARSERS) >= {"hermes", "llama3_json", "json"}
+    assert set(PARSERS) >= {"hermes", "llama3_json", "json", "mistral", "pythonic"}
+
+
+def test_parse_mistral():
+    content, calls = MistralToolParser().parse(MISTRAL_TEXTS[0])
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", LONG_ARGS),
+                                                                          ("get_time", "{}")]
+    content, calls = MistralToolParser().parse(MISTRAL_TEXTS[1])
+    assert content == "Let me look." and json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert [c.name for c in MistralToolParser().parse(MISTRAL_TEXTS[2])[1]] == ["get_time"]
+    _, calls = MistralToolParser().parse(MISTRAL_TEXTS[3])
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    for text in MISTRAL_TEXTS[4:]:
+        assert MistralToolParser().parse(text) == (text, [])
+    streamed = assemble(feed(MistralToolParser(), MISTRAL_TEXTS[0], list(range(1, len(MISTRAL_TEXTS[0])))))
+    assert streamed[1][0] == ["get_weather", LONG_ARGS]
+
+
+def test_mistral_streams_an_array_call_as_it_is_written():
+    text = MISTRAL_TEXTS[0]
+    parser = MistralToolParser()
+    middle = text.index('"notes"') + 40
+    before = assemble([parser.stream(text[:end]) for end in range(1, middle)])[1]
+    assert before[0][0] == "get_weather" and 40 < len(before[0][1]) and LONG_ARGS.startswith(before[0][1])
+
+
+def test_parse_pythonic():
+    _, calls = PythonicToolParser().parse(PYTHONIC_TEXTS[0])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}),
+                                                                  ("get_time", {})]
+    content, calls = PythonicToolParser().parse(PYTHONIC_TEXTS[1])
+    assert content is None and json.loads(calls[0].arguments) == {"city": 'Zürich "Z"',
+                                                                  "nested": {"a": [1, 2.5, None, True]}}
+    for text in PYTHONIC_TEXTS[3:]:
+        assert PythonicToolParser().parse(text) == (text, [])
 
 
 def test_content_that_may_be_a_tag_is_held_back():
