@@ -23,7 +23,7 @@ def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: st
     layer (the head and intermediate parts split over `shards`) plus the gathered logits and the
     sampler's sorted copy, with a factor 2 for XLA's temporaries."""
     per_token = (4 * cfg.hidden_size + ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                                        + 3 * cfg.intermediate_size) // shards) * DTYPE_BYTES[dtype]
+                                        + 3 * cfg.active_intermediate_size) // shards) * DTYPE_BYTES[dtype]
     return 2 * (max_tokens * per_token + 4 * max_seqs * cfg.vocab_size * 4)
 
 

@@ -128,7 +128,7 @@ def test_engine_argument_errors(llama_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unknown architecture.*supported architectures: LlamaForCausalLM"):
         LLM(str(bad))
-    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a .gguf file"):
+    with pytest.raises(ValueError, match="missing': no such file or folder; pass a Hugging Face model folder, a .gguf"):
         LLM(str(tmp_path / "missing"))
     assert EngineArgs().max_num_seqs == 128
 

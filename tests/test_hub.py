@@ -52,15 +52,14 @@ def test_a_hub_id_serves_the_same_tokens_as_its_folder(cache, offline, llama_dir
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"model": "tiny-org/missing"}, r"model 'tiny-org/missing' is not in the Hugging Face cache at .*hf_cache.* "
-                                    r"and HF_HUB_OFFLINE is set: download it .*`hf download tiny-org/missing`"),
-    ({"model": "tiny-org/tiny-llama", "revision": "v9"}, r"model 'tiny-org/tiny-llama' at revision 'v9' is not in "
-                                                         r"the Hugging Face cache"),
+    ({"model": "tiny-org/missing"}, (r"model 'tiny-org/missing' is not in the Hugging Face cache at .*hf_cache.* "
+                                     r"and HF_HUB_OFFLINE is set: download it .*`hf download tiny-org/missing`")),
+    ({"model": "tiny-org/tiny-llama", "revision": "v9"},
+     r"model 'tiny-org/tiny-llama' at revision 'v9' is not in the Hugging Face cache"),
     ({"model": "bad id!/x"}, r"model 'bad id!/x' is neither an existing file or folder nor a Hugging Face Hub id"),
     ({"model": "./no/such/folder"}, r"model './no/such/folder': no such file or folder"),
     ({"model": "tiny-org/tiny-llama", "tokenizer": "tiny-org/nope"}, r"tokenizer 'tiny-org/nope' is not in the"),
-    ({"model": "tiny-org/tiny-llama", "tokenizer_revision": "v0"}, r"tokenizer_revision was given without a "
-                                                                   r"tokenizer"),
+    ({"model": "tiny-org/tiny-llama", "tokenizer_revision": "v0"}, r"tokenizer_revision was given without a tokenizer"),
 ])
 def test_what_cannot_be_had_says_what_and_where(cache, offline, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -83,13 +83,31 @@ def test_tiny_checkpoints_load_into_transformers_whole(kind, model_dirs, tokeniz
     with open(os.path.join(folder, "config.json")) as f:
         assert type(model).__name__ == json.load(f)["architectures"][0]
     assert model.dtype == torch.float32
-    saved = load_file(os.path.join(folder, "model.safetensors"))
+    saved = as_transformers_holds_them(load_file(os.path.join(folder, "model.safetensors")), model.config)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     assert set(saved) <= set(state) and set(state) - set(saved) <= {"lm_head.weight"}
     for name, value in saved.items():
         np.testing.assert_array_equal(state[name], value, err_msg=name)
     if model.config.tie_word_embeddings:
         np.testing.assert_array_equal(state["lm_head.weight"], saved["model.embed_tokens.weight"])
+
+
+def as_transformers_holds_them(saved: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors under the names and shapes of transformers 5's modules: an MoE layer's
+    experts, saved one tensor per expert and projection (as released checkpoints are), are held as
+    stacked gate_up_proj [E, 2 F, D] and down_proj [E, D, F] beside the router mlp.gate."""
+    if cfg.model_type not in tiny.MOE_NAMES:
+        return saved
+    router, gate, up, down = tiny.MOE_NAMES[cfg.model_type]
+    out = dict(saved)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        E = range(cfg.num_local_experts)
+        out[p + "mlp.gate.weight"] = out.pop(p + router + ".weight")
+        out[p + "mlp.experts.gate_up_proj"] = np.stack([np.concatenate(
+            [out.pop(p + gate.format(j=j) + ".weight"), out.pop(p + up.format(j=j) + ".weight")]) for j in E])
+        out[p + "mlp.experts.down_proj"] = np.stack([out.pop(p + down.format(j=j) + ".weight") for j in E])
+    return out
 
 
 @tiny.needs_torch
@@ -182,6 +200,9 @@ GENERATE_CASES = [
     # the architecture outside the Llama family, in both layouts (the engine has no option for it)
     ("gemma", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, "per_layer"),  # chunked + preemption
     ("gemma", {"max_num_batched_tokens": 128}, "stacked"),
+    # mixtures of experts: chunked prefill and preemption, and continuous batching in the GPU's layout
+    ("qwen3_moe", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, None),
+    ("mixtral", {"max_num_batched_tokens": 128}, "stacked"),
 ]
 
 

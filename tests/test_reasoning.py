@@ -4,6 +4,8 @@ think tokens (its output forced by a regex, as a random model writes no tags of 
 
 from __future__ import annotations
 
+import itertools
+
 import openai
 import pytest
 import tiny
@@ -46,7 +48,7 @@ def test_streamed_pieces_add_up_to_the_whole(name, parts, cuts):
     p = REASONING_PARSERS[name]()
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     got = {"r": "", "c": ""}
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         r, c = p.feed(text[a:b], finished=i == len(bounds) - 2)
         got["r"] += r or ""
         got["c"] += c or ""

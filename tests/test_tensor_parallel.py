@@ -133,8 +133,9 @@ def transformers_greedy(folder: str, prompts: list[list[int]], n: int) -> list[l
 def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs):
     # one subprocess for every engine: jax starts once
     # q/k norms; tied head, Gemma's norm. The models above run the CPU's default backend ("auto":
-    # numba); each of these runs another CPU backend per shard under shard_map
-    others = {"qwen3": "xla", "gemma": "reference"}
+    # numba); each of these runs another CPU backend per shard under shard_map; the MoE model splits
+    # its experts over the devices (expert parallelism)
+    others = {"qwen3": "xla", "gemma": "reference", "qwen3_moe": "numba"}
     other_paths = {kind: model_dirs[kind] for kind in others}
     res = run_sharded("parity", {"models": tp_models, "tps": [2, 4], "variant_models": other_paths, "variants": [
         ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap"),
@@ -170,6 +171,8 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
         assert got["backend"] == backend, (kind, got["backend"])
         assert got["tokens"] == want[kind], kind
         assert got["shards"]["problems"] == [] and got["compiled_after_warmup"] is None
+    experts = {p.rsplit("/", 1)[-1] for p in res["qwen3_moe@2"]["shards"]["split"]}
+    assert {"experts_gate_up", "experts_down"} <= experts, experts
     # swapping copies every shard of a victim's blocks out to the host and back
     swap = res["qwen2@2/swap"]
     assert swap["swap_outs"] > 0 and swap["tokens"] == want["qwen2"]

@@ -95,6 +95,12 @@ def hf_config(kind: str, vocab_size: int, **overrides):
         cfg = tf.Qwen2Config(**common)
     elif kind == "qwen3":  # q/k norm, head_dim != hidden / heads
         cfg = tf.Qwen3Config(**common, head_dim=32)
+    elif kind == "qwen3_moe":  # every layer 8 experts, 2 a token, renormalised
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif kind == "mixtral":  # 4 experts of intermediate_size, 2 a token
+        cfg = tf.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=None)
     elif kind == "gemma":  # tied embeddings (Gemma's default), head_dim != hidden / heads
         # larger weights put the GeGLU's inputs where gelu's tanh approximation and the exact gelu
         # differ by more than the parity tests' 1e-4 (at 0.02 they would not tell them apart)
@@ -121,7 +127,7 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
     that the (1 + w) and the per-channel scales count."""
     rng = np.random.default_rng(seed)
     arch = cfg.model_type
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_moe", "mixtral"):
         raise ValueError(f"no weight layout for model_type {arch!r}")
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     N = cfg.num_attention_heads
@@ -154,9 +160,19 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
             w[p + f"self_attn.{name}.weight"] = matrix(rows, cols)
             if has_bias:
                 w[p + f"self_attn.{name}.bias"] = bias(rows)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm_weight(H)
             w[p + "self_attn.k_norm.weight"] = norm_weight(H)
+        if arch in MOE_NAMES:
+            router, gate, up, down = MOE_NAMES[arch]
+            E = cfg.num_experts if arch == "qwen3_moe" else cfg.num_local_experts
+            Fe = cfg.moe_intermediate_size if arch == "qwen3_moe" else F
+            # routers with clear margins: top-k picks no expert by a float rounding's difference
+            w[p + router + ".weight"] = matrix(E, D) * ROUTER_SHARPEN
+            for j in range(E):
+                for name, rows, cols in ((gate, Fe, D), (up, Fe, D), (down, D, Fe)):
+                    w[p + name.format(j=j) + ".weight"] = matrix(rows, cols)
+            continue
         for name, rows, cols in (("gate_proj", F, D), ("up_proj", F, D), ("down_proj", D, F)):
             w[p + f"mlp.{name}.weight"] = matrix(rows, cols)
             if mlp_bias:
@@ -169,7 +185,14 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
 
 # model_type -> the HF architecture name its checkpoints are saved as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
+# an MoE model_type's layer tensors as checkpoints name them (the router, each expert's gate, up, down)
+MOE_NAMES = {"qwen3_moe": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                           "mlp.experts.{j}.down_proj"),
+             "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1", "block_sparse_moe.experts.{j}.w3",
+                         "block_sparse_moe.experts.{j}.w2")}
+ROUTER_SHARPEN = 10.0
 
 
 def build_model(folder: str, kind: str, tokenizer_folder: str, seed: int = 0, *, bias_std: float = 0.0,

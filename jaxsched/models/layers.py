@@ -413,6 +413,12 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
     if cfg.o_bias:
         spec["o_bias"] = ((D,), 0.0)
     spec["post_norm"] = ((D,), norm_fill)
+    if cfg.num_experts:  # models/moe.py: the router and every expert's fused gate/up and down
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        spec["router"] = ((D, E), None)
+        spec["experts_gate_up"] = ((E, D, 2 * Fe), None)
+        spec["experts_down"] = ((E, Fe, D), None)
+        return spec
     spec["gate_up"] = ((D, 2 * F), None)
     if cfg.mlp_bias:
         spec["gate_up_bias"] = ((2 * F,), 0.0)
@@ -423,10 +429,12 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
 
 
 def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,
-                       shards: int = 1) -> dict[str, Any]:
+                       shards: int = 1, experts: tuple[str, str, str, str] | None = None) -> dict[str, Any]:
     """HF-named tensors (`get`) -> the pure state dict of a model made of decoder_layer_spec layers
     (embed, layers in `layout`, norm, lm_head unless tied), each tensor placed by `put`; linear
-    weights [in, out], fused with their columns grouped per shard (parallel.shard_interleave)."""
+    weights [in, out], fused with their columns grouped per shard (parallel.shard_interleave).
+    experts: an MoE layer's names under model.layers.{i}. (router, then each expert's gate, up and
+    down with {j} for the expert), read into the stacked [E, ...] weights of models/moe.py."""
     def lw(i: int, name: str) -> np.ndarray:
         return get(f"model.layers.{i}.{name}")
 
@@ -442,9 +450,19 @@ def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], put: 
         "qkv": lambda i: fused(i, [f"self_attn.{p}_proj" for p in "qkv"]),
         "o_proj": lambda i: lw(i, "self_attn.o_proj.weight").T,
         "post_norm": lambda i: lw(i, "post_attention_layernorm.weight"),
-        "gate_up": lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"]),
-        "down": lambda i: lw(i, "mlp.down_proj.weight").T,
     }
+    if experts is None:
+        per_name["gate_up"] = lambda i: fused(i, ["mlp.gate_proj", "mlp.up_proj"])
+        per_name["down"] = lambda i: lw(i, "mlp.down_proj.weight").T
+    else:
+        router, gate, up, down = experts
+        E = range(cfg.num_experts)
+        per_name["router"] = lambda i: lw(i, f"{router}.weight").T
+        # an expert stays whole on one device (expert parallelism): its gate/up columns in one group
+        per_name["experts_gate_up"] = lambda i: np.stack([fused_linear(
+            get, [f"model.layers.{i}.{gate.format(j=j)}.weight", f"model.layers.{i}.{up.format(j=j)}.weight"])
+            for j in E])
+        per_name["experts_down"] = lambda i: np.stack([lw(i, f"{down.format(j=j)}.weight").T for j in E])
     if cfg.qkv_bias:
         per_name["qkv_bias"] = lambda i: fused_bias(i, [f"self_attn.{p}_proj" for p in "qkv"])
     if cfg.o_bias:

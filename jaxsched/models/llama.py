@@ -1,6 +1,8 @@
 """The Llama family: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k
-RMSNorm, free head_dim), GQA, tied or untied embeddings. One model class; the members differ only in
-how their config.json reads (the adapters below, one registry entry each) and in GGUF names.
+RMSNorm, free head_dim), GQA, tied or untied embeddings, and their mixture-of-experts members,
+Qwen3-MoE and Mixtral (models/moe.py: every layer's MLP a set of experts). One model class; the
+members differ only in how their config.json reads (the adapters below, one registry entry each), in
+their experts' tensor names and in GGUF names.
 
 q/k/v and gate/up are fused into one matmul each (fewer, larger dots run faster on every backend).
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsched import platforms
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -34,6 +38,7 @@ from jaxsched.models.layers import (
     vocab_logits,
 )
 from jaxsched.models.model_config import ModelConfig
+from jaxsched.models.moe import moe_mlp
 
 
 # -- config adapters (config.json dict -> ModelConfig), one per registry entry ----------------------
@@ -56,6 +61,45 @@ def qwen2_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
 def qwen3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     """Qwen3: RMSNorm over head_dim on q and k before rope."""
     return decoder_config(hf, architecture, qk_norm=True, sliding_window=_qwen_window(hf))
+
+
+def _moe_fields(hf: dict[str, Any], experts: int, size: int, normalize: bool) -> dict[str, Any]:
+    k = int(hf["num_experts_per_tok"])
+    if not 0 < k <= experts:
+        raise ValueError(f"num_experts_per_tok ({k}) must be in [1, {experts}] (the number of experts)")
+    return {"num_experts": experts, "num_experts_per_tok": k, "moe_intermediate_size": size,
+            "norm_topk_prob": normalize}
+
+
+def qwen3_moe_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention, every layer's MLP a mixture of experts."""
+    L = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(L) if (i + 1) % step}
+    if dense:
+        raise ValueError(f"Qwen3-MoE with dense MLP layers ({sorted(dense)}: mlp_only_layers / decoder_sparse_step) "
+                         "is not supported: every layer must be an MoE layer, as in the released models")
+    return decoder_config(hf, architecture, qk_norm=True, sliding_window=_qwen_window(hf),
+                          # transformers 5 writes num_experts as num_local_experts
+                          **_moe_fields(hf, int(hf.get("num_experts") or hf["num_local_experts"]),
+                                        int(hf["moe_intermediate_size"]),
+                                        bool(hf.get("norm_topk_prob", False))))
+
+
+def mixtral_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Mixtral: Mistral's attention, every layer's MLP num_local_experts experts of intermediate_size,
+    the top-k weights renormalised (its softmax over the top-k logits)."""
+    return decoder_config(hf, architecture, **_moe_fields(hf, int(hf["num_local_experts"]),
+                                                          int(hf["intermediate_size"]), True))
+
+
+# an MoE architecture's layer weights under model.layers.{i}.: the router, each expert's gate, up, down
+MOE_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                            "mlp.experts.{j}.down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
+                           "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2"),
+}
 
 
 # -- GGUF (llama.cpp's names) ---------------------------------------------------------------------
@@ -91,6 +135,9 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.mesh = mesh
+        # an MoE layer's grouped matmul (models/moe.py), as the platform record says
+        self.grouped_matmul = platforms.of((jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+                                           ).grouped_matmul
         jdt = jnp.dtype(dtype)
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (V, D), jdt)
@@ -116,7 +163,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
             h = h + linear(p, o, "o_proj", "o_bias")
-            return h + linear(p, silu_gate_up(p, rms_norm(h, p["post_norm"], eps), shards), "down", "down_bias")
+            return h + self.mlp(p, rms_norm(h, p["post_norm"], eps))
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
@@ -129,12 +176,19 @@ class LlamaForCausalLM(nnx.Module):
         w = embed.T if self.lm_head is None else self.lm_head[...]
         return vocab_logits(hs, w, self.mesh), kv
 
+    def mlp(self, p: dict, x):
+        """The layer's MLP on x [T, D] (normed): silu(gate) * up, then down; or its mixture of experts."""
+        cfg = self.cfg
+        if cfg.num_experts:
+            return moe_mlp(p, x, cfg.num_experts_per_tok, cfg.norm_topk_prob, self.grouped_matmul, self.mesh)
+        return linear(p, silu_gate_up(p, x, shards_of(self.mesh)), "down", "down_bias")
+
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,
                    shards: int = 1) -> dict[str, Any]:
         """HF-named tensors (`get`) -> this model's pure state dict with layers in `layout`, each
         tensor placed by `put` (layers.Put), fused columns grouped for `shards` devices."""
-        return hf_decoder_weights(cfg, get, put, layout, shards)
+        return hf_decoder_weights(cfg, get, put, layout, shards, MOE_NAMES.get(cfg.architecture))
 
     @staticmethod
     def gguf_name(name: str) -> str:

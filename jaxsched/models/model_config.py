@@ -32,14 +32,37 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral / Qwen2 option; only allowed when >= max_model_len
     dtype: str = "float32"  # the checkpoint's dtype
+    # mixture of experts (models/moe.py): E experts of intermediate size moe_intermediate_size in every
+    # layer's MLP, k of them per token; 0 experts: a dense MLP of intermediate_size
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum 1
 
     @property
     def layer_params(self) -> int:
         """Weights every token goes through in the decoder layers (the q, k, v, o projections and the
-        MLP's three matrices; norms and biases left out): a token costs twice that in FLOPs, plus the
-        lm_head's vocab_size * hidden_size for each token sampled."""
+        MLP's three matrices, of its k experts and the router in an MoE layer; norms and biases left
+        out): a token costs twice that in FLOPs, plus the lm_head's vocab_size * hidden_size for each
+        token sampled."""
         D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        return self.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * self.intermediate_size)
+        mlp = 3 * D * self.intermediate_size
+        if self.num_experts:
+            mlp = self.num_experts_per_tok * 3 * D * self.moe_intermediate_size + D * self.num_experts
+        return self.num_layers * (D * (N + 2 * K) * H + N * H * D + mlp)
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width a token goes through: its k experts' in an MoE layer."""
+        return self.num_experts_per_tok * self.moe_intermediate_size if self.num_experts else self.intermediate_size
+
+    @property
+    def mlp_weights(self) -> int:
+        """One layer's MLP weights, all experts and the router counted (memory, not work)."""
+        if self.num_experts:
+            return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size \
+                + self.hidden_size * self.num_experts
+        return 3 * self.hidden_size * self.intermediate_size
 
     @property
     def token_flops(self) -> int:

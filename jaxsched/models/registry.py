@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxsched.models.gemma import GemmaForCausalLM, gemma_config
-from jaxsched.models.llama import LlamaForCausalLM, llama_config, qwen2_config, qwen3_config
+from jaxsched.models.llama import (
+    LlamaForCausalLM,
+    llama_config,
+    mixtral_config,
+    qwen2_config,
+    qwen3_config,
+    qwen3_moe_config,
+)
 from jaxsched.models.model_config import ModelConfig
 
 
@@ -31,6 +38,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(llama_config, LlamaForCausalLM, gguf="mistral"),
     "Qwen2ForCausalLM": Architecture(qwen2_config, LlamaForCausalLM, gguf="qwen2"),
     "Qwen3ForCausalLM": Architecture(qwen3_config, LlamaForCausalLM, gguf="qwen3"),
+    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_config, LlamaForCausalLM),
+    "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM),
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

@@ -33,6 +33,7 @@ MESH_AXES = ("data", "model")
 _COLUMN = ("qkv", "gate_up")  # [D, out]: out split
 _COLUMN_BIAS = ("qkv_bias", "gate_up_bias")  # [out]
 _ROW = ("o_proj", "down")  # [in, D]: in split
+_EXPERTS = ("experts_gate_up", "experts_down")  # [E, ...]: whole experts per device (models/moe.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def head_layout(cfg: ModelConfig, shards: int) -> HeadLayout:
     fewer KV heads per device wins (the pool's memory and the bytes attention reads), then the one
     with fewer query heads."""
     N, K, F = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if cfg.num_experts % shards:
+        raise ValueError(f"num_experts ({cfg.num_experts}) must be a multiple of tensor_parallel_size ({shards}): "
+                         "each device holds whole experts (expert parallelism)")
     G = N // K
     ffn = -(-F // shards) * shards
     r = shards // math.gcd(K, shards)
@@ -157,6 +161,8 @@ def param_spec(name: str, ndim: int, vocab_split: bool):
         return P(*lead, "model")
     if name in _ROW:
         return P(*lead, "model", None)
+    if name in _EXPERTS:
+        return P(*(None,) * (ndim - 3), "model", None, None)
     return P()
 
 

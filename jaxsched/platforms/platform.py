@@ -53,6 +53,10 @@ class Platform:
     # the host picks one ("host"). XLA:CPU evaluates a cond where it stands: the argmax alone for
     # plain greedy steps, the program with conds for the rest ("mixed").
     sampler_branches: str
+    # how an MoE layer's experts run on their sorted tokens (models/moe.py): "ragged_dot", XLA's grouped
+    # matmul, or "tiles", a loop over tiles of one expert each (jax's ragged_dot on a CPU is a dense
+    # product over every expert, so a step there would cost all experts whatever it routes)
+    grouped_matmul: str = "ragged_dot"
     # XLA options for the model step's programs, by attention backend
     compiler_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # the layers' matmuls in numba_matmul's kernel over weights packed at start, for these attention
@@ -82,7 +86,7 @@ class Platform:
 
 CPU = Platform(
     name="cpu", host_runs_model=True, dtype="float32", layer_weights="per_layer", sampler_branches="mixed",
-    compiler_options={"xla": _YNN_FUSIONS}, packed_matmul_backends=("numba",), memory_stats=False,
+    compiler_options={"xla": _YNN_FUSIONS}, packed_matmul_backends=("numba",), memory_stats=False, grouped_matmul="tiles",
     flops=1e11, link_bytes_per_second=5e9,
     more_devices_hint=" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N, set before jax starts, "
                       "simulates N devices)")
