@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-TILE = 8  # rows per tile of the "tiles" grouped matmul: a decode step's few pairs per expert
+# rows per tile of the "tiles" grouped matmul: about the pairs an expert gets in a step (N / E), within
+# these bounds. Each tile reads (on a CPU: copies) its expert's weights, so a tile much smaller than
+# that reads them several times; much larger, and padding rows cost dots (docs/PERFORMANCE.md)
+TILE_MIN, TILE_MAX = 8, 128
 GROUPED_MATMULS = ("ragged_dot", "tiles")
 
 
@@ -61,10 +64,16 @@ def _ragged(xs, sizes, gate_up, down):
     return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
 
 
+def tile_rows(N: int, E: int) -> int:
+    """The tile of N pairs over E experts: N / E rounded up to a power of two, within the bounds."""
+    return min(TILE_MAX, max(TILE_MIN, 1 << max(0, -(-N // E) - 1).bit_length()))
+
+
 def _tiles(xs, sizes, gate_up, down):
-    """The same as _ragged by tiles of TILE rows of one expert each, looping over the tiles in use."""
+    """The same as _ragged by tiles of one expert each, looping over the tiles in use."""
     N, D = xs.shape
     E = sizes.shape[0]
+    TILE = tile_rows(N, E)
     tiles = (sizes + TILE - 1) // TILE  # per expert
     tile_end = jnp.cumsum(tiles)
     first_tile = tile_end - tiles
