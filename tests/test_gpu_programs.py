@@ -91,13 +91,17 @@ def runner(request, llama_dir):
     yield request.param, core.runner, llm.llm_engine.model_config.num_layers
 
 
-@pytest.fixture
-def triton_kernels(monkeypatch):
+def as_on_a_gpu(monkeypatch) -> None:
     """The kernels as on a GPU: the Pallas calls decide interpret mode from the platform they are
     traced on (this CPU), so they are told it is a GPU."""
     from pallas_kernels import pallas_attention
 
     monkeypatch.setattr(pallas_attention, "platforms", types.SimpleNamespace(of=lambda name: platforms.GPU))
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    as_on_a_gpu(monkeypatch)
 
 
 def test_model_programs_have_no_cond_one_loop_when_stacked_and_their_kernel_calls(runner, triton_kernels):
@@ -146,3 +150,26 @@ def test_the_checks_can_fail():
     """A cond in a program is counted, so the assertions above can see one."""
     text, _ = lowered_text(lambda x: jax.lax.cond(x.sum() > 0, lambda: x + 1, lambda: x - 1), jax.ShapeDtypeStruct((4,), "float32"))
     assert ops(text).get("stablehlo.case", 0) + ops(text).get("stablehlo.if", 0) == 1
+
+
+def test_an_moe_program_has_no_cond_and_no_loop_but_the_layer_scan(model_dirs, monkeypatch):
+    """A mixture of experts as a GPU runs it (grouped_matmul "ragged_dot", stacked layers): the
+    experts' grouped matmuls are ragged dots, with no loop over experts or tiles and no conditional."""
+    import dataclasses
+
+    from jaxsched.platforms import platform as records
+
+    monkeypatch.setattr(records, "CPU", dataclasses.replace(records.CPU, grouped_matmul="ragged_dot"))
+    llm = LLM(model_dirs["qwen3_moe"], layer_weights="stacked", **ENGINE)
+    r = llm.llm_engine.client.local_cores[0].runner
+    as_on_a_gpu(monkeypatch)  # after the engine compiled its programs for this CPU
+    T, S = r.bucket_pairs()[-1]
+    n_i32 = r.compile.__func__.__globals__["flat_sizes"](T, S)[0]
+    args = (sds(r._state_leaves), sds(r.kv), sds(r.block_table),
+            jax.ShapeDtypeStruct((r.scheduler_config.max_num_seqs,), "int32"), jax.ShapeDtypeStruct((n_i32,), "int32"))
+    text, seconds = lowered_text(functools.partial(r._forward, T=T, S=S), *args)
+    counts = ops(text)
+    print(f"moe stacked T={T} S={S}: {sum(counts.values())} StableHLO ops, lowered in {seconds:.2f} s")
+    assert "stablehlo.case" not in counts and "stablehlo.if" not in counts
+    assert counts.get("stablehlo.while", 0) == 1  # the layer scan
+    assert text.count("ragged_dot") >= 2, "the experts' gate/up and down as grouped matmuls"
