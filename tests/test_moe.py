@@ -11,6 +11,7 @@ import re
 import jax
 import numpy as np
 import pytest
+import tiny
 from compiles import no_compilation
 from test_parity import SENTENCES
 
@@ -139,3 +140,31 @@ def test_experts_must_divide_over_the_devices():
                                 "num_local_experts": 3, "num_experts_per_tok": 2})
     with pytest.raises(ValueError, match=r"num_experts \(3\) must be a multiple of tensor_parallel_size \(2\)"):
         head_layout(cfg, 2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_gguf_file_holds_the_same_model(kind, model_dirs, tmp_path):
+    """llama.cpp's layout (tests/tiny_gguf.py): Qwen3-MoE as "qwen3moe", Mixtral as "llama" with
+    experts, each layer's experts stacked per projection: every tensor the model reads equals the
+    folder's, and the greedy tokens match."""
+    import tiny_gguf
+
+    from jaxsched.models.loader import load_model_source
+
+    path = tiny_gguf.write_llama_gguf(str(tmp_path / f"{kind}.gguf"), model_dirs[kind])
+    folder_cfg, folder_get, _ = load_model_source(model_dirs[kind])
+    cfg, get, source = load_model_source(path)
+    assert source == "gguf" and cfg.architecture == folder_cfg.architecture
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (
+        folder_cfg.num_experts, folder_cfg.num_experts_per_tok, folder_cfg.moe_intermediate_size,
+        folder_cfg.norm_topk_prob)
+    names = [f"model.layers.1.{n.format(j=j)}.weight" for n in tiny.MOE_NAMES[kind][1:]
+             for j in range(cfg.num_experts)] + [f"model.layers.0.{tiny.MOE_NAMES[kind][0]}.weight",
+                                                 "model.layers.0.self_attn.q_proj.weight"]
+    for name in names:
+        np.testing.assert_array_equal(get(name), folder_get(name), err_msg=name)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 16}
+    prompt = [{"prompt_token_ids": [5, 17, 42, 9, 33]}]
+    assert LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        LLM(model_dirs[kind], **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -1,6 +1,7 @@
 """Tiny GGUF files for tests, written with the `gguf` package as llama.cpp's converter lays them out:
-a tiny Hugging Face Llama folder (tests/tiny.py) with its byte-level BPE tokenizer ("gpt2" model),
-and metadata-only files of a SentencePiece-style vocabulary ("llama" model) for tokenizer tests."""
+a tiny Hugging Face Llama, Mixtral (llama.cpp's "llama" with experts) or Qwen3-MoE ("qwen3moe") folder
+(tests/tiny.py) with its byte-level BPE tokenizer ("gpt2" model), and metadata-only files of a
+SentencePiece-style vocabulary ("llama" model) for tokenizer tests."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ _LAYER = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
+# an MoE model_type -> llama.cpp's architecture (its router and experts, stacked [E, ...] per projection,
+# are written from the HF names tests/tiny.py gives them)
+_MOE = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
+
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -44,8 +50,10 @@ def _bpe_tokenizer_metadata(tokenizer_folder: str) -> dict:
 
 
 def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
-    """The tiny Llama of `model_folder` (config.json, *.safetensors, tokenizer) as a float32 GGUF."""
+    """The tiny Llama (or Mixtral, Qwen3-MoE) of `model_folder` (config.json, *.safetensors,
+    tokenizer) as a float32 GGUF."""
     import gguf
+    import tiny
     from safetensors.numpy import load_file
 
     with open(os.path.join(model_folder, "config.json")) as f:
@@ -64,12 +72,30 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
     ids = {t: i for i, t in enumerate(meta["tokens"])}
 
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(path, arch="llama")
+    arch = _MOE.get(cfg["model_type"], "llama")
+    w = gguf.GGUFWriter(path, arch=arch)
     w.add_name("tiny")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg["model_type"] in _MOE:
+        experts = cfg.get("num_experts") or cfg["num_local_experts"]
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        router, gate, up, down = tiny.MOE_NAMES[cfg["model_type"]]
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            per_expert = [gate, up, down]
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(p + router + ".weight"))
+            for gname, name in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), per_expert):
+                w.add_tensor(f"blk.{i}.{gname}.weight",
+                             np.stack([tensors.pop(p + name.format(j=j) + ".weight") for j in range(experts)]))
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -91,9 +117,9 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
         arr = np.ascontiguousarray(arr, np.float32)
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
-            if rest == "self_attn.q_proj.weight":
+            if rest == "self_attn.q_proj.weight" and arch == "llama":
                 arr = _rope_permute(arr, heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif rest == "self_attn.k_proj.weight" and arch == "llama":
                 arr = _rope_permute(arr, kv_heads)
             gname = f"blk.{i}.{_LAYER[rest]}"
         else:

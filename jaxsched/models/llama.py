@@ -11,6 +11,7 @@ forward: (kv pool, batch) -> (logits f32[S, V] at batch.logits_indices, new kv p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -89,8 +90,9 @@ def qwen3_moe_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
 def mixtral_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     """Mixtral: Mistral's attention, every layer's MLP num_local_experts experts of intermediate_size,
     the top-k weights renormalised (its softmax over the top-k logits)."""
-    return decoder_config(hf, architecture, **_moe_fields(hf, int(hf["num_local_experts"]),
-                                                          int(hf["intermediate_size"]), True))
+    # a GGUF file's metadata (loader.gguf_config) may name the experts' size apart
+    size = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    return decoder_config(hf, architecture, **_moe_fields(hf, int(hf["num_local_experts"]), size, True))
 
 
 # an MoE architecture's layer weights under model.layers.{i}.: the router, each expert's gate, up, down
@@ -119,11 +121,17 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # an MoE layer's router (Qwen3-MoE, Mixtral)
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# an MoE layer's experts (MOE_NAMES): each expert's projections are slices of stacked tensors
+_GGUF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_GGUF_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "w1": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                      "w3": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight", "w2": "ffn_down_exps.weight"}
 _GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}
 # llama.cpp's converter permutes the rows of q/k of these for its rope layout (not Qwen's)
-_GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
+_GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -191,12 +199,15 @@ class LlamaForCausalLM(nnx.Module):
         return hf_decoder_weights(cfg, get, put, layout, shards, MOE_NAMES.get(cfg.architecture))
 
     @staticmethod
-    def gguf_name(name: str) -> str:
-        """llama.cpp's name of the HF-named tensor `name`."""
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}"
-        return _GGUF_TOP_NAMES[name]
+    def gguf_name(name: str) -> tuple[str, int | None]:
+        """llama.cpp's name of the HF-named tensor `name`, and for an expert's projection its index in
+        llama.cpp's stacked [E, ...] tensor (else None)."""
+        if not name.startswith("model.layers."):
+            return _GGUF_TOP_NAMES[name], None
+        _, _, i, rest = name.split(".", 3)
+        if m := _GGUF_EXPERT.fullmatch(rest):
+            return f"blk.{i}.{_GGUF_EXPERT_NAMES[m.group(2)]}", int(m.group(1))
+        return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}", None
 
     @staticmethod
     def from_gguf(hf: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray:

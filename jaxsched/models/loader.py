@@ -130,10 +130,12 @@ def _gguf_field(reader, key: str, default: Any = None) -> Any:
 def gguf_config(reader) -> dict[str, Any]:
     """The GGUF metadata as a Hugging Face config.json dict."""
     arch = _gguf_field(reader, "general.architecture")
-    architecture = architecture_of_gguf(arch)
 
     def meta(key: str, default: Any = None) -> Any:
         return _gguf_field(reader, f"{arch}.{key}", default)
+
+    experts = int(meta("expert_count", 0) or 0)
+    architecture = architecture_of_gguf(arch, experts)
 
     n_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
@@ -156,6 +158,10 @@ def gguf_config(reader) -> dict[str, Any]:
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         "dtype": "float32",
     }
+    if experts:  # the keys both MoE configs read (llama.py's adapters)
+        hf.update(num_experts=experts, num_local_experts=experts, num_experts_per_tok=int(meta("expert_used_count")),
+                  moe_intermediate_size=int(meta("expert_feed_forward_length", hf["intermediate_size"])),
+                  norm_topk_prob=bool(meta("expert_weights_norm", True)))
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
@@ -173,11 +179,13 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
     cls = model_class(hf["architectures"][0])
 
     def get(name: str) -> np.ndarray:
-        gname = cls.gguf_name(name)
+        gname, expert = cls.gguf_name(name)
         if gname not in tensors:
             raise ValueError(f"tensor {gname!r} ({name}) is missing from the GGUF file")
         t = tensors[gname]
-        return cls.from_gguf(hf, name, np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32))
+        # one expert of a stacked [E, ...] tensor: only its slice is dequantized
+        data = t.data if expert is None else t.data[expert]
+        return cls.from_gguf(hf, name, np.asarray(gguf.dequantize(data, t.tensor_type), np.float32))
 
     return get
 

@@ -4,8 +4,9 @@ model class runs it. Adding an architecture is one model file in this folder and
 A model class is constructed as cls(cfg, dtype, *, rngs, attention_backend="xla", layer_weights=None),
 holds its layers as `.layers` (layers.DecoderLayers), is called as model(kv, batch) -> (logits
 f32[S, V], kv), and loads through the classmethod cls.hf_weights(cfg, get, put, layout, shards) -> its
-pure state dict from HF-named tensors, each placed on the devices by put(name, array) (layers.Put). Those that load from GGUF files also give gguf_name(name) (llama.cpp's
-tensor name) and from_gguf(hf, name, w) (the tensor as HF holds it).
+pure state dict from HF-named tensors, each placed on the devices by put(name, array) (layers.Put).
+Those that load from GGUF files also give gguf_name(name) (llama.cpp's tensor name, and for an
+expert's slice of a stacked tensor its index) and from_gguf(hf, name, w) (the tensor as HF holds it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Architecture:
     config: Callable[[dict[str, Any], str], ModelConfig]  # (config.json dict, architecture name) -> ModelConfig
     model: type
     gguf: str | None = None  # llama.cpp's general.architecture of its GGUF files; None: GGUF does not load
+    moe: bool = False  # its layers are mixtures of experts (a GGUF file of llama.cpp's "llama" with experts)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -38,8 +40,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(llama_config, LlamaForCausalLM, gguf="mistral"),
     "Qwen2ForCausalLM": Architecture(qwen2_config, LlamaForCausalLM, gguf="qwen2"),
     "Qwen3ForCausalLM": Architecture(qwen3_config, LlamaForCausalLM, gguf="qwen3"),
-    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_config, LlamaForCausalLM),
-    "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM),
+    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_config, LlamaForCausalLM, gguf="qwen3moe", moe=True),
+    "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM, gguf="llama", moe=True),
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -61,10 +63,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return ARCHITECTURES[arch].config(hf, arch)
 
 
-def architecture_of_gguf(gguf_arch: str | None) -> str:
-    """The HF architecture name of a GGUF file's general.architecture."""
-    found = [name for name, a in ARCHITECTURES.items() if a.gguf is not None and a.gguf == gguf_arch]
+def architecture_of_gguf(gguf_arch: str | None, experts: int = 0) -> str:
+    """The HF architecture name of a GGUF file's general.architecture (with `experts` > 0: its
+    mixture-of-experts member, as llama.cpp writes Mixtral as "llama")."""
+    found = [name for name, a in ARCHITECTURES.items()
+             if a.gguf is not None and a.gguf == gguf_arch and a.moe == (experts > 0)]
     if not found:
-        supported = ", ".join(a.gguf for a in ARCHITECTURES.values() if a.gguf)
+        supported = ", ".join(dict.fromkeys(a.gguf for a in ARCHITECTURES.values() if a.gguf))
         raise ValueError(f"unknown GGUF architecture {gguf_arch!r}; supported: {supported}")
     return found[0]
