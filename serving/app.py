@@ -32,6 +32,7 @@ from starlette.routing import Route
 import jaxsched
 from jaxsched.core.limits import MAX_UNKNOWN_FIELDS_LOGGED
 from jaxsched.core.request import SamplingParams, short_repr
+from jaxsched.engine.frontend import CheckedTokens
 from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError, QueueFullError
 from jaxsched.structured.params import StructuredOutputsParams
@@ -265,11 +266,12 @@ class _Server:
     async def add_requests(self, request_ids: list[str], prompts: list[list[int]], texts: list[str | None],
                            params: list[Any], priority: int, cache_salt: str | None,
                            prompt_param: str = "prompt", timeout: float | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt; all are accepted or none is. The engine's refusals
-        are RequestErrors: a full queue 503 with Retry-After, a stopped engine 503, bad input 400."""
-        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        """Queue one engine request per prompt; all are accepted or none is. The prompts are the
+        converter's (every id checked there, off the event loop). The engine's refusals are
+        RequestErrors: a full queue 503 with Retry-After, a stopped engine 503, bad input 400."""
+        # the converter checked every id on a worker thread: the engine takes them as they are
         res = await asyncio.gather(*(
-            self.engine.add_request({"prompt_token_ids": ids, "prompt": text, **salt}, sp, request_id=rid,
+            self.engine.add_request(CheckedTokens(ids, text, cache_salt), sp, request_id=rid,
                                     priority=priority, timeout=timeout)
             for rid, ids, text, sp in zip(request_ids, prompts, texts, params)), return_exceptions=True)
         errors = [x for x in res if isinstance(x, BaseException)]

@@ -18,6 +18,7 @@ import msgspec
 
 from jaxsched.core.limits import MAX_ALLOWED_TOKEN_IDS_TOTAL, MAX_DETOKENIZE_IDS, MAX_N, MAX_SEQUENCES
 from jaxsched.core.request import RequestOutputKind, SamplingParams, short_repr
+from jaxsched.engine.frontend import first_bad_token_id
 from jaxsched.engine.gguf_tokenizer import byte_alphabet
 from jaxsched.engine.outputs import Logprob
 from jaxsched.engine.tokenizer import PromptTooLongError, chat_prompt_ids, max_token_chars
@@ -87,11 +88,10 @@ class Converter:
 
     def _check_ids(self, ids: list[Any], param: str) -> list[int]:
         """Every id an int of the vocabulary (a loop over them: on a worker thread, after
-        _check_count)."""
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {short_repr(t)}",
-                                   param=param)
+        _check_count; the engine then takes them unchecked, as CheckedTokens)."""
+        if (bad := first_bad_token_id(ids, self.vocab_size)) >= 0:
+            raise RequestError(f"token ids must be integers in [0, {self.vocab_size}), got {short_repr(ids[bad])}",
+                               param=param)
         return ids
 
     def _check_length(self, text: str, param: str) -> None:
@@ -106,9 +106,18 @@ class Converter:
         if limit:
             self._check_length(text, param)
         try:
-            return await (self.pool if limit else self.utility_pool).run(_encode, text, add_special_tokens)
+            ids = await (self.pool if limit else self.utility_pool).run(
+                lambda tok, text: self._checked_encoding(tok, text, add_special_tokens, param), text)
+        except RequestError:
+            raise
         except Exception as e:
             raise RequestError(f"could not tokenize the {param}: {e}", param=param) from e
+        return ids
+
+    def _checked_encoding(self, tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """On a worker thread: the ids of `text`, checked against the model's vocabulary (a tokenizer
+        may have more tokens than the model has rows)."""
+        return self._check_ids(_encode(tokenizer, text, add_special_tokens), param)
 
     async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
         self._check_count(ids, param, MAX_DETOKENIZE_IDS)
@@ -250,15 +259,19 @@ class Converter:
         for i, m in enumerate(conv):
             if limit:
                 self._check_length(m["content"], f"messages[{i}].content")
-        try:
-            ids = await (self.pool if limit else self.utility_pool).run(
-                chat_prompt_ids, conv, add_generation_prompt, template, variables,
-                self.max_prompt_chars if limit else None, tools, continue_final_message, add_special_tokens)
-        except PromptTooLongError as e:
-            raise RequestError(f"{e}: shorten the messages", param="messages", code="context_length_exceeded") from e
-        except Exception as e:
-            raise RequestError(f"could not apply the chat template: {e}", param="messages") from e
-        return self._check_ids(ids, "messages")
+        def render(tok: Any) -> list[int]:  # on a worker thread, the ids checked there too
+            try:
+                ids = chat_prompt_ids(tok, conv, add_generation_prompt, template, variables,
+                                      self.max_prompt_chars if limit else None, tools, continue_final_message,
+                                      add_special_tokens)
+            except PromptTooLongError as e:
+                raise RequestError(f"{e}: shorten the messages", param="messages",
+                                   code="context_length_exceeded") from e
+            except Exception as e:
+                raise RequestError(f"could not apply the chat template: {e}", param="messages") from e
+            return self._check_ids(ids, "messages")
+
+        return await (self.pool if limit else self.utility_pool).run(render)
 
     # -- sampling parameters -------------------------------------------------------------------
     @staticmethod

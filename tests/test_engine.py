@@ -523,3 +523,25 @@ def test_sampler_branches_is_the_platforms_choice_unless_named():
     assert platforms.CPU.sampler_branches == "mixed" and platforms.GPU.sampler_branches == "host"
     with pytest.raises(ValueError, match=r"sampler_branches must be 'auto' or one of \('device', 'host', 'mixed'\)"):
         EngineArgs(sampler_branches="gpu")
+
+
+def test_checked_token_ids_are_not_walked_again(llm, monkeypatch):
+    """The server checks a prompt's ids on a worker thread (serving/convert.py) and hands them over
+    as CheckedTokens, which make_request takes without walking them on the caller's event loop; any
+    other prompt of ids is checked there, by the same rule."""
+    from jaxsched.engine import frontend
+
+    eng = llm.llm_engine
+    V = eng.model_config.vocab_size
+    assert frontend.first_bad_token_id([1, 2, V - 1], V) == -1
+    assert [frontend.first_bad_token_id(ids, V) for ids in ([1, V], [True], [1, 2.0], [-1])] == [1, 0, 1, 0]
+    walked = []
+    real = frontend.first_bad_token_id
+    monkeypatch.setattr(frontend, "first_bad_token_id", lambda ids, v: walked.append(len(ids)) or real(ids, v))
+    new = eng.make_request("a", frontend.CheckedTokens([5, 6, 7], "x y z", cache_salt="s"), SamplingParams())
+    assert walked == [] and new.core.prompt_token_ids == [5, 6, 7] and new.prompt == "x y z"
+    assert new.core.cache_salt != 0  # the salt travels with the checked ids
+    eng.make_request("b", {"prompt_token_ids": [5, 6, 7]}, SamplingParams())
+    assert walked == [3]
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids is empty"):
+        eng.make_request("c", frontend.CheckedTokens([]), SamplingParams())

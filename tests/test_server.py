@@ -442,3 +442,31 @@ def test_echo_and_vllm_extensions(server):
     chunks = list(server.client.completions.create(model="tiny", prompt=PROMPTS[0], echo=True, stream=True,
                                                    **greedy_extra()))
     assert "".join(c.choices[0].text for c in chunks) == PROMPTS[0] + server.refs["completions"][0]
+
+
+def test_the_converter_checks_every_prompts_ids_on_its_worker_threads(tokenizer_dir):
+    """Text and chat prompts' ids are checked against the model's vocabulary where they are made, on
+    a tokenizer thread (a tokenizer may hold more tokens than the model has rows); id prompts too.
+    The engine then takes them unchecked (test_engine.py: CheckedTokens)."""
+    from transformers import AutoTokenizer
+
+    from serving.convert import Converter
+    from serving.protocol import ChatMessage, RequestError
+
+    conv = Converter(AutoTokenizer.from_pretrained(tokenizer_dir), 64, 40, 5)  # ids of 40 and up: no row
+    loop_thread = threading.get_ident()
+    checked_on = []
+    check = conv._check_ids
+    conv._check_ids = lambda ids, param: (checked_on.append(threading.get_ident()), check(ids, param))[1]
+
+    async def run():
+        for make, param in ((conv.tokenize("the capital of france"), "prompt"),
+                            (conv.chat_prompt([ChatMessage(role="user", content="the capital")]), "messages"),
+                            (conv.completion_prompts([[1, 2, 99]]), "prompt")):
+            with pytest.raises(RequestError) as e:
+                await make
+            assert e.value.param == param and "token ids must be integers in [0, 40)" in e.value.message
+        assert await conv.completion_prompts([[1, 2, 39]]) == [([1, 2, 39], None)]
+
+    asyncio.run(run())
+    assert len(checked_on) == 4 and loop_thread not in checked_on

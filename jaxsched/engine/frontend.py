@@ -38,6 +38,26 @@ PromptType = str | dict[str, Any]
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
+def first_bad_token_id(ids: Sequence[Any], vocab_size: int) -> int:
+    """The index of the first entry of `ids` that is no token id of the vocabulary (an int, not a
+    bool, in [0, vocab_size)), or -1: the one rule every front end checks prompts by."""
+    for i, t in enumerate(ids):
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            return i
+    return -1
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedTokens:
+    """A prompt of token ids its caller already checked with first_bad_token_id, off its event loop
+    (the server, on a worker thread: a prompt may hold max_model_len ids), which make_request then
+    takes without walking them again."""
+
+    ids: list[int]
+    text: str | None = None
+    cache_salt: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NewRequest:
     """A checked request: what its core gets, and the prompt's text (outputs repeat it; cores never see it)."""
@@ -87,6 +107,10 @@ class FrontEnd:
     # -- requests in ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType | Sequence[int]) -> tuple[list[int], str | None]:
         """A prompt as token ids (+ its text). Raises InvalidRequestError on an empty or malformed prompt."""
+        if isinstance(prompt, CheckedTokens):
+            if not prompt.ids:
+                raise InvalidRequestError("prompt_token_ids is empty: pass at least one token id", "prompt")
+            return prompt.ids, prompt.text
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty: pass at least one character or token id", "prompt")
@@ -108,10 +132,9 @@ class FrontEnd:
         ids = list(ids)
         if not ids:
             raise InvalidRequestError("prompt_token_ids is empty: pass at least one token id", "prompt")
-        for t in ids:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
-                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {t!r}",
-                                          "prompt")
+        if (bad := first_bad_token_id(ids, V)) >= 0:
+            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {V}) (the vocab size), got {ids[bad]!r}",
+                                      "prompt")
         return [int(t) for t in ids], text
 
     def make_request(self, request_id: str, prompt: PromptType | Sequence[int],
@@ -143,7 +166,7 @@ class FrontEnd:
         if params.top_k > V:  # keeps every token, as top_k = 0 does (vLLM clamps it to the vocab too)
             params = dataclasses.replace(params, top_k=0)
         ids, text = self.tokenize_prompt(prompt)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else getattr(prompt, "cache_salt", None)
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         check_penalty_capacity(params, ids, self.eos_token_ids, cfg.scheduler.max_model_len, V, cfg.penalty_capacity)
