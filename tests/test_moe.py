@@ -160,11 +160,13 @@ def test_experts_must_divide_over_the_devices():
         head_layout(cfg, 2)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_a_gguf_file_holds_the_same_model(kind, model_dirs, tmp_path):
-    """llama.cpp's layout (tests/tiny_gguf.py): Qwen3-MoE as "qwen3moe", Mixtral as "llama" with
-    experts, each layer's experts stacked per projection: every tensor the model reads equals the
-    folder's, and the greedy tokens match."""
+    """llama.cpp's layout (tests/tiny_gguf.py): Qwen2-MoE as "qwen2moe" (its shared expert's gate a
+    [D] vector), Qwen3-MoE as "qwen3moe", Mixtral as "llama" with experts, each layer's experts
+    stacked per projection: every tensor the model reads equals the folder's, the routing's
+    renormalisation is the architecture's (llama.cpp writes no key for it), and the greedy tokens
+    match."""
     import tiny_gguf
 
     from jaxsched.models.loader import load_model_source
@@ -176,9 +178,13 @@ def test_a_gguf_file_holds_the_same_model(kind, model_dirs, tmp_path):
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (
         folder_cfg.num_experts, folder_cfg.num_experts_per_tok, folder_cfg.moe_intermediate_size,
         folder_cfg.norm_topk_prob)
+    assert cfg.shared_expert_intermediate_size == folder_cfg.shared_expert_intermediate_size
     names = [f"model.layers.1.{n.format(j=j)}.weight" for n in tiny.MOE_NAMES[kind][1:]
              for j in range(cfg.num_experts)] + [f"model.layers.0.{tiny.MOE_NAMES[kind][0]}.weight",
                                                  "model.layers.0.self_attn.q_proj.weight"]
+    if cfg.shared_expert_intermediate_size:
+        names += [f"model.layers.0.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += ["model.layers.0.mlp.shared_expert_gate.weight"]
     for name in names:
         np.testing.assert_array_equal(get(name), folder_get(name), err_msg=name)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -102,7 +102,7 @@ def as_transformers_holds_them(saved: dict[str, np.ndarray], cfg) -> dict[str, n
     out = dict(saved)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        E = range(cfg.num_local_experts)
+        E = range(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         out[p + "mlp.gate.weight"] = out.pop(p + router + ".weight")
         out[p + "mlp.experts.gate_up_proj"] = np.stack([np.concatenate(
             [out.pop(p + gate.format(j=j) + ".weight"), out.pop(p + up.format(j=j) + ".weight")]) for j in E])
@@ -203,6 +203,7 @@ GENERATE_CASES = [
     # mixtures of experts: chunked prefill and preemption, and continuous batching in the GPU's layout
     ("qwen3_moe", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, None),
     ("mixtral", {"max_num_batched_tokens": 128}, "stacked"),
+    ("qwen2_moe", {"max_num_batched_tokens": 32}, "unrolled"),  # the shared expert beside them
 ]
 
 

@@ -98,6 +98,10 @@ def hf_config(kind: str, vocab_size: int, **overrides):
     elif kind == "qwen3_moe":  # every layer 8 experts, 2 a token, renormalised
         cfg = tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif kind == "qwen2_moe":  # q/k/v biases, 8 experts, 2 a token, not renormalised, a gated shared expert
+        cfg = tf.Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1,
+                                mlp_only_layers=[])
     elif kind == "mixtral":  # 4 experts of intermediate_size, 2 a token
         cfg = tf.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=None)
@@ -127,14 +131,14 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
     that the (1 + w) and the per-channel scales count."""
     rng = np.random.default_rng(seed)
     arch = cfg.model_type
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_moe", "mixtral"):
+    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe", "mixtral"):
         raise ValueError(f"no weight layout for model_type {arch!r}")
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     N = cfg.num_attention_heads
     K = cfg.num_key_value_heads or N
     H = getattr(cfg, "head_dim", None) or D // N
     attention_bias = bool(getattr(cfg, "attention_bias", False)) and arch in ("llama", "qwen3", "gemma")
-    qkv_bias = arch == "qwen2" or attention_bias  # Qwen2: q/k/v biases always, o never
+    qkv_bias = arch in ("qwen2", "qwen2_moe") or attention_bias  # Qwen2: q/k/v biases always, o never
     mlp_bias = bool(getattr(cfg, "mlp_bias", False)) and arch == "llama"
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -165,13 +169,17 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
             w[p + "self_attn.k_norm.weight"] = norm_weight(H)
         if arch in MOE_NAMES:
             router, gate, up, down = MOE_NAMES[arch]
-            E = cfg.num_experts if arch == "qwen3_moe" else cfg.num_local_experts
-            Fe = cfg.moe_intermediate_size if arch == "qwen3_moe" else F
+            E = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+            Fe = cfg.moe_intermediate_size if arch != "mixtral" else F
             # routers with clear margins: top-k picks no expert by a float rounding's difference
             w[p + router + ".weight"] = matrix(E, D) * ROUTER_SHARPEN
             for j in range(E):
                 for name, rows, cols in ((gate, Fe, D), (up, Fe, D), (down, D, Fe)):
                     w[p + name.format(j=j) + ".weight"] = matrix(rows, cols)
+            if Fs := getattr(cfg, "shared_expert_intermediate_size", 0):
+                for name, rows, cols in (("gate_proj", Fs, D), ("up_proj", Fs, D), ("down_proj", D, Fs)):
+                    w[p + f"mlp.shared_expert.{name}.weight"] = matrix(rows, cols)
+                w[p + "mlp.shared_expert_gate.weight"] = matrix(1, D) * ROUTER_SHARPEN
             continue
         for name, rows, cols in (("gate_proj", F, D), ("up_proj", F, D), ("down_proj", D, F)):
             w[p + f"mlp.{name}.weight"] = matrix(rows, cols)
@@ -186,9 +194,12 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
 # model_type -> the HF architecture name its checkpoints are saved as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM"}
 # an MoE model_type's layer tensors as checkpoints name them (the router, each expert's gate, up, down)
-MOE_NAMES = {"qwen3_moe": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+MOE_NAMES = {"qwen2_moe": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                           "mlp.experts.{j}.down_proj"),
+             "qwen3_moe": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
                            "mlp.experts.{j}.down_proj"),
              "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1", "block_sparse_moe.experts.{j}.w3",
                          "block_sparse_moe.experts.{j}.w2")}

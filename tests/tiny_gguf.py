@@ -18,10 +18,12 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 # an MoE model_type -> llama.cpp's architecture (its router and experts, stacked [E, ...] per projection,
 # are written from the HF names tests/tiny.py gives them)
-_MOE = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
+_MOE = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
@@ -82,6 +84,8 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
     if cfg["model_type"] in _MOE:
         experts = cfg.get("num_experts") or cfg["num_local_experts"]
         w.add_expert_count(experts)
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
@@ -93,6 +97,11 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
             for gname, name in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), per_expert):
                 w.add_tensor(f"blk.{i}.{gname}.weight",
                              np.stack([tensors.pop(p + name.format(j=j) + ".weight") for j in range(experts)]))
+            if cfg.get("shared_expert_intermediate_size"):  # llama.cpp holds the shared gate as [D]
+                w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors.pop(p + "mlp.shared_expert_gate.weight")[0])
+                for gname, name in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                                    ("ffn_down_shexp", "down_proj")):
+                    w.add_tensor(f"blk.{i}.{gname}.weight", tensors.pop(p + f"mlp.shared_expert.{name}.weight"))
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])

@@ -418,6 +418,10 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
         spec["router"] = ((D, E), None)
         spec["experts_gate_up"] = ((E, D, 2 * Fe), None)
         spec["experts_down"] = ((E, Fe, D), None)
+        if Fs := cfg.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+            spec["shared_gate_up"] = ((D, 2 * Fs), None)
+            spec["shared_down"] = ((Fs, D), None)
+            spec["shared_gate"] = ((D, 1), None)
         return spec
     spec["gate_up"] = ((D, 2 * F), None)
     if cfg.mlp_bias:
@@ -463,6 +467,11 @@ def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], put: 
             get, [f"model.layers.{i}.{gate.format(j=j)}.weight", f"model.layers.{i}.{up.format(j=j)}.weight"])
             for j in E])
         per_name["experts_down"] = lambda i: np.stack([lw(i, f"{down.format(j=j)}.weight").T for j in E])
+        if cfg.shared_expert_intermediate_size:  # replicated over devices: whole, one group
+            per_name["shared_gate_up"] = lambda i: fused_linear(
+                get, [f"model.layers.{i}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")])
+            per_name["shared_down"] = lambda i: lw(i, "mlp.shared_expert.down_proj.weight").T
+            per_name["shared_gate"] = lambda i: lw(i, "mlp.shared_expert_gate.weight").T
     if cfg.qkv_bias:
         per_name["qkv_bias"] = lambda i: fused_bias(i, [f"self_attn.{p}_proj" for p in "qkv"])
     if cfg.o_bias:

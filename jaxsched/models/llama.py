@@ -1,6 +1,7 @@
 """The Llama family: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k
 RMSNorm, free head_dim), GQA, tied or untied embeddings, and their mixture-of-experts members,
-Qwen3-MoE and Mixtral (models/moe.py: every layer's MLP a set of experts). One model class; the
+Qwen2-MoE (with a gated shared expert), Qwen3-MoE and Mixtral (models/moe.py: every layer's MLP a
+set of experts). One model class; the
 members differ only in how their config.json reads (the adapters below, one registry entry each), in
 their experts' tensor names and in GGUF names.
 
@@ -72,19 +73,30 @@ def _moe_fields(hf: dict[str, Any], experts: int, size: int, normalize: bool) ->
             "norm_topk_prob": normalize}
 
 
-def qwen3_moe_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
-    """Qwen3-MoE: Qwen3's attention, every layer's MLP a mixture of experts."""
+def _qwen_moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Qwen2-MoE's and Qwen3-MoE's expert keys; a layout mixing dense and MoE layers is refused."""
     L = int(hf["num_hidden_layers"])
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(L) if (i + 1) % step}
     if dense:
-        raise ValueError(f"Qwen3-MoE with dense MLP layers ({sorted(dense)}: mlp_only_layers / decoder_sparse_step) "
+        raise ValueError(f"{family} with dense MLP layers ({sorted(dense)}: mlp_only_layers / decoder_sparse_step) "
                          "is not supported: every layer must be an MoE layer, as in the released models")
+    # transformers 5 writes num_experts as num_local_experts
+    return _moe_fields(hf, int(hf.get("num_experts") or hf["num_local_experts"]), int(hf["moe_intermediate_size"]),
+                       bool(hf.get("norm_topk_prob", False)))
+
+
+def qwen3_moe_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention, every layer's MLP a mixture of experts."""
     return decoder_config(hf, architecture, qk_norm=True, sliding_window=_qwen_window(hf),
-                          # transformers 5 writes num_experts as num_local_experts
-                          **_moe_fields(hf, int(hf.get("num_experts") or hf["num_local_experts"]),
-                                        int(hf["moe_intermediate_size"]),
-                                        bool(hf.get("norm_topk_prob", False))))
+                          **_qwen_moe_fields(hf, "Qwen3-MoE"))
+
+
+def qwen2_moe_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen2-MoE: Qwen2's attention (q/k/v biases), experts plus a gated shared expert every layer."""
+    return decoder_config(hf, architecture, qkv_bias=True, sliding_window=_qwen_window(hf),
+                          shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                          **_qwen_moe_fields(hf, "Qwen2-MoE"))
 
 
 def mixtral_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
@@ -97,6 +109,8 @@ def mixtral_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
 
 # an MoE architecture's layer weights under model.layers.{i}.: the router, each expert's gate, up, down
 MOE_NAMES = {
+    "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                            "mlp.experts.{j}.down_proj"),
     "Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
                             "mlp.experts.{j}.down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
@@ -123,6 +137,10 @@ _GGUF_LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",  # an MoE layer's router (Qwen3-MoE, Mixtral)
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
 # an MoE layer's experts (MOE_NAMES): each expert's projections are slices of stacked tensors
 _GGUF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -213,6 +231,8 @@ class LlamaForCausalLM(nnx.Module):
     def from_gguf(hf: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray:
         """Tensor `name` as read from a GGUF file (float32) -> as HF holds it: q/k rows un-permuted.
         hf: the file's metadata as a config.json dict (loader.gguf_config)."""
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp holds it as [D], HF as [1, D]
+            return w.reshape(1, -1)
         if hf["architectures"][0] not in _GGUF_ROPE_PERMUTED or not name.endswith(("q_proj.weight", "q_proj.bias",
                                                                            "k_proj.weight", "k_proj.bias")):
             return w

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from jaxsched.models.layers import Put, shards_of
 from jaxsched.models.model_config import ModelConfig
-from jaxsched.models.registry import architecture_of_gguf, model_class, model_config_from_hf
+from jaxsched.models.registry import ARCHITECTURES, architecture_of_gguf, model_class, model_config_from_hf
 from jaxsched.parallel.mesh import HeadLayout, param_spec, place
 
 logger = logging.getLogger(__name__)
@@ -158,10 +158,13 @@ def gguf_config(reader) -> dict[str, Any]:
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         "dtype": "float32",
     }
-    if experts:  # the keys both MoE configs read (llama.py's adapters)
+    if experts:  # the keys the MoE config adapters read (llama.py)
         hf.update(num_experts=experts, num_local_experts=experts, num_experts_per_tok=int(meta("expert_used_count")),
                   moe_intermediate_size=int(meta("expert_feed_forward_length", hf["intermediate_size"])),
-                  norm_topk_prob=bool(meta("expert_weights_norm", True)))
+                  shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0))
+        if (norm := meta("expert_weights_norm")) is not None:
+            hf["norm_topk_prob"] = bool(norm)
+    hf = {**dict(ARCHITECTURES[architecture].gguf_defaults), **hf}
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}

@@ -38,6 +38,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum 1
+    # Qwen2-MoE: a dense MLP of this width beside the experts, every token through it, scaled by a
+    # sigmoid gate of its own; 0: none
+    shared_expert_intermediate_size: int = 0
 
     @property
     def layer_params(self) -> int:
@@ -48,20 +51,23 @@ class ModelConfig:
         D, N, K, H = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         mlp = 3 * D * self.intermediate_size
         if self.num_experts:
-            mlp = self.num_experts_per_tok * 3 * D * self.moe_intermediate_size + D * self.num_experts
+            mlp = (self.num_experts_per_tok * 3 * D * self.moe_intermediate_size + D * self.num_experts
+                   + 3 * D * self.shared_expert_intermediate_size)
         return self.num_layers * (D * (N + 2 * K) * H + N * H * D + mlp)
 
     @property
     def active_intermediate_size(self) -> int:
         """The MLP width a token goes through: its k experts' in an MoE layer."""
-        return self.num_experts_per_tok * self.moe_intermediate_size if self.num_experts else self.intermediate_size
+        if self.num_experts:
+            return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        return self.intermediate_size
 
     @property
     def mlp_weights(self) -> int:
         """One layer's MLP weights, all experts and the router counted (memory, not work)."""
         if self.num_experts:
-            return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size \
-                + self.hidden_size * self.num_experts
+            return (self.num_experts * self.moe_intermediate_size + self.shared_expert_intermediate_size) \
+                * 3 * self.hidden_size + self.hidden_size * self.num_experts
         return 3 * self.hidden_size * self.intermediate_size
 
     @property

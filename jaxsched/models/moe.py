@@ -114,7 +114,16 @@ def experts_mlp(x, weights, experts, gate_up, down, how: str, first=0):
 def moe_mlp(p: dict, x, k: int, normalize: bool, how: str, mesh=None):
     """The MoE half of a layer on x [T, D] (already normed): route with p["router"], then the experts
     p["experts_gate_up"], p["experts_down"], split over the mesh's "model" axis when it has several
-    devices (expert parallelism: each device's own experts, then one all-reduce)."""
+    devices (expert parallelism: each device's own experts, then one all-reduce); plus a shared
+    expert where the layer has one (Qwen2-MoE), every token through it, scaled by its own gate."""
+    y = _routed(p, x, k, normalize, how, mesh)
+    if "shared_gate_up" in p:
+        gate = jax.nn.sigmoid(jnp.dot(x, p["shared_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, 1]
+        y = y + gate * _expert_mlp(x, p["shared_gate_up"], p["shared_down"])
+    return y
+
+
+def _routed(p: dict, x, k: int, normalize: bool, how: str, mesh):
     weights, experts = route(x, p["router"], k, normalize)
     gate_up, down = p["experts_gate_up"], p["experts_down"]
     n = 1 if mesh is None else mesh.shape["model"]

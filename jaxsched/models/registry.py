@@ -21,6 +21,7 @@ from jaxsched.models.llama import (
     llama_config,
     mixtral_config,
     qwen2_config,
+    qwen2_moe_config,
     qwen3_config,
     qwen3_moe_config,
 )
@@ -33,6 +34,9 @@ class Architecture:
     model: type
     gguf: str | None = None  # llama.cpp's general.architecture of its GGUF files; None: GGUF does not load
     moe: bool = False  # its layers are mixtures of experts (a GGUF file of llama.cpp's "llama" with experts)
+    # config.json keys that llama.cpp fixes for this architecture rather than writing them in a GGUF
+    # file's metadata (Qwen3-MoE's routing weights renormalised, Qwen2-MoE's not)
+    gguf_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -40,7 +44,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(llama_config, LlamaForCausalLM, gguf="mistral"),
     "Qwen2ForCausalLM": Architecture(qwen2_config, LlamaForCausalLM, gguf="qwen2"),
     "Qwen3ForCausalLM": Architecture(qwen3_config, LlamaForCausalLM, gguf="qwen3"),
-    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_config, LlamaForCausalLM, gguf="qwen3moe", moe=True),
+    "Qwen2MoeForCausalLM": Architecture(qwen2_moe_config, LlamaForCausalLM, gguf="qwen2moe", moe=True,
+                                        gguf_defaults=(("norm_topk_prob", False),)),
+    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_config, LlamaForCausalLM, gguf="qwen3moe", moe=True,
+                                        gguf_defaults=(("norm_topk_prob", True),)),
     "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM, gguf="llama", moe=True),
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
 }
