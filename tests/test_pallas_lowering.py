@@ -43,9 +43,12 @@ MODELS = [
 
 @contextlib.contextmanager
 def abstract_gpu():
-    """An abstract mesh over one abstract H200, the target GPU of lowerings on a machine without one."""
+    """An abstract mesh over one abstract H200, the target GPU of lowerings on a machine without one.
+    Its axis is Auto, as the engine's meshes are (parallel.make_mesh): jax 0.11 makes an abstract
+    mesh's axes Explicit by default, under which it cannot infer ragged_dot's sharding."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
         yield
 
 
