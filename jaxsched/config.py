@@ -385,24 +385,23 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         dtype = plat.dtype or ("float32" if model.dtype in ("float32", "float64") else "bfloat16")
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     tp = args.tensor_parallel_size
-    checkpoint, heads = model, head_layout(model, tp)
-    model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
-    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp)
-    for why in skipped:
-        logger.warning("attention_backend auto: %s", why)
-    P = args.block_size or backend.default_block_size
-
     max_len = args.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         raise ValueError(
             f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
             f"({model.max_position_embeddings}); lower max_model_len"
         )
-    if model.sliding_window is not None and max_len > model.sliding_window:
-        raise ValueError(
-            f"the model uses sliding-window attention (window {model.sliding_window}), which this engine "
-            f"does not implement; set max_model_len <= {model.sliding_window}"
-        )
+    # a window no shorter than the context changes nothing: the model runs without it, on any backend
+    if model.sliding_window is not None and max_len <= model.sliding_window:
+        model = dataclasses.replace(model, sliding_window=None)
+    checkpoint, heads = model, head_layout(model, tp)
+    model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
+    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp,
+                              sliding_window=model.sliding_window is not None)
+    for why in skipped:
+        logger.warning("attention_backend auto: %s", why)
+    P = args.block_size or backend.default_block_size
+
     budget = token_budget(args, max_len)
     if not args.enable_chunked_prefill and budget < max_len:
         raise ValueError(

@@ -25,7 +25,7 @@ def token_rows(query_start_loc, num_seqs, T):
 
 
 def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                        *, sm_scale: float):
+                        *, sm_scale: float, window=None):
     T, N, H = q.shape
     _, _, K, P, _ = k_cache.shape
     M = block_tables.shape[1]
@@ -43,6 +43,8 @@ def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, quer
     s = jnp.einsum("tkgh,tkch->tkgc", qg, k) * sm_scale
     kv_pos = jnp.arange(M * P)
     mask = (kv_pos[None, :] <= q_pos[:, None]) & real[:, None]
+    if window is not None:  # sliding window: the last `window` positions up to the query's own
+        mask &= kv_pos[None, :] > q_pos[:, None] - window
     s = jnp.where(mask[:, None, None, :], s, _NEG_INF)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("tkgc,tkch->tkgh", p, v).reshape(T, N, H)

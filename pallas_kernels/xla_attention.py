@@ -50,15 +50,23 @@ def _chunk_kv(cache, layer, block_tables_rows, j, bpc, pages_transposed=False):
     return pool_values(x.transpose(0, 2, 1, 3, 4).reshape(R, K, bpc * A, B))
 
 
-def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc):
+def _first_chunk(lo, used, C):
+    """The first KV chunk of C positions any of these reads needs: positions from lo on (where used)."""
+    return jnp.min(jnp.where(used, lo, jnp.iinfo(jnp.int32).max)) // C
+
+
+def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, window=None):
     """Single-query attention for every row. q_rows f[S, N, H]; bt: their block tables, padded to
-    whole chunks of bpc blocks (StepMeta); rows with kv_len 0 give zeros."""
+    whole chunks of bpc blocks (StepMeta); rows with kv_len 0 give zeros. window: each row reads its
+    last `window` positions only, from the first chunk that holds one of them (None: all)."""
     S, N, H = q_rows.shape
     _, _, K, P, _ = v_cache.shape
     G = N // K
     C = bpc * P
     qg = q_rows.reshape(S, K, G, H).astype(jnp.float32) * sm_scale
     n_chunks = (jnp.max(kv_lens) + C - 1) // C
+    lo = jnp.zeros_like(kv_lens) if window is None else jnp.maximum(kv_lens - window, 0)  # first position read
+    first = jnp.minimum(_first_chunk(lo, kv_lens > 0, C), n_chunks)
 
     def body(j, carry):
         # The gathered pages stay [S, bpc, K, H, P] / [S, bpc, K, P, H]: contracting in that layout
@@ -68,7 +76,8 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc):
         v = pool_values(v_cache[layer, blocks])
         s = jnp.einsum("skgh,sbkhp->skgbp", qg, k).reshape(S, K, G, C)
         pos = j * C + jnp.arange(C)
-        s = jnp.where((pos[None, :] < kv_lens[:, None])[:, None, None, :], s, _NEG_INF)
+        s = jnp.where(((pos[None, :] < kv_lens[:, None]) & (pos[None, :] >= lo[:, None]))[:, None, None, :], s,
+                      _NEG_INF)
         m, l, acc = carry
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
@@ -78,15 +87,16 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc):
 
     init = (jnp.full((S, K, G), _NEG_INF, jnp.float32), jnp.zeros((S, K, G), jnp.float32),
             jnp.zeros((S, K, G, H), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(S, N, H)
 
 
 def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is_prefill,
-                   out, sm_scale, q_tile, tiles_per_group, bpc):
+                   out, sm_scale, q_tile, tiles_per_group, bpc, window=None):
     """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence.
-    bt: the block tables padded to whole chunks of bpc blocks (StepMeta)."""
+    bt: the block tables padded to whole chunks of bpc blocks (StepMeta). window: each query reads
+    its last `window` positions only, each group of tiles from the first chunk one of them needs."""
     T, N, H = q.shape
     _, _, K, P, _ = v_cache.shape
     S = bt.shape[0]
@@ -101,13 +111,13 @@ def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is
     def group(g, out):
         w = g * GT + jnp.arange(GT)  # tile ids of this group
         row = jnp.clip(jnp.searchsorted(tile_end, w, side="right"), 0, S - 1).astype(jnp.int32)
-        first = (w - (tile_end[row] - n_tiles[row])) * Qb  # tile's first token within its chunk
-        count = jnp.where(w < total_tiles, jnp.clip(q_lens[row] - first, 0, Qb), 0)
-        tok = query_start_loc[row][:, None] + first[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
+        first_tok = (w - (tile_end[row] - n_tiles[row])) * Qb  # tile's first token within its chunk
+        count = jnp.where(w < total_tiles, jnp.clip(q_lens[row] - first_tok, 0, Qb), 0)
+        tok = query_start_loc[row][:, None] + first_tok[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
         tok_ok = jnp.arange(Qb)[None, :] < count[:, None]
         ctx_start = seq_lens[row] - q_lens[row]  # tokens cached before this step's chunk
-        q_pos = ctx_start[:, None] + first[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
-        kv_len = jnp.where(count > 0, ctx_start + first + count, 0)  # causal limit of each tile
+        q_pos = ctx_start[:, None] + first_tok[:, None] + jnp.arange(Qb)[None, :]  # [GT, Qb]
+        kv_len = jnp.where(count > 0, ctx_start + first_tok + count, 0)  # causal limit of each tile
         qt = q[jnp.clip(tok, 0, T - 1)].astype(jnp.float32) * sm_scale  # [GT, Qb, N, H]
         qt = qt.reshape(GT, Qb, K, G, H).transpose(0, 2, 3, 1, 4).reshape(GT, K, G * Qb, H)
         rows_bt = bt[row]
@@ -118,12 +128,19 @@ def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is
             v = _chunk_kv(v_cache, layer, rows_bt, j, bpc)  # [GT, K, C, H]
             s = jnp.einsum("tkqh,tkhc->tkqc", qt, k)
             kv_pos = (j * C + jnp.arange(C)).reshape(1, 1, 1, C)
-            s = jnp.where(kv_pos <= q_pos_g, s, _NEG_INF)
+            seen = kv_pos <= q_pos_g
+            if window is not None:
+                seen &= kv_pos > q_pos_g - window
+            s = jnp.where(seen, s, _NEG_INF)
             return _online_softmax_update(carry, s, v, "tkqc,tkch->tkqh")
 
         init = (jnp.full((GT, K, G * Qb), _NEG_INF, jnp.float32), jnp.zeros((GT, K, G * Qb), jnp.float32),
                 jnp.zeros((GT, K, G * Qb, H), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, (jnp.max(kv_len) + C - 1) // C, body, init)
+        n_chunks = (jnp.max(kv_len) + C - 1) // C
+        # a tile's first query reads from (its position - window) on: the group's earliest such chunk
+        first = 0 if window is None else jnp.minimum(
+            _first_chunk(jnp.maximum(ctx_start + first_tok - window + 1, 0), count > 0, C), n_chunks)
+        _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         o = o.reshape(GT, K, G, Qb, H).transpose(0, 3, 1, 2, 4).reshape(GT * Qb, N, H)
         dest = jnp.where(tok_ok, tok, T).reshape(-1)  # T is out of range: dropped
@@ -169,8 +186,10 @@ def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, quer
 
 
 def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                  *, sm_scale: float, meta: StepMeta | None = None):
-    """meta: the step's StepMeta (prepare), computed once for all layers; None computes it here."""
+                  *, sm_scale: float, meta: StepMeta | None = None, window=None):
+    """meta: the step's StepMeta (prepare), computed once for all layers; None computes it here.
+    window: sliding-window attention (paged_attention's docstring); the chunks before a read's
+    window are not gathered."""
     T, N, H = q.shape
     S = block_tables.shape[0]
     P = v_cache.shape[3]
@@ -189,13 +208,13 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         R = -(-S // n)  # rows per group; the last group may be smaller (never empty: n <= S // 8)
         o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
                                           bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
-                                          cfg.decode_kv_blocks) for g in range(n)])
+                                          cfg.decode_kv_blocks, window) for g in range(n)])
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
         return _prefill_tiles(q, k_cache, v_cache, layer, meta.bt, seq_lens, query_start_loc,
                               is_prefill, out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group,
-                              cfg.prefill_kv_blocks)
+                              cfg.prefill_kv_blocks, window)
 
     out = jnp.zeros_like(q)
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)

@@ -204,3 +204,51 @@ def test_the_xla_backend_derives_its_step_values_outside_the_layer_scan(llama_di
     assert "stablehlo.sort" in text and re.search(r"stablehlo\.pad .*-> tensor<16x8xi32>", text)
     assert "stablehlo.sort" not in inside
     assert not re.search(r"stablehlo\.pad .*-> tensor<\d+x\d+xi32>", inside)
+
+
+def windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, sm_scale):
+    """Sliding-window attention written out token by token in numpy (the reference's own check)."""
+    q, k, v, bt, sl, qsl = (np.asarray(x) for x in (q, k, v, bt, sl, qsl))
+    N = q.shape[1]
+    K, P = k.shape[2], k.shape[3]
+    out = np.zeros_like(q)
+    for r in range(int(ns[0])):
+        for t in range(qsl[r], qsl[r + 1]):
+            pos = sl[r] - (qsl[r + 1] - t)  # the token's position in its sequence
+            seen = list(range(max(0, pos - window + 1), pos + 1))
+            keys = np.stack([k[1, bt[r, p // P], :, p % P] for p in seen])  # [n, K, H]
+            vals = np.stack([v[1, bt[r, p // P], :, p % P] for p in seen])
+            for n in range(N):
+                s = keys[:, n // (N // K)] @ q[t, n] * sm_scale
+                w = np.exp(s - s.max())
+                out[t, n] = (w / w.sum()) @ vals[:, n // (N // K)]
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 13, 100])
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS.items() if b.sliding_window])
+def test_sliding_window_backends_match_the_window_written_out(name, window):
+    """Decode rows and prefill chunks over cached prefixes, with windows shorter than a page, a page,
+    across pages and longer than any sequence; the backends that take a window agree with it
+    written out. (The 'xla' backend starts each loop at the first chunk a window needs.)"""
+    b = BACKENDS[name]
+    rng = np.random.default_rng(window)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1, 5, 20], [20, 7, 0, 33, 12], N=4, K=2, H=16, P=8, S=6, T=48,
+                                         NB=40, M=8, dtype=jnp.float32)
+    want = windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, 0.25)
+    k_pool = jnp.swapaxes(k, -1, -2) if b.k_transposed else k
+    got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name, window=jnp.int32(window)))(
+        q, k_pool, v, jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_backend_without_windows_refuses_them_and_auto_skips_it():
+    q, k, v, bt, sl, qsl, ns = make_case(np.random.default_rng(0), [1], [3], N=2, K=1, H=16, P=8, S=2, T=2, NB=4, M=2)
+    with pytest.raises(ValueError, match="'numba' does not run sliding-window attention: its kernels read every"):
+        paged_attention(q, jnp.swapaxes(k, -1, -2), v, 0, bt, sl, qsl, ns, sm_scale=1.0, backend="numba", window=4)
+    with pytest.raises(ValueError, match="'pallas' does not run the model's sliding-window attention.*"
+                                         "or use attention_backend='xla'"):
+        choose("pallas", "gpu", 64, None, "float32", "float32", sliding_window=True)
+    chosen, skipped = choose("auto", "cpu", 64, None, "float32", "float32", sliding_window=True)
+    assert chosen.name == "xla" and any("'numba' does not run the model's sliding-window" in s for s in skipped)
+    assert choose("auto", "gpu", 64, None, "bfloat16", "bfloat16", sliding_window=True)[0].name == "xla"

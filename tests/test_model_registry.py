@@ -114,3 +114,12 @@ def test_loader_names_no_architecture():
     source = inspect.getsource(loader)
     for word in ("ForCausalLM", "Llama", "Qwen", "Mistral", "Gemma", "q_proj", "model.layers"):
         assert word not in source, word
+
+
+def test_a_qwen_window_is_taken_for_every_layer_or_none():
+    """transformers' rule: use_sliding_window, and then the layers from max_window_layers on."""
+    hf = tiny_hf("qwen2", sliding_window=64, use_sliding_window=True)
+    assert model_config_from_hf({**hf, "max_window_layers": 0}).sliding_window == 64
+    assert model_config_from_hf({**hf, "max_window_layers": hf["num_hidden_layers"]}).sliding_window is None
+    with pytest.raises(ValueError, match="a sliding window in layers 1 to 1 only"):
+        model_config_from_hf({**hf, "max_window_layers": 1})

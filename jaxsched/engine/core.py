@@ -163,7 +163,8 @@ class EngineCore:
         self.devices = tuple(devices)
         # the core's tokenizer serves grammars only (llguidance reads its vocabulary): no text here
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
-        model = build_model(model_cfg, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
+        # the checkpoint's config as resolved (a sliding window no shorter than the context dropped)
+        model = build_model(cfg.checkpoint_model, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
                             layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if mesh else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)

@@ -98,7 +98,7 @@ class GemmaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(cfg, batch.positions)
         # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
-                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]))
+                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.

@@ -139,7 +139,7 @@ class DecoderLayers(nnx.Module):
 
 
 def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
-                 shape: tuple[int, int, int, int] | None = None) -> Attend:
+                 shape: tuple[int, int, int, int] | None = None, window: int | None = None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
@@ -149,7 +149,8 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
     so neither the write nor the kernel needs a collective (parallel.py).
 
     shape: (N, K, H, P) of the model and its pool: a backend that derives per-step values from the
-    metadata (AttentionBackend.prepare) gets them computed here, once, outside the layer loop."""
+    metadata (AttentionBackend.prepare) gets them computed here, once, outside the layer loop.
+    window: sliding-window attention (paged_attention's `window`), the same in every layer."""
     record = backends.get(backend)
     k_transposed = record.k_transposed
     rope_write = record.rope_write
@@ -170,7 +171,7 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
         else:  # the backend's own kernel for both (AttentionBackend.rope_write)
             q, k_cache, v_cache = fused
         o = paged_attention(q, k_cache, v_cache, li, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale, backend=backend, meta=meta)
+                            sm_scale=sm_scale, backend=backend, meta=meta, window=window)
         return o, k_cache, v_cache
 
     if shards_of(mesh) > 1:

@@ -50,9 +50,18 @@ def llama_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
 
 
 def _qwen_window(hf: dict[str, Any]) -> int | None:
-    # Qwen configs carry a window size they do not use
+    """Qwen configs carry a window size they use only with use_sliding_window, and then in the
+    layers from max_window_layers on (transformers' rule): all of them, or none."""
     window = hf.get("sliding_window")
-    return int(window) if window and hf.get("use_sliding_window", False) else None
+    if not window or not hf.get("use_sliding_window", False):
+        return None
+    L, first = int(hf["num_hidden_layers"]), int(hf.get("max_window_layers", 0) or 0)
+    if first >= L:
+        return None
+    if first > 0:
+        raise ValueError(f"a sliding window in layers {first} to {L - 1} only (max_window_layers) is not supported: "
+                         "every layer or none must use it")
+    return int(window)
 
 
 def qwen2_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
@@ -194,7 +203,7 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(cfg, batch.positions)
         # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
         attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
-                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]))
+                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window)
         h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend,
                             batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.

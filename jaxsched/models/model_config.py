@@ -30,7 +30,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None  # Mistral / Qwen2 option; only allowed when >= max_model_len
+    # Mistral's (and Qwen2's, when use_sliding_window): every layer reads its last sliding_window
+    # positions only; None where the context never exceeds it (config.resolve drops it)
+    sliding_window: int | None = None
     dtype: str = "float32"  # the checkpoint's dtype
     # mixture of experts (models/moe.py): E experts of intermediate size moe_intermediate_size in every
     # layer's MLP, k of them per token; 0 experts: a dense MLP of intermediate_size
