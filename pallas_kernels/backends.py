@@ -75,16 +75,15 @@ class AttentionBackend:
 
 # why a backend runs no sliding-window attention (and what to use)
 NO_WINDOW = {
-    "pallas": "its Triton kernels read every block of a sequence (the 'xla' backend skips those outside the window)",
     "numba": "its kernels read every block of a sequence (the 'xla' backend skips those outside the window)",
 }
 
 
 def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale,
-            meta=None):
+            meta=None, window=None):
     validate_pallas(q, k_cache, block_tables)  # the Triton lowering's own rules, named before tracing
     return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale, meta=meta)
+                            sm_scale=sm_scale, meta=meta, window=window)
 
 
 def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
@@ -113,7 +112,8 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # The Pallas kernels with the Triton lowering (pallas_attention.py). They load [P, H] tiles and
     # bfloat16 natively. 16-token blocks, as vLLM's GPU backends use.
     AttentionBackend("pallas", _pallas, k_transposed=False, bf16_as_bits=False, default_block_size=16,
-                     auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare),
+                     auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare,
+                     sliding_window=True),
     # A numba kernel called through XLA's FFI that reads pages where they lie (numba_attention.py).
     # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
     # scores too.

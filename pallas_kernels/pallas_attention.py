@@ -93,6 +93,9 @@ def _compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
+NO_WINDOW = 1 << 30  # a window longer than any context
+
+
 def _dot_nt(a, b):
     """a f[R, H] times b f[C, H] transposed: f32[R, C]."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_PRECISION,
@@ -120,13 +123,16 @@ def _load_chunk(cache_ref, layer, bt_ref, row, chunk, kv, pages: int):
 def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale: float,
                    Gp: int, Rd: int, pages: int, splits: int):
     s_i, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    layer, window = layer_ref[0], layer_ref[1]  # window: NO_WINDOW when the model has none
     length = lens_ref[s_i]  # 0 for rows that are not decode rows: no chunk, nothing read
     P, H = k_ref.shape[3], k_ref.shape[4]
     C = pages * P
     n_chunks = (length + C - 1) // C
-    per_split = (n_chunks + splits - 1) // splits
-    c0 = j * per_split
+    lo = jnp.maximum(length - window, 0)  # the first position the window holds
+    # the splits share the chunks from the window's first on: those before it are never read
+    c_lo = jnp.minimum(lo // C, n_chunks)
+    per_split = (n_chunks - c_lo + splits - 1) // splits
+    c0 = c_lo + j * per_split
     c1 = jnp.minimum(c0 + per_split, n_chunks)
     q = q_ref[s_i, pl.ds(kv * Gp, Rd), :]  # [Rd, H]; rows >= Gp belong to the next KV head, unused
 
@@ -135,7 +141,7 @@ def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_
         v = _load_chunk(v_ref, layer, bt_ref, s_i, c, kv, pages)
         s = _dot_nt(q, k) * sm_scale
         pos = c * C + jnp.arange(C, dtype=jnp.int32)
-        s = jnp.where(jnp.broadcast_to(pos[None, :] < length, (Rd, C)), s, _NEG_INF)
+        s = jnp.where(jnp.broadcast_to((pos[None, :] < length) & (pos[None, :] >= lo), (Rd, C)), s, _NEG_INF)
         return _online_softmax(carry, s, v)
 
     init = (jnp.full((Rd,), _NEG_INF, jnp.float32), jnp.zeros((Rd,), jnp.float32),
@@ -157,7 +163,7 @@ def _prefill_kernel(layer_ref, tile_row_ref, tile_first_ref, qsl_ref, lens_ref, 
 
     @pl.when(row >= 0)
     def _():
-        layer = layer_ref[0]
+        layer, window = layer_ref[0], layer_ref[1]
         P, H = k_ref.shape[3], k_ref.shape[4]
         C, R = pages * P, Qb * Gp
         first = tile_first_ref[i]  # the tile's first token, counted within its row's chunk
@@ -178,12 +184,15 @@ def _prefill_kernel(layer_ref, tile_row_ref, tile_first_ref, qsl_ref, lens_ref, 
             v = _load_chunk(v_ref, layer, bt_ref, row, c, kv, pages)
             s = _dot_nt(q, k) * sm_scale
             pos = c * C + jnp.arange(C, dtype=jnp.int32)
-            s = jnp.where(pos[None, :] <= q_pos[:, None], s, _NEG_INF)
+            s = jnp.where((pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window), s, _NEG_INF)
             return _online_softmax(carry, s, v)
 
         init = (jnp.full((R,), _NEG_INF, jnp.float32), jnp.zeros((R,), jnp.float32),
                 jnp.zeros((R, H), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, (kv_end + C - 1) // C, body, init)
+        n_chunks = (kv_end + C - 1) // C
+        # the tile's first token reads from (its position - window + 1) on: no chunk before that one's
+        c_lo = jnp.minimum(jnp.maximum(ctx + first - window + 1, 0) // C, n_chunks)
+        _, l, acc = jax.lax.fori_loop(c_lo, n_chunks, body, init)
         o = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(Qb, Gp, H).astype(o_ref.dtype)
         tok = w + jnp.arange(Qb, dtype=jnp.int32)
         own = (tok >= tok0) & (tok < tok0 + count)
@@ -244,9 +253,11 @@ def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, quer
 
 def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
                      sm_scale: float, interpret: bool | None = None, config: tuning.PallasConfig | None = None,
-                     meta: StepMeta | None = None):
+                     meta: StepMeta | None = None, window=None):
     """Ragged paged attention with the Pallas kernels; interpret=None means interpret on CPU only.
-    meta: the step's StepMeta (prepare), computed once for all layers; None computes it here."""
+    meta: the step's StepMeta (prepare), computed once for all layers; None computes it here.
+    window: sliding-window attention (paged_attention's docstring): each loop starts at the first
+    chunk its window holds."""
     if interpret is None:
         interpret = not platforms.of(jax.default_backend()).triton
     T, N, H = q.shape
@@ -259,7 +270,9 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
         meta = prepare(T, N, K, H, P, block_tables, seq_lens, query_start_loc, num_seqs, cfg)
     Qb = cfg.q_tile
     Tq = max(T, Qb)  # a tile's window needs Qb rows even in a step of fewer tokens
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    # the kernels' scalars: the layer and the window (NO_WINDOW: the whole causal context)
+    layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()),
+                       jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(())])
     bt = meta.bt
     qg = q.reshape(T, K, G, H)  # f[T, K, Gp, H] after the padding below
     if Gp != G:

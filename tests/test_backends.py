@@ -246,9 +246,27 @@ def test_a_backend_without_windows_refuses_them_and_auto_skips_it():
     q, k, v, bt, sl, qsl, ns = make_case(np.random.default_rng(0), [1], [3], N=2, K=1, H=16, P=8, S=2, T=2, NB=4, M=2)
     with pytest.raises(ValueError, match="'numba' does not run sliding-window attention: its kernels read every"):
         paged_attention(q, jnp.swapaxes(k, -1, -2), v, 0, bt, sl, qsl, ns, sm_scale=1.0, backend="numba", window=4)
-    with pytest.raises(ValueError, match="'pallas' does not run the model's sliding-window attention.*"
+    with pytest.raises(ValueError, match="'numba' does not run the model's sliding-window attention.*"
                                          "or use attention_backend='xla'"):
-        choose("pallas", "gpu", 64, None, "float32", "float32", sliding_window=True)
+        choose("numba", "cpu", 64, None, "float32", "float32", sliding_window=True)
     chosen, skipped = choose("auto", "cpu", 64, None, "float32", "float32", sliding_window=True)
     assert chosen.name == "xla" and any("'numba' does not run the model's sliding-window" in s for s in skipped)
-    assert choose("auto", "gpu", 64, None, "bfloat16", "bfloat16", sliding_window=True)[0].name == "xla"
+    assert choose("auto", "gpu", 64, None, "bfloat16", "bfloat16", sliding_window=True)[0].name == "pallas"
+
+
+@pytest.mark.parametrize("window", [3, 9, 40])
+def test_pallas_windows_with_split_decode_rows_and_one_page_chunks(window):
+    """The Pallas kernels' split-K decode (its splits share the chunks from the window's first on)
+    and one-page chunks in both loops, in interpret mode, against the window written out."""
+    from pallas_kernels import tuning
+    from pallas_kernels.pallas_attention import pallas_attention
+
+    rng = np.random.default_rng(window)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 1, 12, 1], [50, 7, 30, 0], N=4, K=2, H=16, P=8, S=4, T=16,
+                                         NB=40, M=8, dtype=jnp.float32)
+    cfg = tuning.PallasConfig(q_tile=8, prefill_kv_pages=1, prefill_warps=4, prefill_stages=1, decode_kv_pages=1,
+                              decode_splits=3, decode_warps=4, decode_stages=1)
+    got = pallas_attention(q, k, v, 1, bt, sl, qsl, ns, sm_scale=0.25, interpret=True, config=cfg,
+                           window=jnp.int32(window))
+    np.testing.assert_allclose(np.asarray(got), windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, 0.25),
+                               rtol=2e-5, atol=2e-5)
