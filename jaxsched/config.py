@@ -391,13 +391,12 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
             f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
             f"({model.max_position_embeddings}); lower max_model_len"
         )
-    # a window no shorter than the context changes nothing: the model runs without it, on any backend
+    # a window no shorter than the context changes nothing: the model runs without its masks
     if model.sliding_window is not None and max_len <= model.sliding_window:
         model = dataclasses.replace(model, sliding_window=None)
     checkpoint, heads = model, head_layout(model, tp)
     model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
-    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp,
-                              sliding_window=model.sliding_window is not None)
+    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp)
     for why in skipped:
         logger.warning("attention_backend auto: %s", why)
     P = args.block_size or backend.default_block_size

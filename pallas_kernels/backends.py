@@ -57,9 +57,6 @@ class AttentionBackend:
     # derives from the step's metadata alone, computed once a step outside the layer loop and passed
     # to attend as `meta` (layers.paged_attend); None: the backend derives nothing worth hoisting
     prepare: Callable | None = field(default=None, repr=False)
-    # takes paged_attention's `window` (sliding-window attention, skipping the blocks outside it);
-    # NO_WINDOW says why a backend does not
-    sliding_window: bool = False
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -71,12 +68,6 @@ class AttentionBackend:
         if self.bf16_as_bits and jnp.dtype(dtype) == jnp.bfloat16:
             return BF16_BITS
         return jnp.dtype(dtype)
-
-
-# why a backend runs no sliding-window attention (and what to use)
-NO_WINDOW = {
-    "numba": "its kernels read every block of a sequence (the 'xla' backend skips those outside the window)",
-}
 
 
 def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale,
@@ -112,8 +103,7 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # The Pallas kernels with the Triton lowering (pallas_attention.py). They load [P, H] tiles and
     # bfloat16 natively. 16-token blocks, as vLLM's GPU backends use.
     AttentionBackend("pallas", _pallas, k_transposed=False, bf16_as_bits=False, default_block_size=16,
-                     auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare,
-                     sliding_window=True),
+                     auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare),
     # A numba kernel called through XLA's FFI that reads pages where they lie (numba_attention.py).
     # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
     # scores too.
@@ -127,11 +117,11 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # backend uses: XLA:CPU's gathers copy a page per index, so bigger pages read faster. Both
     # measured in docs/PERFORMANCE.md, "Decisions in the code".
     AttentionBackend("xla", xla_attention, k_transposed=True, bf16_as_bits=True, default_block_size=128,
-                     auto_on=None, why_unsupported=_runs_anything, prepare=xla_prepare, sliding_window=True),
+                     auto_on=None, why_unsupported=_runs_anything, prepare=xla_prepare),
     # The obviously-correct version every other backend is tested against (reference_attention.py);
     # O(T * M * P) memory, so never chosen by "auto".
     AttentionBackend("reference", reference_attention, k_transposed=False, bf16_as_bits=True,
-                     default_block_size=128, auto_on=(), why_unsupported=_runs_anything, sliding_window=True),
+                     default_block_size=128, auto_on=(), why_unsupported=_runs_anything),
 )}
 
 
@@ -148,12 +138,11 @@ def auto_order(platform: str) -> list[AttentionBackend]:
 
 
 def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtype: str,
-           kv_dtype: str, shards: int = 1, sliding_window: bool = False) -> tuple[AttentionBackend, list[str]]:
+           kv_dtype: str, shards: int = 1) -> tuple[AttentionBackend, list[str]]:
     """The backend for attention_backend=`name` ("auto" or a name in BACKENDS) running a model of
     `head_dim` and `dtype` with a pool of `kv_dtype` values in blocks of `block_size` tokens (None:
     each backend's default_block_size) on `platform` (jax's name: "cpu", "gpu", ...), split over
-    `shards` devices (tensor parallelism: the backend runs per shard under shard_map), with
-    sliding-window attention where the model's window is shorter than the context.
+    `shards` devices (tensor parallelism: the backend runs per shard under shard_map).
 
     Returns the record and, for "auto", one line per backend it preferred but skipped ("using 'xla'
     because <why not 'pallas'>") for the caller to log. A name that is neither "auto" nor in BACKENDS,
@@ -161,9 +150,6 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
     the backend "auto" would pick instead.
     """
     def why(b: AttentionBackend) -> str | None:
-        if sliding_window and not b.sliding_window:
-            return (f"attention backend {b.name!r} does not run the model's sliding-window attention: "
-                    f"{NO_WINDOW[b.name]}")
         if shards > 1 and b.why_not_sharded is not None:
             return f"attention backend {b.name!r} cannot run with tensor_parallel_size > 1: {b.why_not_sharded}"
         P = b.default_block_size if block_size is None else block_size
@@ -175,7 +161,7 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
         backend = BACKENDS[name]
         reason = why(backend)
         if reason is not None:
-            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype, shards, sliding_window)
+            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype, shards)
             raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; or use "
                              f"attention_backend={instead.name!r} (what 'auto' picks here)")
         return backend, []

@@ -55,12 +55,19 @@ def _kernel_storage(pool):
     return pool.astype(jnp.float32)
 
 
+NO_WINDOW = 1 << 30  # a window longer than any context
+
+
 def numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                    *, sm_scale: float):
+                    *, sm_scale: float, window=None):
+    """window: sliding-window attention (paged_attention's docstring): the kernels start at the
+    first page a window holds."""
     T, N, H = q.shape
     k_cache, v_cache = _kernel_storage(k_cache), _kernel_storage(v_cache)
     call = jax.ffi.ffi_call(_target(k_cache.dtype == jnp.uint16), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.reshape(layer, (1,)).astype(jnp.int32),
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()),
+                         jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(())])
+    out = call(q.astype(jnp.float32), k_cache, v_cache, scalars,
                block_tables, seq_lens, query_start_loc, num_seqs, jnp.full((1,), sm_scale, jnp.float32))
     return out.astype(q.dtype)
 

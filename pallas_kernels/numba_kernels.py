@@ -262,17 +262,20 @@ def _rows_acc(a, b, c, j, terms, rows, cols):
 
 
 @njit(inline="always", cache=True)
-def _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk):
+def _pages(blocks, k, b, b0, nb, K, kv_len, P, NB, next_blk):
     """A decode row's page (head k, block b) and the one it reads after: (block, next block, next
-    head, next filled positions). Its pages are one stream, KV head by KV head, block by block, and
-    after its last comes block next_blk, the first of the thread's next item, whose fill is not
-    known here (P). A block outside the pool (never from the block manager) reads block 0."""
+    head, next filled positions). Its pages are one stream, KV head by KV head, block by block from
+    b0 (the first its window holds) to nb, and after its last comes block next_blk, the first of the
+    thread's next item, whose fill is not known here (P). A block outside the pool (never from the
+    block manager) reads block 0."""
     blk = blocks[b]
     if blk < 0 or blk >= NB:
         blk = 0
-    j = k * nb + b + 1
-    if j < K * nb:
-        nxt, nk, n_next = blocks[j % nb], j // nb, min(P, kv_len - (j % nb) * P)
+    span = nb - b0
+    j = k * span + b - b0 + 1
+    if j < K * span:
+        nb_next = b0 + j % span
+        nxt, nk, n_next = blocks[nb_next], j // span, min(P, kv_len - nb_next * P)
     else:
         nxt, nk, n_next = next_blk, 0, P
     if nxt < 0 or nxt >= NB:
@@ -293,6 +296,15 @@ def _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale):
 
 
 @njit(fastmath=True, inline="always", cache=True)
+def _before_window(s, G, b, P, lo):
+    """Scores of a decode row's page b at positions before lo (its window's first) become -inf:
+    the online softmax then gives them no weight."""
+    for p in range(min(P, lo - b * P)):
+        for g in range(G):
+            s[g, p] = _NEG_INF
+
+
+@njit(fastmath=True, inline="always", cache=True)
 def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
     """out[tok, KV head k's G query heads] = acc / l_sum (zeros with nothing cached)."""
     for g in range(G):
@@ -307,34 +319,35 @@ def _head_out(out, acc, l_sum, tok, k, G, H, kv_len):
 # (inline="always"). Inlining the large bodies too made the handlers' cold compile far longer for
 # no measurable change in the kernel's speed (docs/PERFORMANCE.md, "Decisions in the code").
 @njit(fastmath=True, cache=True)
-def decode_row(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+def decode_row(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
     """One query token (its G heads per KV head) over kv_len cached tokens, page by page.
 
     Its pages are read as one stream (_pages), and the page after the one in hand is
     prefetched as this one is read: the pages lie anywhere in the pool, where the hardware's
     prefetcher, which follows addresses, cannot see them coming. Both dots in register tiles
-    (_decode_tiles) where they fit, else in loops (_decode_loops)."""
-    _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+    (_decode_tiles) where they fit, else in loops (_decode_loops). lo: the first position its
+    sliding window holds (0 without one); the pages before it are not read."""
+    _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk)
 
 
-def _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+def _decode_heads(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
     """decode_row's work: _decode_tiles on a float32 pool with G <= 3, pages a multiple of 64 and
     heads of 64 or 128, else _decode_loops (compiled per pool storage through the overload below)."""
 
 
 @overload(_decode_heads, inline="always")
-def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+def _decode_heads_impl(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
     if not isinstance(kc.dtype, types.Float):  # a uint16 pool: read through _val in the loops
-        def loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
-            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+        def loops(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
+            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk)
         return loops
 
-    def pick(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+    def pick(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
         K, H, P = kc.shape[2], kc.shape[3], kc.shape[4]
         if q.shape[1] // K <= 3 and P % 64 == 0 and (H == 64 or H == 128):
-            _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+            _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk)
         else:
-            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk)
+            _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk)
     return pick
 
 
@@ -354,7 +367,7 @@ _add64, _add128 = (make_tile(_TILE_ROWS, "strided", accumulate=True, ahead=True,
 
 
 @njit(fastmath=True, cache=True)
-def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
     """decode_row with both dots in whole-row register tiles (_set64 ... _add128; G <= 3, pages a
     multiple of 64 positions, heads of 64 or 128): scores s [G, :n] = qs [G, H] . K page [H, :n], values
     acc [G, H] += s [G, :n] . V page [:n, H]. In the loops every pass loads and stores its
@@ -369,11 +382,12 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     s = np.zeros((R, P), np.float32)
     qs = np.zeros((R, H), np.float32)
     nb = (kv_len + P - 1) // P
+    b0 = lo // P  # the first page the window holds
     wide_pages = P % 128 == 0
     for k in range(K):
         _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale)
-        for b in range(nb):
-            blk, nxt, nk, n_next = _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
+        for b in range(b0, nb):
+            blk, nxt, nk, n_next = _pages(blocks, k, b, b0, nb, K, kv_len, P, NB, next_blk)
             page = ((layer * NB + blk) * K + k) * H * P  # flat offset of a page, K and V alike
             ahead = ((layer * NB + nxt) * K + nk) * H * P
             n = min(P, kv_len - b * P)
@@ -391,6 +405,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
             for x in range(c0, (n_next + 15) // 16 * 16, 16):  # the next page's columns past these
                 for h in range(H):
                     _prefetch(kc, ahead + h * P + x)
+            _before_window(s, G, b, P, lo)
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
             if H == 128:
@@ -403,7 +418,7 @@ def _decode_tiles(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
 
 
 @njit(fastmath=True, cache=True)
-def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
+def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, lo, scale, out, next_blk):
     """decode_row in loops (any pool storage, any page shape). Both dots take 4 terms per pass, a
     quarter of the accumulator loads and stores; unrolled without the prefetch, the same loops
     ran no faster (docs/PERFORMANCE.md, "Decisions in the code")."""
@@ -415,11 +430,12 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
     s = np.empty((G, P), np.float32)
     qs = np.empty((G, H), np.float32)
     nb = (kv_len + P - 1) // P
+    b0 = lo // P  # the first page the window holds
     h4 = H - H % 4
     for k in range(K):
         _head_start(qs, m, l_sum, acc, q, tok, k, G, H, scale)
-        for b in range(nb):
-            blk, nxt, nk, n_next = _pages(blocks, k, b, nb, K, kv_len, P, NB, next_blk)
+        for b in range(b0, nb):
+            blk, nxt, nk, n_next = _pages(blocks, k, b, b0, nb, K, kv_len, P, NB, next_blk)
             ahead = ((layer * NB + nxt) * K + nk) * H * P  # flat offset of that page, K and V alike
             n = min(P, kv_len - b * P)
             # A page's last filled position bounds what is read: a row of the K page holds all P
@@ -439,6 +455,7 @@ def _decode_loops(q, kc, vc, layer, blocks, tok, kv_len, scale, out, next_blk):
                         _prefetch(kc, ahead + (h + r) * P + x)
                 _rows_acc(qs, kp, s, h, 4, G, cols)
             _rows_acc(qs, kp, s, h4, H - h4, G, cols)
+            _before_window(s, G, b, P, lo)
             for g in range(G):  # online softmax over this page's n positions
                 _softmax_row(s, g, n, n, m, l_sum, acc)
             n4 = n - n % 4
@@ -530,9 +547,10 @@ def _page_dot_impl(a, pool, layer, blk, k, c, rows, kdim, cols, add):
 
 
 @njit(fastmath=True, cache=True)  # not inlined: see decode_row
-def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
+def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, window, scale, out):
     """Up to Q_TILE consecutive query tokens of one sequence (tokens tok0.., positions pos0..),
-    causal over the cached prefix and themselves (both dots: _page_dot)."""
+    causal over the cached prefix and themselves (both dots: _page_dot), each over its last
+    `window` positions only: the pages before the first token's window are not read."""
     _, NB, K, H, P = kc.shape
     G = q.shape[1] // K
     R = Q_TILE * G  # query rows per KV head: (token, head of the group), token-major
@@ -551,19 +569,25 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
             for g in range(G):
                 for h in range(H):
                     qs[i * G + g, h] = q[tok0 + i, k * G + g, h] * scale
-        for b in range((limit + P - 1) // P):
+        for b in range(max(pos0 - window + 1, 0) // P, (limit + P - 1) // P):
             blk = blocks[b]
             if blk < 0 or blk >= NB:
                 blk = 0
             start = b * P
             n = min(P, limit - start)
             _page_dot(qs, kc, layer, blk, k, s, rows, H, n, False)  # scores: qs [rows, H] x page [H, :n]
+            # rows whose window starts inside or after this page (none without a window)
+            windowed = pos0 + nq - window > start
             for i in range(rows):  # causal online softmax: row i sees positions <= its own
                 lim = min(n, pos0 + i // G - start + 1) if i // G < nq else 0
-                if lim <= 0:
+                first = pos0 + i // G - window + 1 - start if windowed else 0  # ... from its window's first
+                if lim <= 0 or first >= lim:
                     for p in range(n):
                         s[i, p] = _ZERO
                     continue
+                if first > 0:
+                    for p in range(first):
+                        s[i, p] = _NEG_INF
                 _softmax_row(s, i, lim, n, m, l_sum, acc)
             _page_dot(s, vc, layer, blk, k, acc, rows, n, H, True)  # values: weights [rows, :n] x page [:n, H]
         for i in range(nq * G):
@@ -573,9 +597,10 @@ def prefill_tile(q, kc, vc, layer, blocks, tok0, nq, pos0, scale, out):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
+def ragged(q, kc, vc, layer, window, bt, seq_lens, qsl, num_seqs, scale, out):
     """q f32[T, N, H]; kc [L, NB, K, H, P]; vc [L, NB, K, P, H]; bt i32[S, M]; seq_lens i32[S];
-    qsl i32[S + 1]; out f32[T, N, H] (padding tokens get zeros)."""
+    qsl i32[S + 1]; out f32[T, N, H] (padding tokens get zeros). window: each token reads its last
+    `window` positions only (a window longer than any context: all of them)."""
     T = q.shape[0]
     ns = min(max(num_seqs, 0), bt.shape[0])
     for t in range(min(max(qsl[ns], 0), T), T):
@@ -649,21 +674,22 @@ def ragged(q, kc, vc, layer, bt, seq_lens, qsl, num_seqs, scale, out):
             row = item_row[i]
             q_len = qsl[row + 1] - qsl[row]
             if q_len == 1:
-                decode_row(q, kc, vc, layer, bt[row], qsl[row], seq_lens[row], scale, out, next_blk[i])
+                decode_row(q, kc, vc, layer, bt[row], qsl[row], seq_lens[row], max(seq_lens[row] - window, 0),
+                           scale, out, next_blk[i])
             else:
                 first = item_first[i]
                 prefill_tile(q, kc, vc, layer, bt[row], qsl[row] + first, min(Q_TILE, q_len - first),
-                             seq_lens[row] - q_len + first, scale, out)
+                             seq_lens[row] - q_len + first, window, scale, out)
 
 
 # ---------------------------------------------------------------------------------------------------
 # FFI handlers, one per pool storage (carray needs the dtype at compile time). Arguments, in order:
-# q f32[T, N, H], k_cache, v_cache, layer i32[1], block_tables i32[S, M], seq_lens i32[S],
+# q f32[T, N, H], k_cache, v_cache, (layer, window) i32[2], block_tables i32[S, M], seq_lens i32[S],
 # query_start_loc i32[S + 1], num_seqs i32[1], sm_scale f32[1]; result f32[T, N, H].
 # ---------------------------------------------------------------------------------------------------
 @njit(cache=True)
-def _scalar(frame, i, dtype):
-    return carray(pointer(buffer(frame, ARGS, i)[0]), (1,), dtype=dtype)[0]
+def _scalar(frame, i, dtype, at=0):
+    return carray(pointer(buffer(frame, ARGS, i)[0]), (at + 1,), dtype=dtype)[at]
 
 
 @njit(cache=True)
@@ -673,7 +699,7 @@ def _run(frame, kc, vc):
     T, N, H = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2)
     S, M = dim(bt_d, 0), dim(bt_d, 1)
     ragged(carray(pointer(q_p), (T, N, H), dtype=np.float32), kc, vc, _scalar(frame, 3, np.int32),
-           carray(pointer(bt_p), (S, M), dtype=np.int32),
+           _scalar(frame, 3, np.int32, 1), carray(pointer(bt_p), (S, M), dtype=np.int32),
            carray(pointer(buffer(frame, ARGS, 5)[0]), (S,), dtype=np.int32),
            carray(pointer(buffer(frame, ARGS, 6)[0]), (S + 1,), dtype=np.int32),
            _scalar(frame, 7, np.int32), _scalar(frame, 8, np.float32),

@@ -23,8 +23,8 @@ Arguments (shape glossary in README.md):
   query_start_loc  i32[S + 1]   where each sequence's tokens start in T; padding rows are empty
   num_seqs         i32[1]       real sequences; rows from it on are padding
   window           i32[] or None  sliding-window attention: a token at position q reads the cached
-                                  positions in (q - window, q] only (None: all of them, causal); a
-                                  backend that takes it skips the blocks outside the window
+                                  positions in (q - window, q] only (None: all of them, causal);
+                                  every backend skips the blocks outside the window
 Returns f[T, N, H]; rows of padding tokens are zero.
 """
 
@@ -80,14 +80,10 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
                     *, sm_scale: float, backend: str = "xla", meta=None, window=None):
     """Attention of this step's tokens over their sequences' paged KV. See the module docstring.
     meta: the backend's prepare() of this step (the same for every layer), when the caller has it."""
-    record = backends.get(backend)
+    attend = backends.get(backend).attend
     validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, backend)
     extra = {} if meta is None else {"meta": meta}
     if window is not None:
-        if not record.sliding_window:
-            raise ValueError(f"attention backend {backend!r} does not run sliding-window attention: "
-                             f"{backends.NO_WINDOW[backend]}")
         extra["window"] = window
-    attend = record.attend
     return attend(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
                   sm_scale=sm_scale, **extra)

@@ -226,11 +226,10 @@ def windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, sm_scale):
 
 
 @pytest.mark.parametrize("window", [1, 5, 8, 13, 100])
-@pytest.mark.parametrize("name", [n for n, b in BACKENDS.items() if b.sliding_window])
-def test_sliding_window_backends_match_the_window_written_out(name, window):
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_every_backend_matches_the_window_written_out(name, window):
     """Decode rows and prefill chunks over cached prefixes, with windows shorter than a page, a page,
-    across pages and longer than any sequence; the backends that take a window agree with it
-    written out. (The 'xla' backend starts each loop at the first chunk a window needs.)"""
+    across pages and longer than any sequence: every backend agrees with the window written out."""
     b = BACKENDS[name]
     rng = np.random.default_rng(window)
     q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1, 5, 20], [20, 7, 0, 33, 12], N=4, K=2, H=16, P=8, S=6, T=48,
@@ -240,18 +239,6 @@ def test_sliding_window_backends_match_the_window_written_out(name, window):
     got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name, window=jnp.int32(window)))(
         q, k_pool, v, jnp.int32(1), bt, sl, qsl, ns)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
-
-
-def test_a_backend_without_windows_refuses_them_and_auto_skips_it():
-    q, k, v, bt, sl, qsl, ns = make_case(np.random.default_rng(0), [1], [3], N=2, K=1, H=16, P=8, S=2, T=2, NB=4, M=2)
-    with pytest.raises(ValueError, match="'numba' does not run sliding-window attention: its kernels read every"):
-        paged_attention(q, jnp.swapaxes(k, -1, -2), v, 0, bt, sl, qsl, ns, sm_scale=1.0, backend="numba", window=4)
-    with pytest.raises(ValueError, match="'numba' does not run the model's sliding-window attention.*"
-                                         "or use attention_backend='xla'"):
-        choose("numba", "cpu", 64, None, "float32", "float32", sliding_window=True)
-    chosen, skipped = choose("auto", "cpu", 64, None, "float32", "float32", sliding_window=True)
-    assert chosen.name == "xla" and any("'numba' does not run the model's sliding-window" in s for s in skipped)
-    assert choose("auto", "gpu", 64, None, "bfloat16", "bfloat16", sliding_window=True)[0].name == "pallas"
 
 
 @pytest.mark.parametrize("window", [3, 9, 40])
@@ -270,3 +257,25 @@ def test_pallas_windows_with_split_decode_rows_and_one_page_chunks(window):
                            window=jnp.int32(window))
     np.testing.assert_allclose(np.asarray(got), windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, 0.25),
                                rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [10, 64, 100, 1000])
+def test_numba_windows_in_its_register_tile_path_and_bfloat16_pools(window, storage):
+    """64-token pages and heads of 64 with G = 2 take the numba decode kernel's register tiles (a
+    float32 pool) or its loops (bfloat16 bits): windows inside a page, of a page, across pages and
+    longer than any context, against the window written out."""
+    rng = np.random.default_rng(window)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 1, 20, 1], [150, 63, 90, 0], N=4, K=2, H=64, P=64, S=4, T=32,
+                                         NB=16, M=4, dtype=jnp.float32)
+    if storage == "bfloat16":  # the written-out window reads the same rounded values
+        k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v))
+    want = windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, 0.125)
+    b = BACKENDS["numba"]
+    pool = b.pool_dtype(storage)
+    kp = jnp.swapaxes(k, -1, -2).astype(storage)
+    got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.125, backend="numba", window=jnp.int32(window)))(
+        q, jax.lax.bitcast_convert_type(kp, pool) if storage == "bfloat16" else kp,
+        jax.lax.bitcast_convert_type(v.astype(storage), pool) if storage == "bfloat16" else v,
+        jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)

@@ -241,15 +241,15 @@ def test_unknown_layer_weights_layout_is_refused(model_dirs):
 @tiny.needs_torch
 @pytest.mark.parametrize("layer_weights", ["stacked", "per_layer"])
 def test_a_sliding_window_matches_transformers(layer_weights, tokenizer_dir, tmp_path):
-    """Mistral with a 12-token window (prompts of up to 60 tokens, chunked): every step's logits,
-    and an engine's greedy tokens, which "auto" runs on the 'xla' backend (numba reads every block)."""
+    """Mistral with a 12-token window (prompts of up to 60 tokens, chunked): every step's logits (the
+    'xla' backend), and an engine's greedy tokens (the CPU's default backend, numba)."""
     folder = tiny.build_model(str(tmp_path / "mistral-window"), "mistral", tokenizer_dir, seed=3, sliding_window=12)
     with open(os.path.join(folder, "config.json")) as f:
         assert json.load(f)["sliding_window"] == 12
     check_logits(folder, layer_weights, tokenizer_dir)
     llm = LLM(folder, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
               layer_weights=layer_weights)
-    assert llm.llm_engine.config.attention_backend == "xla"
+    assert llm.llm_engine.config.attention_backend == "numba"
     assert llm.llm_engine.config.checkpoint_model.sliding_window == 12
     tok = llm.get_tokenizer()
     prompts = [tok.encode(s) for s in SENTENCES[2:6]]
@@ -258,7 +258,6 @@ def test_a_sliding_window_matches_transformers(layer_weights, tokenizer_dir, tmp
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     ref = hf_model(folder)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
-    # a window no shorter than the context is dropped: the CPU's default backend runs the model
+    # a window no shorter than the context is dropped: the model runs without its masks
     wide = LLM(folder, max_model_len=12, max_num_seqs=4, max_num_batched_tokens=16, block_size=8)
     assert wide.llm_engine.config.checkpoint_model.sliding_window is None
-    assert wide.llm_engine.config.attention_backend == "numba"
