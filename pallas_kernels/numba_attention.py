@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsched import platforms
+from pallas_kernels.window import layer_and_window
 
 
 def unsupported_reason(platform: str) -> str | None:
@@ -55,9 +56,6 @@ def _kernel_storage(pool):
     return pool.astype(jnp.float32)
 
 
-NO_WINDOW = 1 << 30  # a window longer than any context
-
-
 def numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
                     *, sm_scale: float, window=None):
     """window: sliding-window attention (paged_attention's docstring): the kernels start at the
@@ -65,9 +63,7 @@ def numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
     T, N, H = q.shape
     k_cache, v_cache = _kernel_storage(k_cache), _kernel_storage(v_cache)
     call = jax.ffi.ffi_call(_target(k_cache.dtype == jnp.uint16), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()),
-                         jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(())])
-    out = call(q.astype(jnp.float32), k_cache, v_cache, scalars,
+    out = call(q.astype(jnp.float32), k_cache, v_cache, layer_and_window(layer, window),
                block_tables, seq_lens, query_start_loc, num_seqs, jnp.full((1,), sm_scale, jnp.float32))
     return out.astype(q.dtype)
 

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from jaxsched import platforms
 from pallas_kernels import tuning
+from pallas_kernels.window import layer_and_window
 
 try:  # the Triton backend of Pallas; deprecated from jax 0.11 on but still shipped
     from jax.experimental.pallas import triton as plgpu
@@ -91,9 +92,6 @@ def _compiler_params(num_warps: int, num_stages: int):
     # current releases (0.10, 0.11) name it CompilerParams; older ones TritonCompilerParams
     cls = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
     return cls(num_warps=num_warps, num_stages=num_stages)
-
-
-NO_WINDOW = 1 << 30  # a window longer than any context
 
 
 def _dot_nt(a, b):
@@ -270,9 +268,7 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
         meta = prepare(T, N, K, H, P, block_tables, seq_lens, query_start_loc, num_seqs, cfg)
     Qb = cfg.q_tile
     Tq = max(T, Qb)  # a tile's window needs Qb rows even in a step of fewer tokens
-    # the kernels' scalars: the layer and the window (NO_WINDOW: the whole causal context)
-    layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()),
-                       jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(())])
+    layer = layer_and_window(layer, window)  # the kernels' two scalars
     bt = meta.bt
     qg = q.reshape(T, K, G, H)  # f[T, K, Gp, H] after the padding below
     if Gp != G:

@@ -65,8 +65,10 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, wi
     C = bpc * P
     qg = q_rows.reshape(S, K, G, H).astype(jnp.float32) * sm_scale
     n_chunks = (jnp.max(kv_lens) + C - 1) // C
-    lo = jnp.zeros_like(kv_lens) if window is None else jnp.maximum(kv_lens - window, 0)  # first position read
-    first = jnp.minimum(_first_chunk(lo, kv_lens > 0, C), n_chunks)
+    first = 0
+    if window is not None:
+        lo = jnp.maximum(kv_lens - window, 0)  # each row's first position read
+        first = jnp.minimum(_first_chunk(lo, kv_lens > 0, C), n_chunks)
 
     def body(j, carry):
         # The gathered pages stay [S, bpc, K, H, P] / [S, bpc, K, P, H]: contracting in that layout
@@ -76,8 +78,10 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, wi
         v = pool_values(v_cache[layer, blocks])
         s = jnp.einsum("skgh,sbkhp->skgbp", qg, k).reshape(S, K, G, C)
         pos = j * C + jnp.arange(C)
-        s = jnp.where(((pos[None, :] < kv_lens[:, None]) & (pos[None, :] >= lo[:, None]))[:, None, None, :], s,
-                      _NEG_INF)
+        seen = pos[None, :] < kv_lens[:, None]
+        if window is not None:
+            seen &= pos[None, :] >= lo[:, None]
+        s = jnp.where(seen[:, None, None, :], s, _NEG_INF)
         m, l, acc = carry
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
