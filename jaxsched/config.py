@@ -396,7 +396,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         model = dataclasses.replace(model, sliding_window=None)
     checkpoint, heads = model, head_layout(model, tp)
     model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
-    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp)
+    backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp,
+                              model.attn_softcap is not None)
     for why in skipped:
         logger.warning("attention_backend auto: %s", why)
     P = args.block_size or backend.default_block_size

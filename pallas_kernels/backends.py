@@ -57,6 +57,8 @@ class AttentionBackend:
     # derives from the step's metadata alone, computed once a step outside the layer loop and passed
     # to attend as `meta` (layers.paged_attend); None: the backend derives nothing worth hoisting
     prepare: Callable | None = field(default=None, repr=False)
+    # attend takes softcap= (Gemma 2's score soft-capping, softcap.py); False: it refuses such models
+    softcap: bool = True
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -71,10 +73,10 @@ class AttentionBackend:
 
 
 def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale,
-            meta=None, window=None):
+            meta=None, window=None, softcap=None):
     validate_pallas(q, k_cache, block_tables)  # the Triton lowering's own rules, named before tracing
     return pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale, meta=meta, window=window)
+                            sm_scale=sm_scale, meta=meta, window=window, softcap=softcap)
 
 
 def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
@@ -106,10 +108,10 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
                      auto_on=("gpu",), why_unsupported=_pallas_unsupported, prepare=pallas_prepare),
     # A numba kernel called through XLA's FFI that reads pages where they lie (numba_attention.py).
     # It shares the "xla" backend's pool, and its kernel sums rows of a [H, P] page into contiguous
-    # scores too.
+    # scores too. Its compiled kernels have no score soft-capping: Gemma 2 runs on "xla" instead.
     AttentionBackend("numba", numba_attention.numba_attention, k_transposed=True, bf16_as_bits=True,
                      default_block_size=128, auto_on=("cpu",), why_unsupported=_numba_unsupported,
-                     rope_write=numba_attention.rope_write_kv),
+                     rope_write=numba_attention.rope_write_kv, softcap=False),
     # The jnp implementation tuned for XLA:CPU (xla_attention.py); runs anywhere, so the fallback.
     # K pages [H, P]: its score dot contracts over H, and XLA:CPU feeds that dot a [.., H, C]
     # operand, so with [P, H] pages every gathered K chunk went through a transpose copy on top of
@@ -138,11 +140,12 @@ def auto_order(platform: str) -> list[AttentionBackend]:
 
 
 def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtype: str,
-           kv_dtype: str, shards: int = 1) -> tuple[AttentionBackend, list[str]]:
+           kv_dtype: str, shards: int = 1, softcap: bool = False) -> tuple[AttentionBackend, list[str]]:
     """The backend for attention_backend=`name` ("auto" or a name in BACKENDS) running a model of
     `head_dim` and `dtype` with a pool of `kv_dtype` values in blocks of `block_size` tokens (None:
     each backend's default_block_size) on `platform` (jax's name: "cpu", "gpu", ...), split over
-    `shards` devices (tensor parallelism: the backend runs per shard under shard_map).
+    `shards` devices (tensor parallelism: the backend runs per shard under shard_map), soft-capping
+    its scores if `softcap` (Gemma 2).
 
     Returns the record and, for "auto", one line per backend it preferred but skipped ("using 'xla'
     because <why not 'pallas'>") for the caller to log. A name that is neither "auto" nor in BACKENDS,
@@ -152,6 +155,9 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
     def why(b: AttentionBackend) -> str | None:
         if shards > 1 and b.why_not_sharded is not None:
             return f"attention backend {b.name!r} cannot run with tensor_parallel_size > 1: {b.why_not_sharded}"
+        if softcap and not b.softcap:
+            return (f"attention backend {b.name!r} has no attention logit soft-capping, which this model "
+                    "(attn_logit_softcapping in its config.json: Gemma 2) needs")
         P = b.default_block_size if block_size is None else block_size
         return b.why_unsupported(head_dim, P, dtype, kv_dtype, platform)
 
@@ -161,7 +167,7 @@ def choose(name: str, platform: str, head_dim: int, block_size: int | None, dtyp
         backend = BACKENDS[name]
         reason = why(backend)
         if reason is not None:
-            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype, shards)
+            instead, _ = choose(AUTO, platform, head_dim, block_size, dtype, kv_dtype, shards, softcap)
             raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; or use "
                              f"attention_backend={instead.name!r} (what 'auto' picks here)")
         return backend, []

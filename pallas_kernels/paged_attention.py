@@ -25,6 +25,8 @@ Arguments (shape glossary in README.md):
   window           i32[] or None  sliding-window attention: a token at position q reads the cached
                                   positions in (q - window, q] only (None: all of them, causal);
                                   every backend skips the blocks outside the window
+  softcap          float or None  Gemma 2's score soft-capping, cap * tanh(s / cap) on the scaled
+                                  scores (softcap.py); backends whose record says softcap=False refuse it
 Returns f[T, N, H]; rows of padding tokens are zero.
 """
 
@@ -77,13 +79,18 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                    *, sm_scale: float, backend: str = "xla", meta=None, window=None):
+                    *, sm_scale: float, backend: str = "xla", meta=None, window=None, softcap: float | None = None):
     """Attention of this step's tokens over their sequences' paged KV. See the module docstring.
     meta: the backend's prepare() of this step (the same for every layer), when the caller has it."""
-    attend = backends.get(backend).attend
+    record = backends.get(backend)
+    if softcap is not None and not record.softcap:
+        raise ValueError(f"attention backend {backend!r} has no score soft-capping (softcap={softcap}); "
+                         "use backend 'xla' or 'pallas'")
     validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, backend)
     extra = {} if meta is None else {"meta": meta}
     if window is not None:
         extra["window"] = window
-    return attend(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
+    if softcap is not None:
+        extra["softcap"] = softcap
+    return record.attend(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
                   sm_scale=sm_scale, **extra)

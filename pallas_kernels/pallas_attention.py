@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from jaxsched import platforms
 from pallas_kernels import tuning
+from pallas_kernels.softcap import soft_cap
 from pallas_kernels.window import layer_and_window
 
 try:  # the Triton backend of Pallas; deprecated from jax 0.11 on but still shipped
@@ -119,7 +120,7 @@ def _load_chunk(cache_ref, layer, bt_ref, row, chunk, kv, pages: int):
 
 
 def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale: float,
-                   Gp: int, Rd: int, pages: int, splits: int):
+                   Gp: int, Rd: int, pages: int, splits: int, softcap: float | None = None):
     s_i, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = layer_ref[0], layer_ref[1]  # window: NO_WINDOW when the model has none
     length = lens_ref[s_i]  # 0 for rows that are not decode rows: no chunk, nothing read
@@ -137,7 +138,7 @@ def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_
     def body(c, carry):
         k = _load_chunk(k_ref, layer, bt_ref, s_i, c, kv, pages)
         v = _load_chunk(v_ref, layer, bt_ref, s_i, c, kv, pages)
-        s = _dot_nt(q, k) * sm_scale
+        s = soft_cap(_dot_nt(q, k) * sm_scale, softcap)
         pos = c * C + jnp.arange(C, dtype=jnp.int32)
         s = jnp.where(jnp.broadcast_to((pos[None, :] < length) & (pos[None, :] >= lo), (Rd, C)), s, _NEG_INF)
         return _online_softmax(carry, s, v)
@@ -155,7 +156,7 @@ def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
 
 def _prefill_kernel(layer_ref, tile_row_ref, tile_first_ref, qsl_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref,
-                    o_ref, *, sm_scale: float, Qb: int, Gp: int, pages: int):
+                    o_ref, *, sm_scale: float, Qb: int, Gp: int, pages: int, softcap: float | None = None):
     i, kv = pl.program_id(0), pl.program_id(1)
     row = tile_row_ref[i]
 
@@ -180,7 +181,7 @@ def _prefill_kernel(layer_ref, tile_row_ref, tile_first_ref, qsl_ref, lens_ref, 
         def body(c, carry):
             k = _load_chunk(k_ref, layer, bt_ref, row, c, kv, pages)
             v = _load_chunk(v_ref, layer, bt_ref, row, c, kv, pages)
-            s = _dot_nt(q, k) * sm_scale
+            s = soft_cap(_dot_nt(q, k) * sm_scale, softcap)
             pos = c * C + jnp.arange(C, dtype=jnp.int32)
             s = jnp.where((pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window), s, _NEG_INF)
             return _online_softmax(carry, s, v)
@@ -251,11 +252,11 @@ def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, quer
 
 def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
                      sm_scale: float, interpret: bool | None = None, config: tuning.PallasConfig | None = None,
-                     meta: StepMeta | None = None, window=None):
+                     meta: StepMeta | None = None, window=None, softcap: float | None = None):
     """Ragged paged attention with the Pallas kernels; interpret=None means interpret on CPU only.
     meta: the step's StepMeta (prepare), computed once for all layers; None computes it here.
     window: sliding-window attention (paged_attention's docstring): each loop starts at the first
-    chunk its window holds."""
+    chunk its window holds. softcap: Gemma 2's score soft-capping (softcap.py)."""
     if interpret is None:
         interpret = not platforms.of(jax.default_backend()).triton
     T, N, H = q.shape
@@ -284,7 +285,7 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
     q_dec = jnp.pad(q_dec, ((0, 0), (0, NPAD - K * Gp), (0, 0)))  # f[S, NPAD, H]
     decode = pl.pallas_call(
         functools.partial(_decode_kernel, sm_scale=sm_scale, Gp=Gp, Rd=Rd, pages=cfg.decode_kv_pages,
-                          splits=NS),
+                          splits=NS, softcap=softcap),
         grid=(S, K, NS),
         out_shape=(jax.ShapeDtypeStruct((NS, S, NPAD, H), jnp.float32),
                    jax.ShapeDtypeStruct((NS, S, NPAD), jnp.float32)),
@@ -304,7 +305,8 @@ def pallas_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_s
     tile_row, tile_first = meta.tile_row, meta.tile_first
     qp = qg if Tq == T else jnp.pad(qg, ((0, Tq - T), (0, 0), (0, 0), (0, 0)))
     prefill = pl.pallas_call(
-        functools.partial(_prefill_kernel, sm_scale=sm_scale, Qb=Qb, Gp=Gp, pages=cfg.prefill_kv_pages),
+        functools.partial(_prefill_kernel, sm_scale=sm_scale, Qb=Qb, Gp=Gp, pages=cfg.prefill_kv_pages,
+                          softcap=softcap),
         grid=(NT, K),
         out_shape=jax.ShapeDtypeStruct((Tq, K, Gp, H), q.dtype),
         interpret=interpret, name="ragged_paged_attention_prefill",

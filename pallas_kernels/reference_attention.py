@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.pool_storage import pool_values
+from pallas_kernels.softcap import soft_cap
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
@@ -25,7 +26,7 @@ def token_rows(query_start_loc, num_seqs, T):
 
 
 def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                        *, sm_scale: float, window=None):
+                        *, sm_scale: float, window=None, softcap: float | None = None):
     T, N, H = q.shape
     _, _, K, P, _ = k_cache.shape
     M = block_tables.shape[1]
@@ -40,7 +41,7 @@ def reference_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, quer
     k = pool_values(k.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H))
     v = pool_values(v.transpose(0, 2, 1, 3, 4).reshape(T, K, M * P, H))
     qg = q.reshape(T, K, G, H).astype(jnp.float32)
-    s = jnp.einsum("tkgh,tkch->tkgc", qg, k) * sm_scale
+    s = soft_cap(jnp.einsum("tkgh,tkch->tkgc", qg, k) * sm_scale, softcap)
     kv_pos = jnp.arange(M * P)
     mask = (kv_pos[None, :] <= q_pos[:, None]) & real[:, None]
     if window is not None:  # sliding window: the last `window` positions up to the query's own

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tuning
 from pallas_kernels.pool_storage import pool_values
+from pallas_kernels.softcap import soft_cap
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives exp(0 - 0) rather than NaN
 
@@ -55,7 +56,7 @@ def _first_chunk(lo, used, C):
     return jnp.min(jnp.where(used, lo, jnp.iinfo(jnp.int32).max)) // C
 
 
-def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, window=None):
+def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, window=None, softcap=None):
     """Single-query attention for every row. q_rows f[S, N, H]; bt: their block tables, padded to
     whole chunks of bpc blocks (StepMeta); rows with kv_len 0 give zeros. window: each row reads its
     last `window` positions only, from the first chunk that holds one of them (None: all)."""
@@ -76,7 +77,7 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, wi
         blocks = jax.lax.dynamic_slice_in_dim(bt, j * bpc, bpc, axis=1)  # [S, bpc]
         k = pool_values(k_cache[layer, blocks])
         v = pool_values(v_cache[layer, blocks])
-        s = jnp.einsum("skgh,sbkhp->skgbp", qg, k).reshape(S, K, G, C)
+        s = soft_cap(jnp.einsum("skgh,sbkhp->skgbp", qg, k).reshape(S, K, G, C), softcap)
         pos = j * C + jnp.arange(C)
         seen = pos[None, :] < kv_lens[:, None]
         if window is not None:
@@ -97,7 +98,7 @@ def _decode_rows(q_rows, k_cache, v_cache, layer, bt, kv_lens, sm_scale, bpc, wi
 
 
 def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is_prefill,
-                   out, sm_scale, q_tile, tiles_per_group, bpc, window=None):
+                   out, sm_scale, q_tile, tiles_per_group, bpc, window=None, softcap=None):
     """Causal attention for rows with several queries, in tiles of q_tile tokens of one sequence.
     bt: the block tables padded to whole chunks of bpc blocks (StepMeta). window: each query reads
     its last `window` positions only, each group of tiles from the first chunk one of them needs."""
@@ -130,7 +131,7 @@ def _prefill_tiles(q, k_cache, v_cache, layer, bt, seq_lens, query_start_loc, is
         def body(j, carry):
             k = _chunk_kv(k_cache, layer, rows_bt, j, bpc, pages_transposed=True)  # [GT, K, H, C]
             v = _chunk_kv(v_cache, layer, rows_bt, j, bpc)  # [GT, K, C, H]
-            s = jnp.einsum("tkqh,tkhc->tkqc", qt, k)
+            s = soft_cap(jnp.einsum("tkqh,tkhc->tkqc", qt, k), softcap)
             kv_pos = (j * C + jnp.arange(C)).reshape(1, 1, 1, C)
             seen = kv_pos <= q_pos_g
             if window is not None:
@@ -190,10 +191,10 @@ def prepare(T: int, N: int, K: int, H: int, P: int, block_tables, seq_lens, quer
 
 
 def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                  *, sm_scale: float, meta: StepMeta | None = None, window=None):
+                  *, sm_scale: float, meta: StepMeta | None = None, window=None, softcap: float | None = None):
     """meta: the step's StepMeta (prepare), computed once for all layers; None computes it here.
     window: sliding-window attention (paged_attention's docstring); the chunks before a read's
-    window are not gathered."""
+    window are not gathered. softcap: Gemma 2's score soft-capping (softcap.py)."""
     T, N, H = q.shape
     S = block_tables.shape[0]
     P = v_cache.shape[3]
@@ -212,13 +213,13 @@ def xla_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_star
         R = -(-S // n)  # rows per group; the last group may be smaller (never empty: n <= S // 8)
         o = jnp.concatenate([_decode_rows(q_rows[g * R:(g + 1) * R], k_cache, v_cache, layer,
                                           bt[g * R:(g + 1) * R], lens[g * R:(g + 1) * R], sm_scale,
-                                          cfg.decode_kv_blocks, window) for g in range(n)])
+                                          cfg.decode_kv_blocks, window, softcap) for g in range(n)])
         return out.at[jnp.where(is_decode[order], rows, T)].set(o.astype(out.dtype), mode="drop")
 
     def prefill(out):
         return _prefill_tiles(q, k_cache, v_cache, layer, meta.bt, seq_lens, query_start_loc,
                               is_prefill, out, sm_scale, cfg.prefill_q_tile, cfg.prefill_tiles_per_group,
-                              cfg.prefill_kv_blocks, window)
+                              cfg.prefill_kv_blocks, window, softcap)
 
     out = jnp.zeros_like(q)
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)

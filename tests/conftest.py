@@ -19,7 +19,8 @@ os.environ.setdefault("JAXSCHED_VERIFY_PACK", "1")
 # (jaxsched/engine/detokenizer.py, VERIFY_ENV)
 os.environ.setdefault("JAXSCHED_VERIFY_DETOK", "1")
 
-MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe", "mixtral")
+MODEL_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
+               "mixtral")
 
 
 # The user's cache, where the demo model is downloaded once and reused by later runs.

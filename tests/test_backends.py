@@ -206,8 +206,9 @@ def test_the_xla_backend_derives_its_step_values_outside_the_layer_scan(llama_di
     assert not re.search(r"stablehlo\.pad .*-> tensor<\d+x\d+xi32>", inside)
 
 
-def windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, sm_scale):
-    """Sliding-window attention written out token by token in numpy (the reference's own check)."""
+def windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, sm_scale, softcap=None):
+    """Sliding-window attention written out token by token in numpy (the reference's own check),
+    scores soft-capped at `softcap` if given."""
     q, k, v, bt, sl, qsl = (np.asarray(x) for x in (q, k, v, bt, sl, qsl))
     N = q.shape[1]
     K, P = k.shape[2], k.shape[3]
@@ -220,6 +221,8 @@ def windowed_by_hand(q, k, v, bt, sl, qsl, ns, window, sm_scale):
             vals = np.stack([v[1, bt[r, p // P], :, p % P] for p in seen])
             for n in range(N):
                 s = keys[:, n // (N // K)] @ q[t, n] * sm_scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
                 w = np.exp(s - s.max())
                 out[t, n] = (w / w.sum()) @ vals[:, n // (N // K)]
     return out
@@ -239,6 +242,40 @@ def test_every_backend_matches_the_window_written_out(name, window):
     got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name, window=jnp.int32(window)))(
         q, k_pool, v, jnp.int32(1), bt, sl, qsl, ns)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS.items() if b.softcap])
+def test_soft_capped_scores_match_them_written_out(name):
+    """Gemma 2's soft-capping (cap * tanh(s / cap) on the scaled scores, before the mask) with and
+    without a window, in every backend that has it; at a cap of 1 the scores are capped hard, so
+    leaving it out fails."""
+    b = BACKENDS[name]
+    rng = np.random.default_rng(7)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1, 5], [20, 7, 0, 33], N=4, K=2, H=16, P=8, S=6, T=32,
+                                         NB=40, M=8, dtype=jnp.float32)
+    k_pool = jnp.swapaxes(k, -1, -2) if b.k_transposed else k
+    for window in (None, 6):
+        want = windowed_by_hand(q, k, v, bt, sl, qsl, ns, window or 1000, 1.0, softcap=1.0)
+        got = jax.jit(lambda *a, w=window: paged_attention(*a, sm_scale=1.0, backend=name, window=w, softcap=1.0))(
+            q, k_pool, v, jnp.int32(1), bt, sl, qsl, ns)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+        uncapped = windowed_by_hand(q, k, v, bt, sl, qsl, ns, window or 1000, 1.0)
+        assert np.abs(uncapped - want).max() > 1e-2
+
+
+def test_a_soft_capped_model_runs_on_a_backend_that_has_it():
+    """numba has no soft-capping: asked for, it refuses naming the reason and what 'auto' picks;
+    'auto' on a CPU takes 'xla' for such a model, and paged_attention refuses it too."""
+    picked, skipped = backends.choose("auto", "cpu", 64, None, "float32", "float32", softcap=True)
+    assert picked.name == "xla" and any("soft-capping" in s and "'numba'" in s for s in skipped)
+    with pytest.raises(ValueError, match=r"'numba' has no attention logit soft-capping.*attention_backend='xla'"):
+        backends.choose("numba", "cpu", 64, None, "float32", "float32", softcap=True)
+    assert backends.choose("auto", "cpu", 64, None, "float32", "float32")[0].name == "numba"
+    q, k, v, bt, sl, qsl, ns = make_case(np.random.default_rng(0), [1], [4], N=2, K=2, H=16, P=8, S=2, T=8,
+                                         NB=4, M=2, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'numba' has no score soft-capping"):
+        paged_attention(q, jnp.swapaxes(k, -1, -2), v, 1, bt, sl, qsl, ns, sm_scale=1.0, backend="numba",
+                        softcap=30.0)
 
 
 @pytest.mark.parametrize("window", [3, 9, 40])

@@ -134,6 +134,24 @@ def test_every_bucket_lowers_for_cuda(model):
             assert ttir_problems(ttir) == [], f"T={T} S={S} {name}: {ttir_problems(ttir)}"
 
 
+def test_gemma_shaped_kernels_lower_for_cuda():
+    """Gemma 2's soft-capped scores (a tanh in both kernels) and a per-layer window passed as a
+    traced scalar, at Gemma's head_dim 256 in bfloat16, lower to the two Triton kernels."""
+    from pallas_kernels.pallas_attention import pallas_attention
+
+    def gemma(q, k, v, layer, *rest):
+        window = jnp.where(layer % 2 == 0, 4096, 1 << 30)  # every other layer sliding, as in Gemma 2
+        return pallas_attention(q, k, v, layer, *rest, sm_scale=256**-0.5, interpret=False, window=window,
+                                softcap=50.0)
+
+    for T, S in BUCKETS[:2] + BUCKETS[-1:]:
+        kernels = triton_kernels(lower_for_cuda(gemma, *attention_args(T, S, 8, 4, 256, 16, jnp.bfloat16)))
+        assert sorted(kernels) == ["ragged_paged_attention_decode", "ragged_paged_attention_prefill"]
+        for name, ttir in kernels.items():
+            assert "__nv_tanhf" in ttir, f"{name}: no soft-cap (libdevice tanh)"
+            assert ttir_problems(ttir) == [], f"T={T} S={S} {name}: {ttir_problems(ttir)}"
+
+
 def test_the_wrapper_dispatches_the_kernel_when_lowering_for_cuda():
     """backend="pallas" through the public wrapper, exported with the Triton custom call allowed."""
     from jax import export

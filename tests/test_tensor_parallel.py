@@ -134,8 +134,9 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
     # one subprocess for every engine: jax starts once
     # q/k norms; tied head, Gemma's norm. The models above run the CPU's default backend ("auto":
     # numba); each of these runs another CPU backend per shard under shard_map; the MoE model splits
-    # its experts over the devices (expert parallelism)
-    others = {"qwen3": "xla", "gemma": "reference", "qwen3_moe": "numba"}
+    # its experts over the devices (expert parallelism); Gemma 3's sliding and global layers on numba,
+    # Gemma 2's soft-capped scores on xla
+    others = {"qwen3": "xla", "gemma": "reference", "qwen3_moe": "numba", "gemma3": "numba", "gemma2": "xla"}
     other_paths = {kind: model_dirs[kind] for kind in others}
     res = run_sharded("parity", {"models": tp_models, "tps": [2, 4], "variant_models": other_paths, "variants": [
         ("qwen2", 2, "xla", {"preemption_mode": "swap"}, "/swap"),

@@ -1,5 +1,5 @@
 """Tiny test fixtures built from public libraries: a BPE tokenizer trained with `tokenizers`, and
-random Llama / Mistral / Qwen2 / Qwen3 / Gemma checkpoints: transformers' config classes for config.json, the
+random Llama / Mistral / Qwen2 / Qwen3 / Gemma (1, 2, 3) / MoE checkpoints: transformers' config classes for config.json, the
 weights drawn in numpy under Hugging Face's tensor names and saved with safetensors. Nothing here
 needs torch; tests that compare with transformers' PyTorch models carry `needs_torch`."""
 
@@ -109,6 +109,18 @@ def hf_config(kind: str, vocab_size: int, **overrides):
         # larger weights put the GeGLU's inputs where gelu's tanh approximation and the exact gelu
         # differ by more than the parity tests' 1e-4 (at 0.02 they would not tell them apart)
         cfg = tf.GemmaConfig(**{**common, "tie_word_embeddings": True}, head_dim=32, initializer_range=0.05)
+    elif kind == "gemma2":  # a sliding layer then a global one, windows of 8 tokens, soft-capping low
+        # enough to count at these weights, query_pre_attn_scalar apart from head_dim
+        cfg = tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=32, initializer_range=0.05,
+                              sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0)
+    elif kind == "gemma3":  # sliding, sliding, global: windows of 8 tokens, rope 10k local, 1M x 8 global
+        cfg = tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 3}, head_dim=32,
+                                  initializer_range=0.05, sliding_window=8, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                      "rope_theta": 1000000.0}})
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
@@ -131,13 +143,14 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
     that the (1 + w) and the per-channel scales count."""
     rng = np.random.default_rng(seed)
     arch = cfg.model_type
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe", "mixtral"):
+    if arch not in ARCHITECTURES:
         raise ValueError(f"no weight layout for model_type {arch!r}")
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     N = cfg.num_attention_heads
     K = cfg.num_key_value_heads or N
     H = getattr(cfg, "head_dim", None) or D // N
-    attention_bias = bool(getattr(cfg, "attention_bias", False)) and arch in ("llama", "qwen3", "gemma")
+    gemma = arch in ("gemma", "gemma2", "gemma3_text")
+    attention_bias = bool(getattr(cfg, "attention_bias", False)) and (arch in ("llama", "qwen3") or gemma)
     qkv_bias = arch in ("qwen2", "qwen2_moe") or attention_bias  # Qwen2: q/k/v biases always, o never
     mlp_bias = bool(getattr(cfg, "mlp_bias", False)) and arch == "llama"
 
@@ -148,7 +161,7 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
         return (rng.standard_normal(n) * bias_std).astype(np.float32)
 
     def norm_weight(n: int) -> np.ndarray:
-        if arch == "gemma":
+        if gemma:
             return (rng.standard_normal(n) * GEMMA_NORM_STD).astype(np.float32)
         return np.ones(n, np.float32)
 
@@ -159,12 +172,15 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm_weight(D)
         w[p + "post_attention_layernorm.weight"] = norm_weight(D)
+        if arch in ("gemma2", "gemma3_text"):  # the MLP between norms of its own
+            w[p + "pre_feedforward_layernorm.weight"] = norm_weight(D)
+            w[p + "post_feedforward_layernorm.weight"] = norm_weight(D)
         for name, rows, cols, has_bias in (("q_proj", N * H, D, qkv_bias), ("k_proj", K * H, D, qkv_bias),
                                            ("v_proj", K * H, D, qkv_bias), ("o_proj", D, N * H, attention_bias)):
             w[p + f"self_attn.{name}.weight"] = matrix(rows, cols)
             if has_bias:
                 w[p + f"self_attn.{name}.bias"] = bias(rows)
-        if arch in ("qwen3", "qwen3_moe"):
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             w[p + "self_attn.q_norm.weight"] = norm_weight(H)
             w[p + "self_attn.k_norm.weight"] = norm_weight(H)
         if arch in MOE_NAMES:
@@ -194,7 +210,8 @@ def random_weights(cfg, seed: int = 0, bias_std: float = 0.0) -> dict[str, np.nd
 # model_type -> the HF architecture name its checkpoints are saved as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM"}
 # an MoE model_type's layer tensors as checkpoints name them (the router, each expert's gate, up, down)
 MOE_NAMES = {"qwen2_moe": ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",

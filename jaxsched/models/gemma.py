@@ -1,8 +1,14 @@
-"""Gemma (GemmaForCausalLM, the first Gemma): the pre-norm decoder of Llama with its own RMSNorm,
-which scales by (1 + w) in float32, embeddings scaled by sqrt(D), a GeGLU MLP (gelu, tanh
-approximation), embeddings tied to the lm_head by default and a free head_dim (256 in the released
-models). Optional q/k/v/o biases (attention_bias). GGUF files of it do not load (no gguf entry in
-the registry).
+"""The Gemma family: Gemma (GemmaForCausalLM), Gemma 2 and Gemma 3's text model (Gemma2ForCausalLM,
+Gemma3ForCausalLM). All are the pre-norm decoder of Llama with Gemma's own RMSNorm, which scales by
+(1 + w) in float32, embeddings scaled by sqrt(D), a GeGLU MLP (gelu, tanh approximation), embeddings
+tied to the lm_head by default and a free head_dim (256 in the released models). Optional q/k/v/o
+biases (attention_bias). GGUF files of them do not load (no gguf entry in the registry).
+
+Gemma 2 adds: norms after attention and around the MLP (ModelConfig.sandwich_norms), sliding-window
+attention in every other layer (layer_types), the attention scale from query_pre_attn_scalar, and
+tanh soft-capping of the attention scores and of the final logits. Gemma 3 has five sliding layers
+for each global one, a rope base of their own for the sliding layers (rope_local_base_freq; the
+global layers' rope may be scaled), q/k norms, and no soft-capping.
 
 q/k/v and gate/up are fused into one matmul each, as in llama.py.
 
@@ -11,6 +17,7 @@ forward: (kv pool, batch) -> (logits f32[S, V] at batch.logits_indices, new kv p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.models.hf_config import decoder_config
+from jaxsched.models.hf_config import decoder_config, rope_from_hf
 from jaxsched.models.layers import (
     DecoderLayers,
     Put,
@@ -38,18 +45,85 @@ from jaxsched.models.layers import (
 from jaxsched.models.model_config import ModelConfig
 
 
-def gemma_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
-    """GemmaConfig's own defaults where config.json leaves a key out."""
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("Gemma with use_bidirectional_attention is an encoder, not a causal LM this engine runs")
-    act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+def _hidden_act(hf: dict[str, Any], key: str) -> None:
+    act = hf.get(key) or "gelu_pytorch_tanh"
     # transformers reads the "gelu" of the original releases as the tanh approximation too
     if act not in ("gelu", "gelu_pytorch_tanh"):
-        raise ValueError(f"Gemma hidden_act {act!r} is not supported; supported: gelu_pytorch_tanh")
+        raise ValueError(f"Gemma {key} {act!r} is not supported; supported: gelu_pytorch_tanh")
+
+
+def _causal(hf: dict[str, Any]) -> None:
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with use_bidirectional_attention is an encoder, not a causal LM this engine runs")
+
+
+def gemma_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """GemmaConfig's own defaults where config.json leaves a key out."""
+    _causal(hf)
+    _hidden_act(hf, "hidden_act")
     # transformers' Gemma has no MLP biases whatever the config says (the forward has none either)
     return decoder_config(hf, architecture, mlp_bias=False, head_dim=int(hf.get("head_dim") or 256),
                           tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
                           max_position_embeddings=int(hf.get("max_position_embeddings", 8192)))
+
+
+def _sliding_fields(hf: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """The window and the layers that use it: layer_types, or (older configs) every `pattern`-th
+    layer global and the rest sliding, as transformers fills layer_types in."""
+    L = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {L} layers, "
+                         f"got {types!r}")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = int(hf.get("sliding_window") or 4096)
+    if not sliding:
+        return {"sliding_window": None, "sliding_layers": None}
+    return {"sliding_window": window, "sliding_layers": None if len(sliding) == L else sliding}
+
+
+def _softcap(hf: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = hf.get(key, default)
+    return float(value) if value else None
+
+
+def _sandwich_config(hf: dict[str, Any], architecture: str, **fields: Any) -> ModelConfig:
+    """What Gemma 2 and Gemma 3 read alike."""
+    _causal(hf)
+    _hidden_act(hf, "hidden_activation")
+    return decoder_config(hf, architecture, mlp_bias=False, head_dim=int(hf.get("head_dim") or 256),
+                          tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), sandwich_norms=True,
+                          query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256), **fields)
+
+
+def gemma2_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Gemma2Config's defaults: every other layer sliding (the first one), soft-capping at 50 and 30."""
+    return _sandwich_config(hf, architecture, max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+                            attn_softcap=_softcap(hf, "attn_logit_softcapping", 50.0),
+                            final_softcap=_softcap(hf, "final_logit_softcapping", 30.0), **_sliding_fields(hf, 2))
+
+
+def gemma3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Gemma3TextConfig's defaults: five sliding layers for each global one, rope bases 10,000
+    (sliding) and 1,000,000 (global), the global one's scaling as rope_scaling says. transformers 5
+    writes the two ropes as rope_parameters keyed by layer type; older configs as rope_theta,
+    rope_local_base_freq and rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        theta, scaling = rope_from_hf({"rope_parameters": params.get("full_attention") or {"rope_theta": 1e6}})
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3's sliding layers with rope_type {local['rope_type']!r} are not supported: "
+                             "their rope must be 'default'")
+        local_theta = float(local.get("rope_theta", 10000.0))
+    else:
+        theta, scaling = rope_from_hf({"rope_theta": 1e6, **hf})
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    return _sandwich_config(hf, architecture, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                            qk_norm=True, max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+                            attn_softcap=_softcap(hf, "attn_logit_softcapping", None),
+                            final_softcap=_softcap(hf, "final_logit_softcapping", None),
+                            **_sliding_fields(hf, int(hf.get("sliding_window_pattern") or 6)))
 
 
 def gemma_rms_norm(x, weight, eps: float):
@@ -86,25 +160,44 @@ class GemmaForCausalLM(nnx.Module):
         shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
-            return qkv_projection(p, gemma_rms_norm(h, p["input_norm"], eps), N, K, H, shards)
+            q, k, v = qkv_projection(p, gemma_rms_norm(h, p["input_norm"], eps), N, K, H, shards)
+            if "q_norm" in p:  # Gemma 3
+                q = gemma_rms_norm(q, p["q_norm"], eps)
+                k = gemma_rms_norm(k, p["k_norm"], eps)
+            return q, k, v
+
+        def mlp(p, x):
+            g, u = split_gate_up(linear(p, x, "gate_up"), shards)
+            return linear(p, jax.nn.gelu(g, approximate=True) * u, "down")
 
         def after(p, h, o):  # o [T, N * H] -> the layer's output hidden state [T, D]
-            h = h + linear(p, o, "o_proj", "o_bias")
-            g, u = split_gate_up(linear(p, gemma_rms_norm(h, p["post_norm"], eps), "gate_up"), shards)
-            return h + linear(p, jax.nn.gelu(g, approximate=True) * u, "down")
+            a = linear(p, o, "o_proj", "o_bias")
+            if not cfg.sandwich_norms:  # Gemma: post_norm is the MLP's input norm
+                h = h + a
+                return h + mlp(p, gemma_rms_norm(h, p["post_norm"], eps))
+            h = h + gemma_rms_norm(a, p["post_norm"], eps)
+            return h + gemma_rms_norm(mlp(p, gemma_rms_norm(h, p["pre_ff_norm"], eps)), p["post_ff_norm"], eps)
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
         h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
+        local_rope = None
+        if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
+            local_rope = rope_cos_sin(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None),
+                                      batch.positions)
         # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
-                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window)
+        attend = paged_attend(batch, self.attention_backend, cos, sin, cfg.sm_scale, self.mesh,
+                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window,
+                              cfg.sliding_layers, local_rope, cfg.attn_softcap)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.
         hs = gemma_rms_norm(h, self.norm[...], eps)
         w = embed.T if self.lm_head is None else self.lm_head[...]
-        return vocab_logits(hs, w, self.mesh), kv
+        logits = vocab_logits(hs, w, self.mesh)
+        if cfg.final_softcap is not None:  # Gemma 2
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+        return logits, kv
 
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,

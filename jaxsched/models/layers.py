@@ -36,6 +36,7 @@ from jaxsched import platforms
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, write_kv
+from pallas_kernels.window import NO_WINDOW
 
 LAYER_WEIGHTS = ("stacked", "per_layer", "unrolled")
 
@@ -139,7 +140,9 @@ class DecoderLayers(nnx.Module):
 
 
 def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
-                 shape: tuple[int, int, int, int] | None = None, window: int | None = None) -> Attend:
+                 shape: tuple[int, int, int, int] | None = None, window: int | None = None,
+                 sliding: tuple[int, ...] | None = None, local_rope: tuple[Any, Any] | None = None,
+                 softcap: float | None = None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
@@ -150,7 +153,10 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
 
     shape: (N, K, H, P) of the model and its pool: a backend that derives per-step values from the
     metadata (AttentionBackend.prepare) gets them computed here, once, outside the layer loop.
-    window: sliding-window attention (paged_attention's `window`), the same in every layer."""
+    window: sliding-window attention (paged_attention's `window`), in the layers `sliding` names
+    (None: every layer); the others read the whole context. local_rope: (cos, sin) of those sliding
+    layers where they have a rope of their own (Gemma 3). A layer's window and rope are picked by its
+    traced index, so one compiled layer serves both kinds. softcap: score soft-capping (Gemma 2)."""
     record = backends.get(backend)
     k_transposed = record.k_transposed
     rope_write = record.rope_write
@@ -161,8 +167,8 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
         meta = record.prepare(batch.token_ids.shape[0], N // n, K // n, H, page, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, batch.num_seqs)
 
-    def local(q, k, v, k_cache, v_cache, li, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc,
-              num_seqs, meta):
+    def local(q, k, v, k_cache, v_cache, li, cos, sin, window, slot_mapping, block_tables, seq_lens,
+              query_start_loc, num_seqs, meta):
         fused = rope_write(q, k, v, cos, sin, k_cache, v_cache, li, slot_mapping) if rope_write else None
         if fused is None:
             q = apply_rope(q, cos, sin)
@@ -171,17 +177,24 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
         else:  # the backend's own kernel for both (AttentionBackend.rope_write)
             q, k_cache, v_cache = fused
         o = paged_attention(q, k_cache, v_cache, li, block_tables, seq_lens, query_start_loc, num_seqs,
-                            sm_scale=sm_scale, backend=backend, meta=meta, window=window)
+                            sm_scale=sm_scale, backend=backend, meta=meta, window=window, softcap=softcap)
         return o, k_cache, v_cache
 
     if shards_of(mesh) > 1:
         heads, pool, rep = P(None, "model", None), P(None, None, "model"), P()
         # check_vma off: the kernels (custom calls, pallas_call) carry no varying-axes annotations
-        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 9),
+        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, *(rep,) * 10),
                               out_specs=(heads, pool, pool), check_vma=False)
 
     def attend(q, k, v, k_cache, v_cache, li):
-        o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, li, cos, sin, batch.slot_mapping, batch.block_tables,
+        c, s, w = cos, sin, window
+        if sliding is not None:  # this layer's kind, from its index
+            is_sliding = jnp.any(li == jnp.asarray(sliding, jnp.int32))
+            if window is not None:
+                w = jnp.where(is_sliding, window, NO_WINDOW)
+            if local_rope is not None:
+                c, s = jnp.where(is_sliding, local_rope[0], cos), jnp.where(is_sliding, local_rope[1], sin)
+        o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, li, c, s, w, batch.slot_mapping, batch.block_tables,
                                     batch.seq_lens, batch.query_start_loc, batch.num_seqs, meta)
         T, N, H = o.shape
         return o.reshape(T, N * H), k_cache, v_cache
@@ -401,7 +414,8 @@ def layers_from_checkpoint(per_name: dict[str, Callable[[int], np.ndarray]], num
 # -- the pre-norm decoder layer as Hugging Face names its weights (Llama family, Gemma) -------------
 def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
     """One layer's weights: norms (initialised to `norm_fill`: 1 for w, 0 for Gemma's 1 + w), fused
-    q/k/v, q/k norms (cfg.qk_norm), o, fused gate/up and down, with the biases the config asks for."""
+    q/k/v, q/k norms (cfg.qk_norm), o, fused gate/up and down, with the biases the config asks for,
+    and Gemma 2's feed-forward norms (cfg.sandwich_norms)."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     spec: LayerSpec = {"input_norm": ((D,), norm_fill), "qkv": ((D, (N + 2 * K) * H), None)}
@@ -414,6 +428,9 @@ def decoder_layer_spec(cfg: ModelConfig, norm_fill: float = 1.0) -> LayerSpec:
     if cfg.o_bias:
         spec["o_bias"] = ((D,), 0.0)
     spec["post_norm"] = ((D,), norm_fill)
+    if cfg.sandwich_norms:
+        spec["pre_ff_norm"] = ((D,), norm_fill)
+        spec["post_ff_norm"] = ((D,), norm_fill)
     if cfg.num_experts:  # models/moe.py: the router and every expert's fused gate/up and down
         E, Fe = cfg.num_experts, cfg.moe_intermediate_size
         spec["router"] = ((D, E), None)
@@ -480,6 +497,9 @@ def hf_decoder_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], put: 
     if cfg.qk_norm:
         per_name["q_norm"] = lambda i: lw(i, "self_attn.q_norm.weight")
         per_name["k_norm"] = lambda i: lw(i, "self_attn.k_norm.weight")
+    if cfg.sandwich_norms:
+        per_name["pre_ff_norm"] = lambda i: lw(i, "pre_feedforward_layernorm.weight")
+        per_name["post_ff_norm"] = lambda i: lw(i, "post_feedforward_layernorm.weight")
     if cfg.mlp_bias:
         per_name["gate_up_bias"] = lambda i: fused_bias(i, ["mlp.gate_proj", "mlp.up_proj"])
         per_name["down_bias"] = lambda i: lw(i, "mlp.down_proj.bias")

@@ -33,6 +33,19 @@ class ModelConfig:
     # Mistral's (and Qwen2's, when use_sliding_window): every layer reads its last sliding_window
     # positions only; None where the context never exceeds it (config.resolve drops it)
     sliding_window: int | None = None
+    # the layers that use sliding_window, where only some do (Gemma 2: every other, Gemma 3: five in
+    # six); None: all of them. The others attend to the whole context.
+    sliding_layers: tuple[int, ...] | None = None
+    # Gemma 3: the sliding layers' own rope base (their rope unscaled); None: one rope for every layer
+    rope_local_theta: float | None = None
+    # attention scale query_pre_attn_scalar ** -0.5 (Gemma 2, 3); None: head_dim ** -0.5
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2's soft-capping, cap * tanh(x / cap): of the attention scores and of the final logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Gemma 2, 3: the attention output normed before the residual (post_attention_layernorm) and the
+    # MLP between norms of its own (pre_ / post_feedforward_layernorm)
+    sandwich_norms: bool = False
     dtype: str = "float32"  # the checkpoint's dtype
     # mixture of experts (models/moe.py): E experts of intermediate size moe_intermediate_size in every
     # layer's MLP, k of them per token; 0 experts: a dense MLP of intermediate_size
@@ -77,6 +90,16 @@ class ModelConfig:
         """FLOPs of one token through the weights, the lm_head included (attention over the context
         left out): what recomputing a token, or sampling one, costs in matmuls."""
         return 2 * (self.layer_params + self.vocab_size * self.hidden_size)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` reads, or None for the whole context."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxsched.models.gemma import GemmaForCausalLM, gemma_config
+from jaxsched.models.gemma import GemmaForCausalLM, gemma2_config, gemma3_config, gemma_config
 from jaxsched.models.llama import (
     LlamaForCausalLM,
     llama_config,
@@ -50,6 +50,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                         gguf_defaults=(("norm_topk_prob", True),)),
     "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM, gguf="llama", moe=True),
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
+    "Gemma2ForCausalLM": Architecture(gemma2_config, GemmaForCausalLM),
+    "Gemma3ForCausalLM": Architecture(gemma3_config, GemmaForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
