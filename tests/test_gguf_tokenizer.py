@@ -87,6 +87,22 @@ def test_sentencepiece_bpe_matches_transformers(tmp_path, add_bos, with_merges):
     assert any(tokens[i].startswith("<0x") for i in ids)  # ☃ is not in the vocab: byte fallback
 
 
+def test_gemmas_sentencepiece_vocabulary_adds_no_space_prefix(tmp_path):
+    """Gemma's GGUF files hold a SentencePiece vocabulary with add_space_prefix false: text is not
+    given a leading "▁", as in Gemma's own tokenizer.json (transformers' GemmaConverter: spaces to
+    "▁", nothing prepended) and in llama.cpp. transformers' GGUF reader prepends one regardless, so
+    it is the reference for the same text with the space written out; decoding gives the text back."""
+    tokens, scores, types = tiny_gguf.sentencepiece_vocab(tiny._WORDS)
+    path = tiny_gguf.write_tokenizer_gguf(str(tmp_path / "gemma.gguf"), tokens, model="llama", types=types,
+                                          scores=scores, bos=1, eos=2, unk=0, add_space_prefix=False)
+    ours = gguf_file_tokenizer(path)
+    ref = transformers_gguf_tokenizer(path)
+    for text in TEXTS:
+        assert ours.encode(text if not text or text.startswith(" ") else " " + text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == text
+    assert ours.encode("hello")[1:] != ref.encode("hello")[1:]  # "hello", not "▁hello"
+
+
 def test_unsupported_tokenizer_model_says_what_to_do(tmp_path):
     path = tiny_gguf.write_tokenizer_gguf(str(tmp_path / "t5.gguf"), ["<pad>", "a"], model="t5")
     with pytest.raises(ValueError, match="'t5' is not supported.*tokenizer="):

@@ -4,6 +4,7 @@ that knows no architecture. Numerics are test_parity.py's (against transformers'
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -101,8 +102,9 @@ def test_gemma_config_defaults_and_refusals():
 
 
 def test_gguf_architecture_names():
-    assert [architecture_of_gguf(n) for n in ("llama", "mistral", "qwen2", "qwen3")] == \
-        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert [architecture_of_gguf(n) for n in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")] == \
+        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+         "Gemma3ForCausalLM"]
     with pytest.raises(ValueError, match="unknown GGUF architecture 'gemma'; supported: llama, mistral"):
         architecture_of_gguf("gemma")
     with pytest.raises(ValueError, match="unknown GGUF architecture None"):
@@ -123,3 +125,61 @@ def test_a_qwen_window_is_taken_for_every_layer_or_none():
     assert model_config_from_hf({**hf, "max_window_layers": hf["num_hidden_layers"]}).sliding_window is None
     with pytest.raises(ValueError, match="a sliding window in layers 1 to 1 only"):
         model_config_from_hf({**hf, "max_window_layers": 1})
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_file_holds_the_same_model(kind, tokenizer_dir, tmp_path):
+    """llama.cpp's Gemma 2 and 3 layout (tests/tiny_gguf.py, named by the gguf package's own map):
+    norms stored as 1 + w come back as w, the windows, layer kinds, soft-caps, rope bases and the
+    attention scale read from the metadata give the folder's config, and the greedy tokens match.
+    The folder's attention scale is 1 / sqrt(head_dim), the only one llama.cpp has below 27B."""
+    import tiny_gguf
+
+    from jaxsched import LLM, SamplingParams
+    from jaxsched.models.loader import load_model_source
+
+    folder = tiny.build_model(str(tmp_path / kind), kind, tokenizer_dir, seed=4, query_pre_attn_scalar=32)
+    path = tiny_gguf.write_gemma_gguf(str(tmp_path / f"{kind}.gguf"), folder)
+    folder_cfg, folder_get, _ = load_model_source(folder)
+    cfg, get, source = load_model_source(path)
+    assert source == "gguf"
+    # GGUF metadata has no dtype, holds eps in float32, and bos/eos come from the vocabulary; the rest
+    # is the folder's
+    assert cfg.rms_norm_eps == pytest.approx(folder_cfg.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(cfg, dtype=folder_cfg.dtype, bos_token_id=folder_cfg.bos_token_id,
+                               eos_token_ids=folder_cfg.eos_token_ids, rms_norm_eps=folder_cfg.rms_norm_eps) == folder_cfg
+    for name in ["model.embed_tokens.weight", "model.norm.weight", *(
+            f"model.layers.{i}.{n}.weight" for i in range(cfg.num_layers) for n in (
+                "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm", "self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj",
+                *(("self_attn.q_norm", "self_attn.k_norm") if kind == "gemma3" else ())))]:
+        np.testing.assert_allclose(get(name), folder_get(name), rtol=0, atol=1e-6, err_msg=name)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 16}
+    prompt = [{"prompt_token_ids": [5, 17, 42, 9, 33, 8, 61, 12, 90, 4, 7]}]  # past the 8-token window
+    assert LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        LLM(folder, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_gemma_gguf_metadata_takes_llama_cpps_fixed_values():
+    """What llama.cpp fixes rather than writes: Gemma 3's five sliding layers in six and local rope
+    base 10,000 (from the config adapter's defaults), and the attention scale of head_dim, or of
+    hidden / heads in the 27B models (told apart by their layer count, as llama.cpp does)."""
+    from jaxsched.models.gemma import gemma_gguf_meta
+
+    def read(layers: int, hidden: int, heads: int, arch: str = "gemma3"):
+        hf = {"architectures": ["Gemma3ForCausalLM" if arch == "gemma3" else "Gemma2ForCausalLM"],
+              "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 4 * hidden, "vocab_size": 1000,
+              "rope_theta": 1e6}
+        meta = {"attention.sliding_window": 512, "attn_logit_softcapping": 50.0}
+        return model_config_from_hf({**hf, **gemma_gguf_meta(arch, meta.get, hf)})
+
+    small = read(26, 1152, 4)  # Gemma 3 1B
+    assert small.sliding_window == 512 and small.rope_local_theta == 10000.0 and small.rope_theta == 1e6
+    assert [i for i in range(26) if small.layer_window(i) is None] == [5, 11, 17, 23]
+    assert small.query_pre_attn_scalar == 256 and small.attn_softcap == 50.0
+    assert read(62, 5376, 32).query_pre_attn_scalar == 168  # Gemma 3 27B
+    assert read(46, 4608, 32, "gemma2").query_pre_attn_scalar == 144  # Gemma 2 27B
+    gemma2 = read(42, 3584, 16, "gemma2")  # Gemma 2 9B
+    assert gemma2.query_pre_attn_scalar == 256 and gemma2.sliding_layers == tuple(range(0, 42, 2))

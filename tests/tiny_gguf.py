@@ -141,6 +141,72 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
     return path
 
 
+def write_gemma_gguf(path: str, model_folder: str) -> str:
+    """The tiny Gemma 2 or Gemma 3 of `model_folder` as a float32 GGUF laid out by llama.cpp's rules,
+    named by the `gguf` package's own map (gguf.get_tensor_name_map, not ours): norm weights stored
+    as 1 + w, embeddings tied, the windows, soft-caps and rope bases as metadata; the tiny byte-level
+    BPE tokenizer as a "gpt2" vocabulary (Gemma's SentencePiece one is test_gguf_tokenizer.py's)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(model_folder, "config.json")) as f:
+        cfg = json.load(f)
+    arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[cfg["model_type"]]
+    with open(os.path.join(model_folder, "tokenizer_config.json")) as f:
+        tok_cfg = json.load(f)
+    meta = _bpe_tokenizer_metadata(model_folder)
+    ids = {t: i for i, t in enumerate(meta["tokens"])}
+    L = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch, L)
+    w = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(L)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    # llama.cpp fixes the sliding pattern per architecture; the tiny Gemma 3's (sliding, sliding,
+    # global) is not its five-in-six, so it is written as one flag a layer
+    if arch == gguf.MODEL_ARCH.GEMMA3:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        rope = cfg["rope_parameters"]
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    else:
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["types"])
+    w.add_token_merges(meta["merges"])
+    w.add_bos_token_id(ids[tok_cfg["bos_token"]])
+    w.add_eos_token_id(ids[tok_cfg["eos_token"]])
+    w.add_add_bos_token(False)
+    for file in sorted(os.listdir(model_folder)):
+        if not file.endswith(".safetensors"):
+            continue
+        for name, arr in load_file(os.path.join(model_folder, file)).items():
+            arr = np.ascontiguousarray(arr, np.float32)
+            if name.endswith("norm.weight"):
+                arr = arr + 1.0
+            w.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_tokenizer_gguf(path: str, tokens: list[str], *, model: str, types: list[int] | None = None,
                          merges: list[str] | None = None, scores: list[float] | None = None, pre: str | None = None,
                          bos: int | None = None, eos: int | None = None, unk: int | None = None,

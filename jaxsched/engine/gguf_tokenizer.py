@@ -9,8 +9,9 @@ pipeline transformers builds for the two tokenizer models our architectures use:
   "gpt2"   byte-level BPE (Llama 3, Qwen2/3, SmolLM): tokens spelled in GPT-2's byte alphabet, the
            file's merges, a ByteLevel pre-tokenizer (after a split regex where the file's
            `tokenizer.ggml.pre` names one), a ByteLevel decoder;
-  "llama"  SentencePiece BPE (Llama 2, Mistral): Metaspace pre-tokenizer, byte fallback, merges
-           from the file or derived from the token scores.
+  "llama"  SentencePiece BPE (Llama 2, Mistral, Gemma): Metaspace pre-tokenizer (no "▁" prepended
+           where add_space_prefix is false, as in Gemma's files), byte fallback, merges from the
+           file or derived from the token scores.
 
 Tokens typed CONTROL become special added tokens (kept whole, skipped when decoding with
 skip_special_tokens), USER_DEFINED ones plain added tokens. tests/test_gguf_tokenizer.py checks

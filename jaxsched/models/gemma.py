@@ -2,7 +2,8 @@
 Gemma3ForCausalLM). All are the pre-norm decoder of Llama with Gemma's own RMSNorm, which scales by
 (1 + w) in float32, embeddings scaled by sqrt(D), a GeGLU MLP (gelu, tanh approximation), embeddings
 tied to the lm_head by default and a free head_dim (256 in the released models). Optional q/k/v/o
-biases (attention_bias). GGUF files of them do not load (no gguf entry in the registry).
+biases (attention_bias). GGUF files of Gemma 2 and 3 load (llama.cpp's "gemma2", "gemma3"); of the
+first Gemma, not.
 
 Gemma 2 adds: norms after attention and around the MLP (ModelConfig.sandwich_norms), sliding-window
 attention in every other layer (layer_types), the attention scale from query_pre_attn_scalar, and
@@ -42,6 +43,7 @@ from jaxsched.models.layers import (
     split_gate_up,
     vocab_logits,
 )
+from jaxsched.models.llama import GGUF_LAYER_NAMES
 from jaxsched.models.model_config import ModelConfig
 
 
@@ -126,6 +128,38 @@ def gemma3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
                             **_sliding_fields(hf, int(hf.get("sliding_window_pattern") or 6)))
 
 
+def gemma_gguf_meta(arch: str, meta: Callable[[str], Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's config.json keys from a GGUF file's metadata (`meta(key)` reads
+    "{arch}.{key}", None if absent); hf: the keys every file has. What llama.cpp fixes rather than
+    writes is left to the config adapters' defaults (the sliding pattern, Gemma 3's local rope base
+    10,000), except the attention scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) in the 27B
+    models (46 layers in Gemma 2, 62 in Gemma 3), which llama.cpp tells apart by their layer count."""
+    out: dict[str, Any] = {}
+    if (window := meta("attention.sliding_window")) is not None:
+        out["sliding_window"] = int(window)
+    pattern = meta("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag a layer, as newer llama.cpp writes it
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if (value := meta(key)) is not None:
+            out[key] = float(value)
+    if (base := meta("rope.freq_base_swa")) is not None:
+        out["rope_local_base_freq"] = float(base)
+    big = hf["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
+    out["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if big else hf["head_dim"]
+    return out
+
+
+# llama.cpp's names of the norms Gemma 2 and 3 add (the others are llama.py's)
+_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
 def gemma_rms_norm(x, weight, eps: float):
     """HF's GemmaRMSNorm: normalise and scale by (1 + weight), both in float32; the weight starts at
     zero."""
@@ -206,3 +240,17 @@ class GemmaForCausalLM(nnx.Module):
         tensor placed by `put` (layers.Put), fused columns grouped for `shards` devices. Norm weights
         stay as HF holds them (w of 1 + w)."""
         return hf_decoder_weights(cfg, get, put, layout, shards)
+
+    @staticmethod
+    def gguf_name(name: str) -> tuple[str, None]:
+        """llama.cpp's name of the HF-named tensor `name` (Gemma 2 and 3; no experts)."""
+        if not name.startswith("model.layers."):
+            return _GGUF_TOP_NAMES[name], None
+        _, _, i, rest = name.split(".", 3)
+        return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}", None
+
+    @staticmethod
+    def from_gguf(hf: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray:
+        """llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by the
+        weight alone): back to w."""
+        return w - 1.0 if name.endswith("norm.weight") else w

@@ -128,8 +128,8 @@ MOE_NAMES = {
 
 
 # -- GGUF (llama.cpp's names) ---------------------------------------------------------------------
-# HF name suffix (per layer) -> GGUF name suffix
-_GGUF_LAYER_NAMES = {
+# HF name suffix (per layer) -> GGUF name suffix (gemma.py adds its own norms' names)
+GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -234,7 +234,7 @@ class LlamaForCausalLM(nnx.Module):
         _, _, i, rest = name.split(".", 3)
         if m := _GGUF_EXPERT.fullmatch(rest):
             return f"blk.{i}.{_GGUF_EXPERT_NAMES[m.group(2)]}", int(m.group(1))
-        return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}", None
+        return f"blk.{i}.{GGUF_LAYER_NAMES[rest]}", None
 
     @staticmethod
     def from_gguf(hf: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray:

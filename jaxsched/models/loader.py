@@ -164,7 +164,10 @@ def gguf_config(reader) -> dict[str, Any]:
                   shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0))
         if (norm := meta("expert_weights_norm")) is not None:
             hf["norm_topk_prob"] = bool(norm)
-    hf = {**dict(ARCHITECTURES[architecture].gguf_defaults), **hf}
+    record = ARCHITECTURES[architecture]
+    hf = {**dict(record.gguf_defaults), **hf}
+    if record.gguf_meta is not None:
+        hf.update(record.gguf_meta(arch, meta, hf))
     scaling_type = meta("rope.scaling.type")
     if scaling_type == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}

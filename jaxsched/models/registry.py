@@ -15,7 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxsched.models.gemma import GemmaForCausalLM, gemma2_config, gemma3_config, gemma_config
+from jaxsched.models.gemma import (
+    GemmaForCausalLM,
+    gemma2_config,
+    gemma3_config,
+    gemma_config,
+    gemma_gguf_meta,
+)
 from jaxsched.models.llama import (
     LlamaForCausalLM,
     llama_config,
@@ -37,6 +43,9 @@ class Architecture:
     # config.json keys that llama.cpp fixes for this architecture rather than writing them in a GGUF
     # file's metadata (Qwen3-MoE's routing weights renormalised, Qwen2-MoE's not)
     gguf_defaults: tuple[tuple[str, Any], ...] = ()
+    # (llama.cpp's architecture, meta(key) of "{arch}.{key}", the keys read so far) -> config.json keys
+    # of the architecture's own GGUF metadata (Gemma's windows and soft-capping)
+    gguf_meta: Callable[[str, Callable[[str], Any], dict[str, Any]], dict[str, Any]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -50,8 +59,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                         gguf_defaults=(("norm_topk_prob", True),)),
     "MixtralForCausalLM": Architecture(mixtral_config, LlamaForCausalLM, gguf="llama", moe=True),
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
-    "Gemma2ForCausalLM": Architecture(gemma2_config, GemmaForCausalLM),
-    "Gemma3ForCausalLM": Architecture(gemma3_config, GemmaForCausalLM),
+    "Gemma2ForCausalLM": Architecture(gemma2_config, GemmaForCausalLM, gguf="gemma2", gguf_meta=gemma_gguf_meta),
+    "Gemma3ForCausalLM": Architecture(gemma3_config, GemmaForCausalLM, gguf="gemma3", gguf_meta=gemma_gguf_meta),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
