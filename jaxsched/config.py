@@ -370,6 +370,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     saying what to change.
     """
     from jaxsched.core.buckets import seq_buckets, token_buckets
+    from jaxsched.core.kv_groups import kv_groups
     from jaxsched.core.policy import make_policy
     from jaxsched.parallel.mesh import head_layout
     from jaxsched.runner.penalties import table_capacity
@@ -411,7 +412,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     max_seqs = min(args.max_num_seqs, budget)
 
     M = -(-max_len // P)
-    max_useful = max_seqs * M + 1  # every sequence at full length, plus the null page
+    # every sequence at full length in every layer group (core/kv_groups.py), plus the null page
+    max_useful = max_seqs * M * kv_groups(model).num_groups + 1
     num_blocks = args.num_gpu_blocks_override or num_blocks_for_memory(
         model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(model, dtype), budget, max_seqs,
         max_useful, tp)

@@ -14,8 +14,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, shards: int = 1) -> int:
-    """Bytes of one KV block on one device, with the pool's K heads split over `shards` devices."""
-    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // shards) * cfg.head_dim * DTYPE_BYTES[dtype]
+    """Bytes of one KV block (a page of a layer group's Lg layers, core/kv_groups.py: all L layers
+    for a model without sliding layers) on one device, with the pool's K heads split over `shards`
+    devices."""
+    from jaxsched.core.kv_groups import kv_groups
+
+    return 2 * kv_groups(cfg).size * block_size * (cfg.num_kv_heads // shards) * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
 def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: str, shards: int = 1) -> int:

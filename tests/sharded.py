@@ -72,6 +72,7 @@ def parity(spec: dict) -> dict:
     from compiles import no_compilation
 
     from jaxsched import LLM, SamplingParams
+    from jaxsched.core.kv_groups import kv_groups
 
     greedy = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     prompts = spec.get("prompts", PROMPTS)
@@ -102,8 +103,9 @@ def parity(spec: dict) -> dict:
             "kv_bytes_per_device": eng.kv_bytes_per_device(),
             # what the pool's arrays hold on the first device, and the sizes that should give it
             "pool_bytes_device0": sum(x.addressable_shards[0].data.nbytes for x in eng.core.runner.kv),
+            # a page holds one layer group's layers (core/kv_groups.py): all of them without windows
             "pool_elements_per_kv_head": 2 * eng.config.cache.num_blocks * eng.config.cache.block_size
-            * eng.config.model.num_layers * eng.config.model.head_dim,
+            * kv_groups(eng.config.model).size * eng.config.model.head_dim,
             "pool_itemsize": int(eng.core.runner.kv[0].dtype.itemsize),
         }
         out["prompt_token_ids"] = [o.prompt_token_ids for o in outs]

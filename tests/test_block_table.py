@@ -19,7 +19,7 @@ from jaxsched.runner.block_table import BlockTables
 
 
 def row(rid: str, blocks: list[int]):
-    return SimpleNamespace(request=SimpleNamespace(request_id=rid), block_ids=blocks)
+    return SimpleNamespace(request=SimpleNamespace(request_id=rid), block_ids=blocks, blocks_trimmed=0)
 
 
 def sent(t: BlockTables, capacity: int = 64) -> dict[int, int]:
@@ -40,6 +40,24 @@ def test_a_growing_list_sends_its_new_blocks_only():
     t.place([row("a", a)])
     assert sent(t) == {6: 9}
     assert t.mirror[1].tolist() == [5, 6, 9, 0] and not t.mirror[0].any()
+
+
+def test_pages_a_window_passed_are_zeroed_in_place():
+    """Two layer groups, the second sliding: a row holds G = 2 entries per block; when the block
+    manager frees the sliding pages of the first blocks (their entries the null page in its list,
+    blocks_trimmed counting them), only those entries are written, with zeros."""
+    t = BlockTables(num_slots=1, max_blocks=8, groups=2, sliding=(1,))
+    a = [5, 6, 7, 8, 9, 10]  # blocks 0-2: (global, sliding) pages
+    t.place([row("a", a)])
+    sent(t)
+    a[1] = a[3] = 0  # the window passed blocks 0 and 1
+    r = row("a", a)
+    r.blocks_trimmed = 2
+    t.place([r])
+    assert sent(t) == {9: 0, 11: 0}
+    assert t.mirror[1].tolist() == [5, 0, 7, 0, 9, 10, 0, 0]
+    t.place([r])
+    assert sent(t) == {}  # nothing new
 
 
 def test_a_new_list_is_written_whole_and_the_old_tail_zeroed():

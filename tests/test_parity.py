@@ -28,13 +28,14 @@ from jaxsched import LLM, SamplingParams
 from jaxsched.config import SchedulerConfig
 from jaxsched.core.block_manager import BlockManager, cdiv
 from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.core.request import Request
 from jaxsched.core.request import SamplingParams as SP
 from jaxsched.core.scheduler import Scheduler
 from jaxsched.models.layers import LAYER_WEIGHTS
 from jaxsched.models.loader import build_model, load_model_source
 from jaxsched.runner.batch import BatchDescriptor, BatchPacker
-from jaxsched.runner.block_table import step_block_tables
+from jaxsched.runner.block_table import group_tables, step_block_tables
 from pallas_kernels import backends
 
 SENTENCES = [
@@ -146,13 +147,14 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     prompts = [tok.encode(s) for s in SENTENCES[:5]]
     P, budget, max_len = 8, 16, 128
     M = cdiv(max_len, P)
-    sched = Scheduler(SchedulerConfig(4, budget, max_len, True, token_buckets(budget), seq_buckets(4)),
-                      BlockManager(128, P))
-    packer = BatchPacker(budget, 4, M, P)
+    groups = kv_groups(cfg)  # a sliding-window model's layer groups, as the engine runs them
+    bm = BlockManager(128, P, groups=groups)
+    sched = Scheduler(SchedulerConfig(4, budget, max_len, True, token_buckets(budget), seq_buckets(4)), bm)
+    packer = BatchPacker(budget, 4, M, P, groups=groups)
     for i, ids in enumerate(prompts):
         sched.add_request(Request(str(i), ids, SP(max_tokens=6)))
     kv = tuple(jnp.zeros(s) for s in backends.get(model.attention_backend).pool_shapes(
-        cfg.num_layers, 128, cfg.num_kv_heads, P, cfg.head_dim))
+        groups.size, 128, cfg.num_kv_heads, P, cfg.head_dim))
 
     table = jnp.zeros(packer.tables.mirror.shape, jnp.int32)
 
@@ -160,12 +162,16 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
     def forward(state, kv, table, fi, ff, T, S):
         batch = BatchDescriptor.from_flat(fi, ff, T, S)
         table, batch.block_tables = step_block_tables(table, batch)
+        if groups.num_groups > 1:
+            batch.block_tables, batch.slot_mapping = group_tables(batch.block_tables, batch, groups.num_groups, P)
         logits, kv = nnx.merge(graphdef, state)(kv, batch)
         return logits, kv, table
     seen: list[tuple[Request, int, np.ndarray]] = []  # (request, position, our logits)
     n_steps = 0
+    trimmed_pages = [0]
     while sched.has_unfinished_requests():
         out = sched.schedule()
+        trimmed_pages[0] += sum(bm.trimmed(rid) for rid in out.scheduled)
         batch = packer.pack(out)
         assert batch.table_overflow is None
         logits, kv, table = forward(state, kv, table, batch.flat_i32, batch.flat_f32, out.token_bucket, out.seq_bucket)
@@ -174,8 +180,11 @@ def check_logits(folder: str, layer_weights: str, tokenizer_dir: str) -> None:
             # the scheduler counts a row's tokens as computed when it schedules them: its last is at - 1
             seen.append((row.request, row.request.num_computed_tokens - 1, logits[i]))
         sched.update(out, logits[: out.num_seqs].argmax(-1))
+        bm.check_invariants()
         n_steps += 1
     assert n_steps > 8  # chunked prefills, then decodes
+    if groups.sliding:  # the windows (8 tokens) passed pages that went back to the pool
+        assert trimmed_pages[0] > 0
     ref = hf_model(folder)
     worst = 0.0
     for req in {id(r): r for r, _, _ in seen}.values():
@@ -204,6 +213,11 @@ GENERATE_CASES = [
     ("qwen3_moe", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 11}, None),
     ("mixtral", {"max_num_batched_tokens": 128}, "stacked"),
     ("qwen2_moe", {"max_num_batched_tokens": 32}, "unrolled"),  # the shared expert beside them
+    # sliding and global layers whose windows (8 tokens) free pages: chunked prefill, preemption
+    ("gemma2", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 20}, None),
+    ("gemma3", {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 24}, "stacked"),
+    ("gemma3", {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 26, "preemption_mode": "swap",
+                "swap_space": 0.001}, "per_layer"),
 ]
 
 

@@ -16,6 +16,16 @@ allocation takes it: LRU eviction, because the free queue is in the order blocks
 Why the free queue is a dict: allocate takes from the front and free appends at the back in O(1),
 and a cached block can leave the middle of the queue in O(1) when a prefix hit revives it. A
 plain dict keeps insertion order, which is exactly that queue.
+
+Sliding windows (kv_groups.py): with G layer groups a request's list holds G pages per logical
+block of P tokens (block i, group g at i * G + g), all from the one free queue. Once the window has
+passed a logical block, its sliding groups' pages are freed and their entries turn into the null
+page (`trim`; `req_trimmed` counts such blocks), so a long context keeps about ceil(W / P) + 1
+pages in each sliding group. A page is cached under its block's hash and its group; a freed
+sliding page keeps its hash in the free queue like any other (a later hit may revive it), and
+trimmed entries are neither swapped nor hashed again. A prefix-cache hit needs every full group's
+pages of its blocks, but a sliding group's only from the first block its window still reads. With
+one group without a window (every model without sliding layers) all of this is the plain pool.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxsched.core.kv_groups import KVGroups
 from jaxsched.core.request import Request
 
 NULL_BLOCK = 0
@@ -49,8 +60,12 @@ class KVCacheStats:
     internal_waste: int  # allocated_slots - used_slots: the tails of last blocks
 
 
+FULL_ATTENTION = KVGroups(((),), (None,))  # one group, no window: the plain pool
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 groups: KVGroups = FULL_ATTENTION) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null page), got {num_blocks}")
         if block_size <= 0 or block_size % 8:
@@ -58,6 +73,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = groups
+        self.G = groups.num_groups
+        self._sliding = groups.sliding
+        self._full = tuple(g for g in range(self.G) if g not in self._sliding)
+        self.req_trimmed: dict[str, int] = {}  # logical blocks whose sliding pages are freed
+        self.num_trimmed_pages = 0  # sliding pages freed because the window passed them (tests, metrics)
         self.ref_cnt = [0] * num_blocks
         self.free_queue: dict[int, None] = dict.fromkeys(range(1, num_blocks))
         self.req_blocks: dict[str, list[int]] = {}
@@ -102,20 +123,39 @@ class BlockManager:
             hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
         return hashes
 
+    def _key(self, h: bytes, g: int) -> bytes:
+        """The cache key of group g's page of the block with chain hash h."""
+        return h if g == 0 else h + bytes((g,))
+
+    def first_needed(self, position: int) -> int:
+        """The first logical block the sliding groups still need when the next token to compute is
+        at `position` (0 without sliding groups)."""
+        return self.groups.first_needed(self._sliding[0], position, self.block_size) if self._sliding else 0
+
     def lookup(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's tokens. At least one token is
-        left to compute, since the step must produce logits for the request's last token."""
+        """Cached pages holding the longest prefix of the request's tokens, G per block (null for a
+        sliding group's block its window no longer reads). At least one token is left to compute,
+        since the step must produce logits for the request's last token."""
         if not self.uses_cache(request):
             return []
-        P = self.block_size
+        P, G, cached = self.block_size, self.G, self.cached
         max_full = (request.num_tokens - 1) // P
-        hits: list[int] = []
-        for h in self.block_hashes(request, max_full):
-            block = self.cached.get(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        hashes = self.block_hashes(request, max_full)
+        n = 0  # blocks whose every full group's page is cached
+        while n < max_full and all(self._key(hashes[n], g) in cached for g in self._full):
+            n += 1
+        if self._sliding:
+            # the longest n' <= n whose blocks from first_needed(n' P) on have all their sliding pages
+            run = 0  # sliding-complete blocks ending at the one before n'
+            runs = []
+            for i in range(n):
+                run = run + 1 if all(self._key(hashes[i], g) in cached for g in self._sliding) else 0
+                runs.append(run)
+            while n > 0 and runs[n - 1] < n - self.first_needed(n * P):
+                n -= 1
+        lo = self.first_needed(n * P)
+        return [cached[self._key(hashes[i], g)] if g in self._full or i >= lo else NULL_BLOCK
+                for i in range(n) for g in range(G)]
 
     def register(self, request: Request) -> None:
         """Cache the request's blocks that are full once this step's tokens are written. A block
@@ -129,55 +169,99 @@ class BlockManager:
             return
         blocks = self.req_blocks[rid]
         hashes = self.block_hashes(request, num_full)
+        G = self.G
         for i in range(done, num_full):
-            h, b = hashes[i], blocks[i]
-            if self.block_hash[b] is None and h not in self.cached:
-                self.cached[h] = b
-                self.block_hash[b] = h
+            for g in range(G):
+                b = blocks[i * G + g]
+                key = self._key(hashes[i], g)
+                # a page the window already passed is not hashed (its entry is the null page)
+                if b != NULL_BLOCK and self.block_hash[b] is None and key not in self.cached:
+                    self.cached[key] = b
+                    self.block_hash[b] = key
         self.req_num_registered[rid] = num_full
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Give `request` the blocks for its next num_new_tokens tokens, after taking
-        `computed_blocks` (prefix-cache hits, only for a request that owns no blocks yet). False
-        (and no change) if the pool has too few free blocks."""
+        `computed_blocks` (prefix-cache hits as lookup gives them, only for a request that owns no
+        blocks yet), and free the sliding pages its window has passed. False (and no change but
+        that freeing) if the pool has too few free blocks."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
+        G, P = self.G, self.block_size
         if blocks is not None and not computed_blocks:  # the common case: a decode within its last block
             slots = request.num_computed_tokens + num_new_tokens
-            if slots <= len(blocks) * self.block_size:
+            if self._sliding:
+                self.trim(rid, request.num_computed_tokens)
+            if slots <= len(blocks) // G * P:
                 self.req_slots[rid] = slots
                 return True
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        have = (len(blocks) if blocks else 0) + len(computed_blocks)
-        need = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - have)
-        revived = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)  # leave the free queue
-        if need + revived > len(self.free_queue):
+        num_computed = request.num_computed_tokens + len(computed_blocks) // G * P
+        have = ((len(blocks) if blocks else 0) + len(computed_blocks)) // G  # logical blocks
+        need = max(0, cdiv(num_computed + num_new_tokens, P) - have)
+        # the sliding groups' pages only from the first block their window still reads
+        lo = self.first_needed(num_computed)
+        pages = need * len(self._full) + len(self._sliding) * max(0, have + need - max(lo, have))
+        revived = sum(1 for b in computed_blocks if b != NULL_BLOCK and self.ref_cnt[b] == 0)  # leave the free queue
+        if pages + revived > len(self.free_queue):
             return False
         if blocks is None:
             blocks = self.req_blocks[rid] = []
+            self.req_trimmed[rid] = lo  # a hit's or a swapped-in request's first blocks: null
         for b in computed_blocks:
-            if self.ref_cnt[b] == 0:
-                del self.free_queue[b]
-            self.ref_cnt[b] += 1
+            if b != NULL_BLOCK:
+                if self.ref_cnt[b] == 0:
+                    del self.free_queue[b]
+                self.ref_cnt[b] += 1
             blocks.append(b)
         if computed_blocks:
-            self.req_num_registered[rid] = len(computed_blocks)
-            self.req_num_hits[rid] = len(computed_blocks)
+            self.req_num_registered[rid] = len(computed_blocks) // G
+            self.req_num_hits[rid] = len(computed_blocks) // G
         if need:
             free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
-            taken = list(itertools.islice(free_queue, need))  # the queue's front: least recently freed
-            for b in taken:
-                del free_queue[b]
-                h = block_hash[b]
-                if h is not None:  # evict the cached prefix this block held
-                    block_hash[b] = None
-                    if self.cached.get(h) == b:
-                        del self.cached[h]
-                ref_cnt[b] = 1
-            blocks.extend(taken)
+            taken = iter(list(itertools.islice(free_queue, pages)))  # the queue's front: least recently freed
+            for i in range(have, have + need):
+                for g in range(G):
+                    if i < lo and g in self._sliding:
+                        blocks.append(NULL_BLOCK)
+                        continue
+                    b = next(taken)
+                    del free_queue[b]
+                    h = block_hash[b]
+                    if h is not None:  # evict the cached prefix this block held
+                        block_hash[b] = None
+                        if self.cached.get(h) == b:
+                            del self.cached[h]
+                    ref_cnt[b] = 1
+                    blocks.append(b)
         self.req_slots[rid] = num_computed + num_new_tokens
         return True
+
+    def trim(self, request_id: str, position: int) -> None:
+        """Free the sliding groups' pages of the blocks their window no longer reads once the next
+        token to compute is at `position`; their entries become the null page."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks or not self._sliding:
+            return
+        G = self.G
+        done = self.req_trimmed.get(request_id, 0)
+        lo = min(self.first_needed(position), len(blocks) // G)
+        for i in range(done, lo):
+            for g in self._sliding:
+                b = blocks[i * G + g]
+                if b == NULL_BLOCK:
+                    continue
+                blocks[i * G + g] = NULL_BLOCK
+                self.num_trimmed_pages += 1
+                self.ref_cnt[b] -= 1
+                if self.ref_cnt[b] == 0:
+                    self.free_queue[b] = None
+        if lo > done:
+            self.req_trimmed[request_id] = lo
+
+    def trimmed(self, request_id: str) -> int:
+        """The request's leading logical blocks whose sliding pages are freed."""
+        return self.req_trimmed.get(request_id, 0)
 
     def set_slots(self, request: Request, num_slots: int) -> None:
         """Shrink a request's claimed slots after the scheduler cut its chunk (blocks are kept:
@@ -191,9 +275,12 @@ class BlockManager:
         self.req_slots.pop(request_id, None)
         self.req_num_registered.pop(request_id, None)
         self.req_num_hits.pop(request_id, None)
+        self.req_trimmed.pop(request_id, None)
         if not blocks:
             return
         for block in reversed(blocks):
+            if block == NULL_BLOCK:
+                continue
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self.free_queue[block] = None
@@ -205,7 +292,7 @@ class BlockManager:
         the cache): after it failed, their K/V may not be what their hashes say. The rest of the
         cache stays."""
         blocks = self.req_blocks.get(request_id) or ()
-        for b in blocks[self.req_num_hits.get(request_id, 0):]:
+        for b in blocks[self.req_num_hits.get(request_id, 0) * self.G:]:
             h = self.block_hash[b]
             if h is not None:
                 self.block_hash[b] = None
@@ -222,10 +309,11 @@ class BlockManager:
     # -- stats ---------------------------------------------------------------------------------
     def slot_usage(self) -> tuple[int, int]:
         """(allocated, wasted) token slots: in used blocks, and of those the unfilled tails of the
-        requests' last blocks (shared prefix blocks are always full and add none). O(requests)."""
+        requests' last blocks, in each group (shared prefix blocks are always full and add none).
+        O(requests)."""
         allocated = (self.num_usable_blocks - len(self.free_queue)) * self.block_size
-        P = self.block_size
-        waste = sum(len(self.req_blocks[rid]) * P - slots for rid, slots in self.req_slots.items()
+        P, G = self.block_size, self.G
+        waste = sum((len(self.req_blocks[rid]) // G * P - slots) * G for rid, slots in self.req_slots.items()
                     if rid in self.req_blocks)
         return allocated, waste
 
@@ -247,17 +335,23 @@ class BlockManager:
         """Every block is free xor referenced; ref counts match the block tables; the cache maps
         only to blocks that carry its hash. For tests."""
         counts = [0] * self.num_blocks
-        for blocks in self.req_blocks.values():
-            for b in blocks:
+        G = self.G
+        for rid, blocks in self.req_blocks.items():
+            assert len(blocks) % G == 0, f"request {rid}: {len(blocks)} pages is not whole blocks of {G} groups"
+            for k, b in enumerate(blocks):
+                if b == NULL_BLOCK:  # only a sliding group's page the window has passed
+                    assert k % G in self._sliding and k // G < self.req_trimmed.get(rid, 0), \
+                        f"request {rid}: entry {k} is the null page"
                 counts[b] += 1
-        assert counts[NULL_BLOCK] == 0 and NULL_BLOCK not in self.free_queue, "null page handed out"
+        assert NULL_BLOCK not in self.free_queue, "null page handed out"
         for b in range(1, self.num_blocks):
             assert counts[b] == self.ref_cnt[b], f"block {b}: ref {self.ref_cnt[b]} != owners {counts[b]}"
             assert (b in self.free_queue) == (counts[b] == 0), f"block {b} free/used mismatch"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"cache entry {h} -> block {b} which carries {self.block_hash[b]}"
         for rid, blocks in self.req_blocks.items():
-            assert len(set(blocks)) == len(blocks), f"request {rid} holds a block twice"
+            live = [b for b in blocks if b != NULL_BLOCK]
+            assert len(set(live)) == len(live), f"request {rid} holds a block twice"
 
 
 class SwapPool:

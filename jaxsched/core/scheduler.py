@@ -38,8 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxsched.config import SchedulerConfig
-from jaxsched.core.block_manager import BlockManager, SwapPool, cdiv
+from jaxsched.core.block_manager import FULL_ATTENTION, NULL_BLOCK, BlockManager, SwapPool, cdiv
 from jaxsched.core.buckets import round_up, seq_buckets_for
+from jaxsched.core.kv_groups import KVGroups
 from jaxsched.core.policy import SchedulerPolicy, make_policy
 from jaxsched.core.request import Request, RequestStatus
 from jaxsched.core.stats import EngineStats
@@ -56,6 +57,7 @@ class ScheduledRequest:
     # its block table after the step, filled when the step's decisions are final: the block
     # manager's own list, not a copy (read-only; valid until the next schedule())
     block_ids: Sequence[int] = ()
+    blocks_trimmed: int = 0  # its leading blocks whose sliding pages the window passed (block_manager.py)
     # set when the step's decisions are final (Scheduler._commit):
     samples: bool = False  # the row catches up with all its tokens, so its sampled token counts
     output_index: int = 0  # the index in the request's output of the token this row samples
@@ -185,7 +187,7 @@ class Scheduler:
         """Refuse a request that could never be scheduled instead of letting it wait forever."""
         bm = self.block_manager
         check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens, self.config, bm.block_size,
-                   bm.num_usable_blocks)
+                   bm.num_usable_blocks, bm.groups)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside a step (abort, stop string, error). Unknown ids are ignored."""
@@ -304,6 +306,7 @@ class Scheduler:
                 context += row.request.num_computed_tokens
                 bm.register(row.request)
                 row.block_ids = bm.block_ids(row.request.request_id)
+                row.blocks_trimmed = bm.trimmed(row.request.request_id)
             out.num_tokens = total
             out.token_bucket, out.seq_bucket = self.bucket_pair(total, len(sched))
             out.context = context
@@ -363,16 +366,20 @@ class Scheduler:
         leader = self._group_leader.get(req.group_id) if req.group_id is not None else None
         if leader is None or leader is req or leader.status != RequestStatus.RUNNING or req.num_output_tokens:
             return 0
-        P = self.block_manager.block_size
+        bm = self.block_manager
+        P, G = bm.block_size, bm.G
         n_prompt = req.num_prompt_tokens
         full = (n_prompt - 1) // P
         tail = n_prompt - 1 - full * P  # prompt tokens in the partial block, the last one excluded
         if (tail <= 0 or n_hit_blocks != full or n != n_prompt - full * P
                 or leader.num_computed_tokens < n_prompt - 1):
             return 0
-        src = self.block_manager.block_ids(leader.request_id)[full]
-        dst = self.block_manager.block_ids(req.request_id)[full]
-        out.blocks_to_copy.append((src, dst))
+        # the block's page in every group (a sliding group's is gone once the leader's window passed it)
+        src = bm.block_ids(leader.request_id)[full * G : (full + 1) * G]
+        dst = bm.block_ids(req.request_id)[full * G : (full + 1) * G]
+        if len(src) < G or NULL_BLOCK in src or NULL_BLOCK in dst:
+            return 0
+        out.blocks_to_copy.extend(zip(src, dst))
         self.num_block_copies += 1
         return tail
 
@@ -410,8 +417,8 @@ class Scheduler:
                 # preemptions a few steps later.
                 fits = False
             else:
-                hits = bm.lookup(req)
-                hit_tokens = len(hits) * bm.block_size
+                hits = bm.lookup(req)  # G pages a block
+                hit_tokens = len(hits) // bm.G * bm.block_size
                 n = req.num_tokens - hit_tokens
                 if n > budget and not cfg.enable_chunked_prefill:
                     fits = False
@@ -426,7 +433,8 @@ class Scheduler:
                 continue
             if use_swapped:
                 host = self.swap_pool.release(req.request_id)
-                out.blocks_to_swap_in.extend(zip(host, bm.block_ids(req.request_id)))
+                # the pages swapped out, in order: the sliding ones the window passed are not among them
+                out.blocks_to_swap_in.extend(zip(host, (b for b in bm.block_ids(req.request_id) if b != NULL_BLOCK)))
                 out.swapped_in.append(req.request_id)
                 del self.swapped[k]
             else:
@@ -434,7 +442,7 @@ class Scheduler:
                     bm.prefix_queries += req.num_tokens
                     bm.prefix_hits += hit_tokens
                 req.num_computed_tokens = hit_tokens
-                copied = self._copy_tail(req, len(hits), n, out)
+                copied = self._copy_tail(req, len(hits) // bm.G, n, out)
                 req.num_computed_tokens += copied
                 n -= copied
                 del self.waiting[j]
@@ -476,10 +484,14 @@ class Scheduler:
         swap = mode == "swap" or (
             mode == "auto" and (req.group_size > 1 or req.num_computed_tokens >= cfg.swap_min_tokens))
         if swap and req.num_computed_tokens > 0:
-            n = cdiv(req.num_computed_tokens, bm.block_size)
-            host = self.swap_pool.allocate(rid, n)
+            # the computed blocks' pages, but for the sliding ones the window has passed (swap-in
+            # allocates none for them either: allocate_slots from the same position)
+            bm.trim(rid, req.num_computed_tokens)
+            live = [b for b in bm.block_ids(rid)[: cdiv(req.num_computed_tokens, bm.block_size) * bm.G]
+                    if b != NULL_BLOCK]
+            host = self.swap_pool.allocate(rid, len(live))
             if host is not None:  # else the host pool is full: fall back to recompute
-                out.blocks_to_swap_out.extend(zip(bm.block_ids(rid)[:n], host))
+                out.blocks_to_swap_out.extend(zip(live, host))
                 bm.free(rid)
                 req.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, req)
@@ -649,10 +661,11 @@ class Scheduler:
 
 
 def check_fits(n_prompt: int, max_tokens: int | None, cfg: SchedulerConfig, block_size: int,
-               num_usable_blocks: int) -> None:
+               num_usable_blocks: int, groups: KVGroups | None = None) -> None:
     """Refuse (InvalidRequestError, naming the field) a request of n_prompt prompt tokens and
     max_tokens that could never be scheduled: the front end asks before a request reaches a core,
-    and the scheduler asks again as each comes in."""
+    and the scheduler asks again as each comes in. groups: the model's KV layer groups (a block
+    is then a page of one group's layers; core/kv_groups.py)."""
     if n_prompt >= cfg.max_model_len:
         raise InvalidRequestError(
             f"prompt is {n_prompt} tokens but max_model_len is {cfg.max_model_len}: the prompt must "
@@ -670,9 +683,10 @@ def check_fits(n_prompt: int, max_tokens: int | None, cfg: SchedulerConfig, bloc
             "and chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens", "prompt"
         )
     final_len = n_prompt + max_tokens if max_tokens is not None else cfg.max_model_len
-    if cdiv(final_len, block_size) > num_usable_blocks:
+    needed = (groups or FULL_ATTENTION).pages_for(final_len, block_size, cfg.max_num_batched_tokens)
+    if needed > num_usable_blocks:
         raise InvalidRequestError(
-            f"request needs {cdiv(final_len, block_size)} KV blocks ({final_len} tokens) but the "
+            f"request needs {needed} KV blocks ({final_len} tokens) but the "
             f"pool has {num_usable_blocks}: lower max_tokens or enlarge the pool "
             "(gpu_memory_utilization / num_gpu_blocks_override)", "max_tokens"
         )

@@ -52,6 +52,7 @@ import jax
 from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
 from jaxsched.core.block_manager import BlockManager
 from jaxsched.core.buckets import bucket_pairs
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.core.request import Request, RequestStatus
 from jaxsched.core.scheduler import Scheduler
 from jaxsched.core.stats import HOST_PHASES, EngineStats
@@ -169,7 +170,8 @@ class EngineCore:
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
-                                          enable_prefix_caching=cfg.enable_prefix_caching)
+                                          enable_prefix_caching=cfg.enable_prefix_caching,
+                                          groups=kv_groups(cfg.model))
         self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets)) \
             if cfg.step_cost_model else None
         target = cfg.target_tpot_ms / 1e3 if cfg.target_tpot_ms is not None else None

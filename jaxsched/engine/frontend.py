@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxsched.config import EngineConfig, ModelConfig
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.core.request import SamplingParams
 from jaxsched.core.scheduler import check_fits
 from jaxsched.engine.core_client import EngineCoreClient
@@ -171,7 +172,8 @@ class FrontEnd:
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         check_penalty_capacity(params, ids, self.eos_token_ids, cfg.scheduler.max_model_len, V, cfg.penalty_capacity)
         check_satisfiable(params, self.eos_token_ids)
-        check_fits(len(ids), params.max_tokens, cfg.scheduler, cfg.cache.block_size, cfg.cache.num_usable_blocks)
+        check_fits(len(ids), params.max_tokens, cfg.scheduler, cfg.cache.block_size, cfg.cache.num_usable_blocks,
+                   kv_groups(cfg.model))
         if params.structured_outputs is not None:  # a definition that does not compile is refused here
             self.grammars.compile(params.structured_outputs)
         for name, seconds in (("timeout", timeout), ("queue_timeout", queue_timeout)):

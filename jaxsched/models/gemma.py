@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.hf_config import decoder_config, rope_from_hf
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -222,7 +223,7 @@ class GemmaForCausalLM(nnx.Module):
         # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
         attend = paged_attend(batch, self.attention_backend, cos, sin, cfg.sm_scale, self.mesh,
                               (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window,
-                              cfg.sliding_layers, local_rope, cfg.attn_softcap)
+                              cfg.sliding_layers, local_rope, cfg.attn_softcap, kv_groups(cfg))
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxsched import platforms
+from jaxsched.core.kv_groups import KVGroups
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, write_kv
@@ -142,7 +143,7 @@ class DecoderLayers(nnx.Module):
 def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
                  shape: tuple[int, int, int, int] | None = None, window: int | None = None,
                  sliding: tuple[int, ...] | None = None, local_rope: tuple[Any, Any] | None = None,
-                 softcap: float | None = None) -> Attend:
+                 softcap: float | None = None, groups: KVGroups | None = None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
@@ -156,16 +157,29 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
     window: sliding-window attention (paged_attention's `window`), in the layers `sliding` names
     (None: every layer); the others read the whole context. local_rope: (cos, sin) of those sliding
     layers where they have a rope of their own (Gemma 3). A layer's window and rope are picked by its
-    traced index, so one compiled layer serves both kinds. softcap: score soft-capping (Gemma 2)."""
+    traced index, so one compiled layer serves both kinds. softcap: score soft-capping (Gemma 2).
+
+    groups: the model's KV layer groups (core/kv_groups.py). With G > 1 of them the batch carries
+    each group's block tables [G, S, M] and slot mapping [G, T] (block_table.group_tables), the pool
+    holds pages of Lg layers, and layer l reads and writes row slot(l) of its group's pages; a batch
+    built with one [S, M] table (tests) runs every layer on it, the pool then [L, NB, ...]."""
     record = backends.get(backend)
     k_transposed = record.k_transposed
     rope_write = record.rope_write
+    grouped = groups is not None and groups.num_groups > 1 and batch.block_tables.ndim == 3
     meta = None
     if record.prepare is not None and shape is not None:
         N, K, H, page = shape
         n = shards_of(mesh)
-        meta = record.prepare(batch.token_ids.shape[0], N // n, K // n, H, page, batch.block_tables, batch.seq_lens,
-                              batch.query_start_loc, batch.num_seqs)
+
+        def prepare(block_tables):
+            return record.prepare(batch.token_ids.shape[0], N // n, K // n, H, page, block_tables, batch.seq_lens,
+                                  batch.query_start_loc, batch.num_seqs)
+
+        meta = jax.vmap(prepare)(batch.block_tables) if grouped else prepare(batch.block_tables)
+    if grouped:
+        group_of = jnp.asarray(groups.group_of(), jnp.int32)
+        slot_of = jnp.asarray(groups.slot_of(), jnp.int32)
 
     def local(q, k, v, k_cache, v_cache, li, cos, sin, window, slot_mapping, block_tables, seq_lens,
               query_start_loc, num_seqs, meta):
@@ -194,8 +208,13 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
                 w = jnp.where(is_sliding, window, NO_WINDOW)
             if local_rope is not None:
                 c, s = jnp.where(is_sliding, local_rope[0], cos), jnp.where(is_sliding, local_rope[1], sin)
-        o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, li, c, s, w, batch.slot_mapping, batch.block_tables,
-                                    batch.seq_lens, batch.query_start_loc, batch.num_seqs, meta)
+        row, slot_mapping, block_tables, m = li, batch.slot_mapping, batch.block_tables, meta
+        if grouped:  # this layer's group: its table, its pages' row for the layer
+            g = group_of[li]
+            row, slot_mapping, block_tables = slot_of[li], slot_mapping[g], block_tables[g]
+            m = None if meta is None else jax.tree.map(lambda x: x[g], meta)
+        o, k_cache, v_cache = local(q, k, v, k_cache, v_cache, row, c, s, w, slot_mapping, block_tables,
+                                    batch.seq_lens, batch.query_start_loc, batch.num_seqs, m)
         T, N, H = o.shape
         return o.reshape(T, N * H), k_cache, v_cache
 

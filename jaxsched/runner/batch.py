@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxsched import envs
+from jaxsched.core.block_manager import FULL_ATTENTION
+from jaxsched.core.kv_groups import KVGroups
 from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.core.request import INT32_MAX, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -54,7 +56,9 @@ class BatchDescriptor:
 
     token_ids: object = _flat("i32", _tokens)  # i32[T]  new tokens, request after request
     positions: object = _flat("i32", _tokens)  # i32[T]  their positions in their sequences
-    slot_mapping: object = _flat("i32", _tokens)  # i32[T]  block * P + offset; padding -> 0 (null page)
+    # i32[T]  block * P + offset; padding -> 0 (null page). With G > 1 layer groups: the first group's
+    # pages on the host, every group's, i32[G, T], inside the program (block_table.group_tables)
+    slot_mapping: object = _flat("i32", _tokens)
     query_start_loc: object = _flat("i32", lambda T, S: (S + 1,))  # i32[S + 1] where each request's tokens start
     seq_lens: object = _flat("i32", _rows)  # i32[S]  KV length of each request after this step
     row_slots: object = _flat("i32", _rows)  # i32[S]  each row's slot in the device block table; padding -> 0
@@ -81,7 +85,8 @@ class BatchDescriptor:
     frequency_penalty: object = _flat("f32", _rows)  # f32[S]
     repetition_penalty: object = _flat("f32", _rows)  # f32[S]
     # i32[S, M] each row's blocks (unused -> 0, the null page): table[row_slots] inside the model's
-    # program (block_table.py); None on the host, which never builds the whole table
+    # program (block_table.py), i32[G, S, M] with G > 1 layer groups; None on the host, which never
+    # builds the whole table
     block_tables: object = None
     # host only: the block table writes past C, (indices, values), applied before the step
     table_overflow: tuple[np.ndarray, np.ndarray] | None = None
@@ -203,10 +208,13 @@ class BatchPacker:
     """Owns the preallocated flat buffers (sized for the largest bucket) and fills them each step."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 penalty_capacity: int = PENALTY_CAPACITY, vocab_size: int = 0, grammar_executor=None) -> None:
+                 penalty_capacity: int = PENALTY_CAPACITY, vocab_size: int = 0, grammar_executor=None,
+                 groups: KVGroups = FULL_ATTENTION) -> None:
         """vocab_size: V, the width of the token masks and the logit_bias tables' "no entry" id;
-        0 packs no constraint tables (the sampler then skips those stages)."""
+        0 packs no constraint tables (the sampler then skips those stages). groups: the model's KV
+        layer groups (core/kv_groups.py): a row's block list holds G pages per block."""
         self.P = block_size
+        self.G = groups.num_groups
         self.V = vocab_size
         self.grammar_executor = grammar_executor  # a callable giving llguidance's thread pool, or None
         n_i32, n_f32 = flat_sizes(max_tokens, max_seqs)
@@ -223,7 +231,8 @@ class BatchPacker:
         self._turn = 0
         self.max_seqs = max_seqs
         self.penalties = PenaltyTables(penalty_capacity)
-        self.tables = BlockTables(max_seqs, max_blocks_per_seq)  # one slot per row a step can have
+        # one slot per row a step can have
+        self.tables = BlockTables(max_seqs, max_blocks_per_seq * self.G, self.G, groups.sliding)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
         # the last packed step, when a next step of the same rows each one token further can be
         # packed from its buffers (_pack_steady); None otherwise
@@ -350,11 +359,14 @@ class BatchPacker:
         else:
             b.token_ids[:n] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos.tolist())]
         n_blocks = np.fromiter((len(row.block_ids) for row in rows), np.int32, n)
+        trimmed = np.fromiter((row.blocks_trimmed for row in rows), np.int32, n)
+        last_trimmed = st.trimmed if keep is None else st.trimmed[keep]
         slots = b.row_slots[:n]
-        for i in np.flatnonzero(n_blocks != last_blocks).tolist():  # a row that entered a new block
-            self.tables.sync(int(slots[i]), rows[i].block_ids)
-        b.slot_mapping[:n] = self.tables.mirror[slots, pos // P] * P + pos % P
-        self._steady = _Steady(T, S, n, reqs, self._turn, seq_lens, n_blocks, st.from_prev)
+        # a row that entered a new block, or whose window passed one
+        for i in np.flatnonzero((n_blocks != last_blocks) | (trimmed != last_trimmed)).tolist():
+            self.tables.sync(int(slots[i]), rows[i].block_ids, rows[i].blocks_trimmed)
+        b.slot_mapping[:n] = self.tables.mirror[slots, pos // P * self.G] * P + pos % P
+        self._steady = _Steady(T, S, n, reqs, self._turn, seq_lens, n_blocks, trimmed, st.from_prev)
         self.steady_gathers += keep is not None
         return b
 
@@ -445,7 +457,8 @@ class BatchPacker:
         slots = b.row_slots[:n]
         slots[:] = self.tables.place(sched)
         p = pos[:total]
-        b.slot_mapping[:total] = self.tables.mirror[slots[rows], p // P] * P + p % P
+        # the first group's pages (with several groups the program derives each group's from the table)
+        b.slot_mapping[:total] = self.tables.mirror[slots[rows], p // P * self.G] * P + p % P
 
         # Sampling arrays: one column per field from one pass over the requests.
         params = [r.sampling_params for r in reqs]
@@ -535,6 +548,7 @@ class _Steady:
     turn: int
     seq_lens: np.ndarray  # i32[n]
     n_blocks: np.ndarray  # i32[n]
+    trimmed: np.ndarray  # i32[n] ScheduledRequest.blocks_trimmed
     from_prev: bool
 
     @classmethod
@@ -555,7 +569,8 @@ class _Steady:
         if any(r.sampling_params.uses_penalties or r.sampling_params.logit_bias for r in reqs):
             return None
         return cls(out.token_bucket, out.seq_bucket, n, reqs, turn, b.seq_lens[:n].copy(),
-                   np.fromiter((len(row.block_ids) for row in rows), np.int32, n), from_prev)
+                   np.fromiter((len(row.block_ids) for row in rows), np.int32, n),
+                   np.fromiter((row.blocks_trimmed for row in rows), np.int32, n), from_prev)
 
 
 _NEUTRAL = SamplingParams(temperature=0.0)  # what a rejected row samples with (its token is dropped)

@@ -18,9 +18,12 @@ loop. C is a fixed capacity per bucket pair (write_capacity): every block a step
 enter fits; the rare step that changes more (a long prefix-cache hit, a swap-in) sends the rest
 first through a program of its own, in chunks of OVERFLOW_CHUNK.
 
-The flat index is what lets later tables travel the same way: several layer groups' tables
-(sliding-window models) are a [G, R + 1, M] table indexed (g * (R + 1) + slot) * M + column, and
-several new tokens per row (speculative decoding) are just more new blocks.
+With sliding-window layer groups (core/kv_groups.py) a request's list holds G pages per block,
+block i of group g at i * G + g, and so does its row: the table is i32[R + 1, M * G], and the
+program splits the rows it gathers into each group's [S, M] table. A sliding group's pages that the
+window has passed are freed by the block manager, their entries set to the null page in its list;
+the row's `blocks_trimmed` says how many blocks that holds, and the entries are zeroed here as it
+grows. Several new tokens per row (speculative decoding) are just more new blocks.
 
 A request keeps its slot while it holds blocks: until it finishes, or is preempted or swapped out.
 The block manager only ever appends to a request's block list, and gives a request a new list
@@ -52,13 +55,17 @@ class BlockTables:
     """The host's side: which slot each request has, the mirror of the device table, and the writes
     not yet sent."""
 
-    def __init__(self, num_slots: int, max_blocks: int) -> None:
+    def __init__(self, num_slots: int, max_blocks: int, groups: int = 1, sliding: tuple[int, ...] = ()) -> None:
+        """max_blocks: a row's entries, M * G; groups: G; sliding: the groups whose pages are freed
+        once the window passes them."""
         self.M = max_blocks
+        self.G, self.sliding = groups, sliding
         self.mirror = np.zeros((num_slots + 1, max_blocks), np.int32)  # i32[R + 1, M]
         self._slot: dict[str, int] = {}  # request id -> its slot
         self._free = list(range(num_slots, 0, -1))  # pop() hands out 1, 2, ...
         self._list: list[Sequence[int] | None] = [None] * (num_slots + 1)  # the block list each slot holds
         self._written = [0] * (num_slots + 1)  # its entries written (the rest of the row is 0)
+        self._trimmed = [0] * (num_slots + 1)  # its blocks whose sliding entries are zeroed
         self._writes: list[np.ndarray] = []  # flat indices not yet sent
         self._values: list[np.ndarray] = []
 
@@ -80,22 +87,30 @@ class BlockTables:
             if slot is None:
                 slot = self._take(rid, rows)
             slots[i] = slot
-            self.sync(slot, row.block_ids)
+            self.sync(slot, row.block_ids, row.blocks_trimmed)
         return slots
 
-    def sync(self, slot: int, blocks: Sequence[int]) -> None:
-        """Stage the writes that make `slot`'s row hold `blocks` (then zeros)."""
+    def sync(self, slot: int, blocks: Sequence[int], trimmed: int = 0) -> None:
+        """Stage the writes that make `slot`'s row hold `blocks` (then zeros), of which the first
+        `trimmed` blocks' sliding entries are the null page."""
         n, done = len(blocks), self._written[slot]
         if blocks is self._list[slot]:
             if n > done:
                 self._stage(slot, done, np.asarray(blocks[done:], np.int32))
                 self._written[slot] = n
+            if trimmed > self._trimmed[slot]:  # pages the window passed since: zeroed in place
+                cols = np.array([i * self.G + g for i in range(self._trimmed[slot], trimmed) for g in self.sliding],
+                                np.int32)
+                self.mirror[slot, cols] = 0
+                self._writes.append(slot * self.M + cols)
+                self._values.append(np.zeros(cols.size, np.int32))
+                self._trimmed[slot] = trimmed
             return
         # another list: written whole, and the old entries past its end zeroed
         new = np.zeros(max(n, done), np.int32)
         new[:n] = blocks
         self._stage(slot, 0, new)
-        self._list[slot], self._written[slot] = blocks, n
+        self._list[slot], self._written[slot], self._trimmed[slot] = blocks, n, trimmed
 
     def _stage(self, slot: int, start: int, values: np.ndarray) -> None:
         if values.size > self.M - start:
@@ -132,7 +147,7 @@ class BlockTables:
         """Forget every slot and write (after a failed step, whose table the device may have lost:
         the caller gives the device a zeroed table)."""
         R = len(self._list) - 1
-        self.__init__(R, self.M)
+        self.__init__(R, self.M, self.G, self.sliding)
 
     def check(self, rows, slots: np.ndarray) -> None:
         """The mirror holds each row's block list, then zeros (tests: the verify-pack mode)."""
@@ -150,6 +165,24 @@ def apply_writes(table, writes, values):
 
 
 def step_block_tables(table, batch):
-    """Inside a model program: (the table with the step's writes, the rows' block tables [S, M])."""
+    """Inside a model program: (the table with the step's writes, the rows' block tables [S, M * G])."""
     table = apply_writes(table, batch.table_writes, batch.table_values)
     return table, table[batch.row_slots]
+
+
+def group_tables(rows, batch, groups: int, block_size: int):
+    """Inside a model program, with G > 1 layer groups: the rows' tables [S, M * G] -> each group's
+    block tables i32[G, S, M] and slot mapping i32[G, T] (a token's page in each group; padding
+    tokens the null page's first slot, as the host's slot_mapping has them)."""
+    import jax.numpy as jnp  # the host side of this module is numpy alone
+
+    S, MG = rows.shape
+    tables = rows.reshape(S, MG // groups, groups).transpose(2, 0, 1)
+    T = batch.positions.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    qsl = batch.query_start_loc
+    row = jnp.clip(jnp.searchsorted(qsl, t, side="right").astype(jnp.int32) - 1, 0, S - 1)
+    real = t < qsl[batch.num_seqs[0]]
+    pos = batch.positions
+    pages = tables[:, row, pos // block_size]  # [G, T]
+    return tables, jnp.where(real[None, :], pages * block_size + pos % block_size, 0)

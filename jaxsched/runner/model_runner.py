@@ -39,13 +39,14 @@ from jax.sharding import PartitionSpec as P
 from jaxsched import platforms
 from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.core.buckets import bucket_pairs
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.core.scheduler import SchedulerOutput
 from jaxsched.envs import cache_dir
 from jaxsched.models.layers import pack_linear_weights, untie_lm_head
 from jaxsched.parallel.mesh import place
 from jaxsched.runner.batch import SAMPLER_I32, BatchDescriptor, BatchPacker, SamplerRows, flat_sizes
-from jaxsched.runner.block_table import OVERFLOW_CHUNK, apply_writes, step_block_tables
+from jaxsched.runner.block_table import OVERFLOW_CHUNK, apply_writes, group_tables, step_block_tables
 from jaxsched.runner.sampler import SamplerOutput, sample
 from jaxsched.runner.sampler import needs as sampler_needs
 from jaxsched.structured.grammar import mask_words
@@ -207,12 +208,14 @@ class ModelRunner:
             state = pack_linear_weights(state)
         self.state = state
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
+        # the layer groups sliding windows free pages in (core/kv_groups.py); one group without them
+        self.kv_groups = groups = kv_groups(cfg)
         self.packer = BatchPacker(sched.max_num_batched_tokens, sched.max_num_seqs, M, cache.block_size,
-                                  config.penalty_capacity, cfg.vocab_size)
+                                  config.penalty_capacity, cfg.vocab_size, groups=groups)
         backend = backends.get(config.attention_backend)
-        # [L, NB, K, P, H] each, K pages transposed for the CPU backends; a bfloat16 pool is uint16
-        # bits for them (pool_storage.py)
-        self._pool_shapes = backend.pool_shapes(cfg.num_layers, cache.num_blocks, cfg.num_kv_heads,
+        # [Lg, NB, K, P, H] each (Lg = L without layer groups), K pages transposed for the CPU
+        # backends; a bfloat16 pool is uint16 bits for them (pool_storage.py)
+        self._pool_shapes = backend.pool_shapes(groups.size, cache.num_blocks, cfg.num_kv_heads,
                                                 cache.block_size, cfg.head_dim)
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
@@ -304,6 +307,9 @@ class ModelRunner:
         _, n_f32 = flat_sizes(T, S)
         batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S)
         table, batch.block_tables = step_block_tables(table, batch)  # once a step, for every layer
+        if self.kv_groups.num_groups > 1:  # each group's tables [G, S, M] and slot mapping [G, T]
+            batch.block_tables, batch.slot_mapping = group_tables(batch.block_tables, batch, self.kv_groups.num_groups,
+                                                                  self.cache_config.block_size)
         src = batch.from_prev
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         src = batch.pending_src
