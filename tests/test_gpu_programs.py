@@ -173,3 +173,25 @@ def test_an_moe_program_has_no_cond_and_no_loop_but_the_layer_scan(model_dirs, m
     assert "stablehlo.case" not in counts and "stablehlo.if" not in counts
     assert counts.get("stablehlo.while", 0) == 1  # the layer scan
     assert text.count("ragged_dot") >= 2, "the experts' gate/up and down as grouped matmuls"
+
+
+def test_a_gemma3_program_lowers_for_cuda_with_its_layer_groups(model_dirs, monkeypatch):
+    """Gemma 3 as a GPU runs it: sliding and global layers in KV groups (core/kv_groups.py; the tiny
+    one's 3 layers are 3 groups of one), each group's tables and metadata derived once a step, the
+    layer scan picking its group's by index; the two Triton kernels, no conditional, one loop."""
+    llm = LLM(model_dirs["gemma3"], layer_weights="stacked", **{**ENGINE, "num_gpu_blocks_override": 40})
+    r = llm.llm_engine.client.local_cores[0].runner
+    assert r.kv_groups.num_groups == 3 and r.kv[1].shape[0] == 1  # pages of one layer
+    as_on_a_gpu(monkeypatch)  # after the engine compiled its programs for this CPU
+    T, S = r.bucket_pairs()[-1]
+    n_i32 = r.compile.__func__.__globals__["flat_sizes"](T, S)[0]
+    args = (sds(r._state_leaves), sds(r.kv), sds(r.block_table),
+            jax.ShapeDtypeStruct((r.scheduler_config.max_num_seqs,), "int32"), jax.ShapeDtypeStruct((n_i32,), "int32"))
+    text, seconds = lowered_text(functools.partial(r._forward, T=T, S=S), *args)
+    counts = ops(text)
+    print(f"gemma3 stacked T={T} S={S}: {sum(counts.values())} StableHLO ops, lowered in {seconds:.2f} s")
+    assert "stablehlo.case" not in counts and "stablehlo.if" not in counts
+    assert counts.get("stablehlo.while", 0) == 1 and text.count(TRITON_CALL) == 2
+    funcs = functions(text)
+    inside = reachable(loop_body(funcs["main"]), funcs)
+    assert not [f for f in inside if f.startswith(STEP_ONLY)], sorted(inside)

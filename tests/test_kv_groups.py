@@ -224,3 +224,26 @@ def test_windows_no_shorter_than_the_context_keep_one_group(model_dirs):
     runner = llm.llm_engine.core.runner
     assert runner.kv_groups.num_groups == 1 and runner.kv[1].shape[0] == 3  # [L, NB, ...]
     assert cdiv(8, 8) == runner.max_blocks_per_seq
+
+
+@tiny.needs_torch
+def test_samples_of_one_request_share_and_copy_pages_in_every_group(model_dirs, long_prompts):
+    """n = 3 greedy samples: the siblings take the prompt's full blocks from the first one (a hit
+    on its global pages and its window's sliding ones) and copy the prompt's partial last block in
+    every group (copy-on-write); each sample is transformers' greedy output."""
+    from test_parity import hf_greedy, hf_model
+
+    from jaxsched import LLM
+
+    llm = LLM(model_dirs["gemma3"], max_model_len=160, max_num_seqs=4, block_size=8, max_num_batched_tokens=128,
+              num_gpu_blocks_override=80, enable_prefix_caching=False)
+    prompts = [p for p in long_prompts if len(p) % 8][:2]  # a partial last block to copy
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = hf_model(model_dirs["gemma3"])
+    for p, o in zip(prompts, outs):
+        want = hf_greedy(ref, p, 12)
+        assert [c.token_ids for c in o.outputs] == [want] * 3
+    core = llm.llm_engine.core
+    assert core.scheduler.num_block_copies > 0 and core.block_manager.num_trimmed_pages > 0
+    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks

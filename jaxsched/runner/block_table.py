@@ -179,10 +179,12 @@ def group_tables(rows, batch, groups: int, block_size: int):
     S, MG = rows.shape
     tables = rows.reshape(S, MG // groups, groups).transpose(2, 0, 1)
     T = batch.positions.shape[0]
-    t = jnp.arange(T, dtype=jnp.int32)
     qsl = batch.query_start_loc
-    row = jnp.clip(jnp.searchsorted(qsl, t, side="right").astype(jnp.int32) - 1, 0, S - 1)
-    real = t < qsl[batch.num_seqs[0]]
+    # each token's row: the count of rows that start at or before it (a scatter and a cumsum, no
+    # search loop); tokens past the real ones are padding
+    starts = jnp.zeros(T + 1, jnp.int32).at[qsl[1:]].add(1)
+    row = jnp.clip(jnp.cumsum(starts)[:T], 0, S - 1)
+    real = jnp.arange(T, dtype=jnp.int32) < qsl[batch.num_seqs[0]]
     pos = batch.positions
     pages = tables[:, row, pos // block_size]  # [G, T]
     return tables, jnp.where(real[None, :], pages * block_size + pos % block_size, 0)
