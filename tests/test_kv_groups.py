@@ -247,3 +247,21 @@ def test_samples_of_one_request_share_and_copy_pages_in_every_group(model_dirs, 
     core = llm.llm_engine.core
     assert core.scheduler.num_block_copies > 0 and core.block_manager.num_trimmed_pages > 0
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+
+
+def test_usage_and_waste_count_pages_in_every_group():
+    """The pool's figures with layer groups: allocated slots are the used pages' (each group's page
+    of a block counts), the waste is the unfilled tail of the last block in each group."""
+    bm = sliding_manager(window=16)
+    r = Request("a", list(range(41)), SamplingParams())
+    assert bm.allocate_slots(r, 41)  # 6 blocks in both groups
+    s = bm.stats()
+    assert (s.num_used_blocks, s.allocated_slots, s.internal_waste) == (12, 96, 2 * (48 - 41))
+    assert s.used_slots == 2 * 41 and bm.usage == pytest.approx(12 / 63)
+    r.num_computed_tokens = 41
+    for _ in range(8):
+        assert bm.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    s = bm.stats()  # position 49 next: blocks 0-3 of the sliding group freed, 7 blocks in all
+    assert bm.trimmed("a") == 4 and s.num_used_blocks == 7 + 3
+    assert s.internal_waste == 2 * (56 - 49)
