@@ -183,3 +183,40 @@ def test_gemma_gguf_metadata_takes_llama_cpps_fixed_values():
     assert read(46, 4608, 32, "gemma2").query_pre_attn_scalar == 144  # Gemma 2 27B
     gemma2 = read(42, 3584, 16, "gemma2")  # Gemma 2 9B
     assert gemma2.query_pre_attn_scalar == 256 and gemma2.sliding_layers == tuple(range(0, 42, 2))
+
+
+def test_quantized_gguf_tensors_load_as_the_gguf_package_dequantizes_them(tokenizer_dir, tmp_path):
+    """K-quants (Q4_K, Q5_K, Q6_K) and the older kinds (Q8_0, Q5_0, Q4_1) in one tiny Llama GGUF:
+    each tensor the model reads is the gguf package's dequantization of the file's blocks (q/k rows
+    un-permuted), and the model generates from them; a kind the package cannot dequantize is
+    refused naming it and the tensor."""
+    import gguf
+    import tiny_gguf
+
+    from jaxsched import LLM, SamplingParams
+    from jaxsched.models.loader import load_model_source
+
+    folder = tiny.build_model(str(tmp_path / "llama"), "llama", tokenizer_dir, seed=2, hidden_size=256,
+                              intermediate_size=256, num_hidden_layers=1)
+    quant = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q5_K", "blk.0.attn_v.weight": "Q6_K",
+             "blk.0.attn_output.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q5_0", "blk.0.ffn_up.weight": "Q4_1",
+             "blk.0.ffn_down.weight": "Q6_K"}
+    path = tiny_gguf.write_llama_gguf(str(tmp_path / "q.gguf"), folder, quant=quant)
+    hf_names = {f"blk.0.{v}": f"model.layers.0.{k}" for k, v in tiny_gguf._LAYER.items()}
+    cfg, get, _ = load_model_source(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for gname, kind in quant.items():
+        t = tensors[gname]
+        assert t.tensor_type.name == kind
+        got = get(hf_names[gname])
+        if gname.endswith(("attn_q.weight", "attn_k.weight")):  # back to the file's row order
+            got = tiny_gguf._rope_permute(got, cfg.num_heads)
+        np.testing.assert_array_equal(got, gguf.dequantize(t.data, t.tensor_type), err_msg=gname)
+        assert 0 < np.abs(got).max() < 10
+    out = LLM(path, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, block_size=16).generate(
+        [{"prompt_token_ids": [5, 17, 42]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+        use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
+    bad = tiny_gguf.write_llama_gguf(str(tmp_path / "bad.gguf"), folder, quant={"blk.0.attn_q.weight": "Q8_1"})
+    with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' of the GGUF file is quantized as Q8_1"):
+        load_model_source(bad)[1]("model.layers.0.self_attn.q_proj.weight")

@@ -51,9 +51,28 @@ def _bpe_tokenizer_metadata(tokenizer_folder: str) -> dict:
     return {"tokens": tokens, "merges": merges, "types": types}
 
 
-def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
+# where llama.cpp's K-quant blocks (of 256 values) hold their float16 scales
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rows: int, cols: int, kind: str, rng) -> np.ndarray:
+    """Random blocks of a GGML type ([rows, cols / block * bytes] uint8), a K-quant's scales small
+    (2e-4) so the weights they hold are of the size of a model's: the gguf package dequantizes
+    K-quants but does not quantize to them."""
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for at in _K_SCALES.get(kind, ()):
+        blocks[..., at : at + 2] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm", quant: dict[str, str] | None = None) -> str:
     """The tiny Llama (or Mixtral, Qwen3-MoE) of `model_folder` (config.json, *.safetensors,
-    tokenizer) as a float32 GGUF."""
+    tokenizer) as a float32 GGUF; `quant` (llama.cpp tensor name -> GGML type name) stores those
+    tensors quantized instead: Q8_0, Q5_0, Q4_1 quantized from the weights by the gguf package,
+    the K-quants (and kinds the package cannot dequantize) as random blocks (random_blocks)."""
     import gguf
     import tiny
     from safetensors.numpy import load_file
@@ -133,7 +152,16 @@ def write_llama_gguf(path: str, model_folder: str, pre: str = "smollm") -> str:
             gname = f"blk.{i}.{_LAYER[rest]}"
         else:
             gname = _TOP[name]
-        w.add_tensor(gname, arr)
+        kind = (quant or {}).get(gname)
+        if kind is None:
+            w.add_tensor(gname, arr)
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        try:
+            data = gguf.quantize(arr, qtype)
+        except NotImplementedError:
+            data = random_blocks(*arr.shape, kind, np.random.default_rng(len(gname)))
+        w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

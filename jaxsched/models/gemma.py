@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.hf_config import decoder_config, rope_from_hf
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -220,10 +219,7 @@ class GemmaForCausalLM(nnx.Module):
         if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
             local_rope = rope_cos_sin(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None),
                                       batch.positions)
-        # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
-        attend = paged_attend(batch, self.attention_backend, cos, sin, cfg.sm_scale, self.mesh,
-                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window,
-                              cfg.sliding_layers, local_rope, cfg.attn_softcap, kv_groups(cfg))
+        attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh, local_rope)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxsched import platforms
-from jaxsched.core.kv_groups import KVGroups
+from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, write_kv
@@ -140,10 +140,8 @@ class DecoderLayers(nnx.Module):
         return h[: rows.shape[0]], (k_cache, v_cache)
 
 
-def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
-                 shape: tuple[int, int, int, int] | None = None, window: int | None = None,
-                 sliding: tuple[int, ...] | None = None, local_rope: tuple[Any, Any] | None = None,
-                 softcap: float | None = None, groups: KVGroups | None = None) -> Attend:
+def paged_attend(batch, backend: str, cfg: ModelConfig, cos, sin, page: int, mesh=None,
+                 local_rope: tuple[Any, Any] | None = None) -> Attend:
     """The attention step of one layer over the paged KV pool: rope on q and k, write this step's k
     and v into the pool at batch.slot_mapping, attend with `backend` (a pallas_kernels backend name).
     q [T, N, H], k, v [T, K, H]; cos, sin [T, H/2] from rope_cos_sin.
@@ -152,24 +150,27 @@ def paged_attend(batch, backend: str, cos, sin, sm_scale: float, mesh=None,
     each device's own heads of q/k/v and of the pool (split on K), the batch metadata replicated,
     so neither the write nor the kernel needs a collective (parallel.py).
 
-    shape: (N, K, H, P) of the model and its pool: a backend that derives per-step values from the
-    metadata (AttentionBackend.prepare) gets them computed here, once, outside the layer loop.
-    window: sliding-window attention (paged_attention's `window`), in the layers `sliding` names
-    (None: every layer); the others read the whole context. local_rope: (cos, sin) of those sliding
-    layers where they have a rope of their own (Gemma 3). A layer's window and rope are picked by its
-    traced index, so one compiled layer serves both kinds. softcap: score soft-capping (Gemma 2).
+    cfg: the model as it runs (its heads those of the run layout, parallel.HeadLayout), which gives
+    the heads, the attention scale, the sliding window and the layers that use it
+    (ModelConfig.layer_window; the others read the whole context), Gemma 2's score soft-capping
+    and the KV layer groups; page: the pool's P. A backend's per-step values (AttentionBackend.prepare)
+    are computed here, once, outside the layer loop. A layer's window and rope are picked by its
+    traced index, so one compiled layer serves both kinds of layer. local_rope: (cos, sin) of the
+    sliding layers where they have a rope of their own (Gemma 3).
 
-    groups: the model's KV layer groups (core/kv_groups.py). With G > 1 of them the batch carries
-    each group's block tables [G, S, M] and slot mapping [G, T] (block_table.group_tables), the pool
-    holds pages of Lg layers, and layer l reads and writes row slot(l) of its group's pages; a batch
-    built with one [S, M] table (tests) runs every layer on it, the pool then [L, NB, ...]."""
+    With G > 1 KV layer groups (core/kv_groups.py) the batch carries each group's block tables
+    [G, S, M] and slot mapping [G, T] (block_table.group_tables), the pool holds pages of Lg
+    layers, and layer l reads and writes row slot(l) of its group's pages; a batch built with one
+    [S, M] table (tests) runs every layer on it, the pool then [L, NB, ...]."""
     record = backends.get(backend)
     k_transposed = record.k_transposed
     rope_write = record.rope_write
-    grouped = groups is not None and groups.num_groups > 1 and batch.block_tables.ndim == 3
+    window, sliding, softcap, sm_scale = cfg.sliding_window, cfg.sliding_layers, cfg.attn_softcap, cfg.sm_scale
+    groups = kv_groups(cfg)
+    grouped = groups.num_groups > 1 and batch.block_tables.ndim == 3
     meta = None
-    if record.prepare is not None and shape is not None:
-        N, K, H, page = shape
+    if record.prepare is not None:
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         n = shards_of(mesh)
 
         def prepare(block_tables):

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from jaxsched import platforms
-from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.hf_config import decoder_config
 from jaxsched.models.layers import (
     DecoderLayers,
@@ -202,10 +201,7 @@ class LlamaForCausalLM(nnx.Module):
             return h + self.mlp(p, rms_norm(h, p["post_norm"], eps))
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
-        # (N, K, H, P): a backend's per-step values are computed once, outside the layer loop
-        attend = paged_attend(batch, self.attention_backend, cos, sin, H**-0.5, self.mesh,
-                              (cfg.num_heads, cfg.num_kv_heads, H, kv[1].shape[3]), cfg.sliding_window,
-                              groups=kv_groups(cfg))
+        attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh)
         h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend,
                             batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.

@@ -191,7 +191,13 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
         t = tensors[gname]
         # one expert of a stacked [E, ...] tensor: only its slice is dequantized
         data = t.data if expert is None else t.data[expert]
-        return cls.from_gguf(hf, name, np.asarray(gguf.dequantize(data, t.tensor_type), np.float32))
+        try:
+            w = gguf.dequantize(data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"tensor {gname!r} of the GGUF file is quantized as {t.tensor_type.name}, which the gguf "
+                             "package cannot dequantize; use a file of another kind (F16, BF16, Q8_0, Q4_0/1, "
+                             "Q5_0/1, the K-quants Q2_K to Q6_K, the IQ kinds)") from None
+        return cls.from_gguf(hf, name, np.asarray(w, np.float32))
 
     return get
 
