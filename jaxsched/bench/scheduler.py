@@ -7,6 +7,7 @@ to the device (which must not grow with --max-model-len: block_table.py).
   jaxsched bench scheduler                              # R = 256, 1024, 2048, 4096
   jaxsched bench scheduler --sizes 2048 16384 --max-steps 300 --policy priority --json
   jaxsched bench scheduler --sizes 128 --max-num-seqs 128 --max-model-len 131072
+  jaxsched bench scheduler --sizes 128 --max-num-seqs 128 --sliding-window 64   # Gemma 3's layer groups
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import numpy as np
 
 from jaxsched.bench.results import add_output_arguments, emit
 from jaxsched.config import SchedulerConfig
-from jaxsched.core.block_manager import BlockManager, cdiv
+from jaxsched.core.block_manager import FULL_ATTENTION, BlockManager, cdiv
 from jaxsched.core.buckets import seq_buckets, token_buckets
+from jaxsched.core.kv_groups import group_layers
 from jaxsched.core.request import Request, SamplingParams
 from jaxsched.core.scheduler import Scheduler
 from jaxsched.runner.batch import BatchPacker
@@ -42,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser, output: bool = True) -> None:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-steps", type=int, default=1_000_000)
+    p.add_argument("--sliding-window", type=int, default=0,
+                   help="tokens; > 0: the KV layer groups of a Gemma 3-shaped model (26 layers, every sixth "
+                        "global, the others reading this window; core/kv_groups.py)")
     if output:
         add_output_arguments(p)
 
@@ -54,10 +59,13 @@ def run(R: int, args: argparse.Namespace) -> dict[str, Any]:
                           token_buckets=token_buckets(args.max_num_batched_tokens),
                           seq_buckets=seq_buckets(args.max_num_seqs), preemption_mode=args.preemption_mode)
     M = cdiv(cfg.max_model_len, args.block_size)
-    num_blocks = args.num_blocks or args.max_num_seqs * cdiv(max_len + args.block_size, args.block_size) + 1
-    bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=args.prefix_caching)
+    groups = group_layers([None if (i + 1) % 6 == 0 else args.sliding_window for i in range(26)]) \
+        if args.sliding_window else FULL_ATTENTION
+    num_blocks = args.num_blocks or args.max_num_seqs * cdiv(max_len + args.block_size, args.block_size) \
+        * groups.num_groups + 1
+    bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=args.prefix_caching, groups=groups)
     sched = Scheduler(cfg, bm, policy=args.policy)
-    packer = BatchPacker(cfg.max_num_batched_tokens, cfg.max_num_seqs, M, args.block_size)
+    packer = BatchPacker(cfg.max_num_batched_tokens, cfg.max_num_seqs, M, args.block_size, groups=groups)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(R):

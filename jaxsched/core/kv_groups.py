@@ -79,17 +79,23 @@ class KVGroups:
 def kv_groups(cfg: ModelConfig) -> KVGroups:
     """The groups of a model as it runs (after config.resolve dropped a window no shorter than the
     context)."""
-    L = cfg.num_layers
-    if cfg.sliding_window is None:
-        return KVGroups((tuple(range(L)),), (None,))
-    sliding = [i for i in range(L) if cfg.layer_window(i) is not None]
-    full = [i for i in range(L) if cfg.layer_window(i) is None]
-    if not full:
-        return KVGroups((tuple(range(L)),), (cfg.sliding_window,))
+    return group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+
+
+def group_layers(windows: list[int | None]) -> KVGroups:
+    """The groups of layers with these windows (None: full attention; one window size at most)."""
+    L = len(windows)
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    full = [i for i, w in enumerate(windows) if w is None]
+    if not sliding or not full:
+        return KVGroups((tuple(range(L)),), (windows[0],))
+    window = windows[sliding[0]]
+    if any(windows[i] != window for i in sliding):
+        raise ValueError(f"sliding windows of several sizes ({sorted(set(windows) - {None})}) are not supported")
     size = min(len(full), len(sliding))
     groups = [tuple(full[i : i + size]) for i in range(0, len(full), size)]
-    windows: list[int | None] = [None] * len(groups)
+    out: list[int | None] = [None] * len(groups)
     for i in range(0, len(sliding), size):
         groups.append(tuple(sliding[i : i + size]))
-        windows.append(cfg.sliding_window)
-    return KVGroups(tuple(groups), tuple(windows))
+        out.append(window)
+    return KVGroups(tuple(groups), tuple(out))
