@@ -50,11 +50,18 @@ def functions(text: str) -> dict[str, str]:
 
 
 def loop_body(text: str) -> str:
-    """The body region of the first stablehlo.while of `text` (the layer scan's)."""
+    """The body region of the first stablehlo.while of `text` (the layer scan's); braces inside
+    string attributes (a kernel's serialized IR) do not count."""
     j = text.index("do {", text.index("stablehlo.while"))
-    depth = 0
+    depth, quoted, escaped = 0, False, False
     for k in range(j + 3, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        c = text[k]
+        if quoted:
+            quoted = escaped or c != '"'
+            escaped = not escaped and c == "\\"
+            continue
+        quoted = c == '"'
+        depth += {"{": 1, "}": -1}.get(c, 0)
         if depth == 0:
             return text[j:k]
     raise AssertionError("unbalanced while body")
