@@ -265,3 +265,24 @@ def test_usage_and_waste_count_pages_in_every_group():
     s = bm.stats()  # position 49 next: blocks 0-3 of the sliding group freed, 7 blocks in all
     assert bm.trimmed("a") == 4 and s.num_used_blocks == 7 + 3
     assert s.internal_waste == 2 * (56 - 49)
+
+
+@tiny.needs_torch
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_the_pallas_kernels_run_the_layer_groups(kind, model_dirs):
+    """The GPU's backend (interpreted here) on each group's tables and metadata (its prepare()
+    mapped over the groups), Gemma 2's soft-capped scores included: transformers' greedy tokens
+    while the windows free pages."""
+    from test_parity import hf_greedy, hf_model
+
+    from jaxsched import LLM
+
+    llm = LLM(model_dirs[kind], max_model_len=64, max_num_seqs=2, block_size=8, max_num_batched_tokens=16,
+              attention_backend="pallas", num_gpu_blocks_override=40, warm_up_runs=False)
+    prompts = [[5, 17, 42, 9, 33, 8, 61, 12, 90, 4, 7, 3, 19, 23], [4, 8, 15, 16, 23, 42, 11, 13, 17, 19, 29]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ref = hf_model(model_dirs[kind])
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
+    assert llm.llm_engine.core.block_manager.num_trimmed_pages > 0
+    assert llm.llm_engine.config.attention_backend == "pallas"
