@@ -43,7 +43,7 @@ from jaxsched.models.layers import (
     split_gate_up,
     vocab_logits,
 )
-from jaxsched.models.llama import GGUF_LAYER_NAMES
+from jaxsched.models.llama import GGUF_LAYER_NAMES, GGUF_TOP_NAMES
 from jaxsched.models.model_config import ModelConfig
 
 
@@ -156,8 +156,6 @@ def gemma_gguf_meta(arch: str, meta: Callable[[str], Any], hf: dict[str, Any]) -
 _GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
-_GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}
 
 
 def gemma_rms_norm(x, weight, eps: float):
@@ -242,7 +240,7 @@ class GemmaForCausalLM(nnx.Module):
     def gguf_name(name: str) -> tuple[str, None]:
         """llama.cpp's name of the HF-named tensor `name` (Gemma 2 and 3; no experts)."""
         if not name.startswith("model.layers."):
-            return _GGUF_TOP_NAMES[name], None
+            return GGUF_TOP_NAMES[name], None
         _, _, i, rest = name.split(".", 3)
         return f"blk.{i}.{_GGUF_LAYER_NAMES[rest]}", None
 

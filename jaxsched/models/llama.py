@@ -155,7 +155,7 @@ GGUF_LAYER_NAMES = {
 _GGUF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 _GGUF_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "w1": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                       "w3": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight", "w2": "ffn_down_exps.weight"}
-_GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}
 # llama.cpp's converter permutes the rows of q/k of these for its rope layout (not Qwen's)
 _GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
@@ -228,7 +228,7 @@ class LlamaForCausalLM(nnx.Module):
         """llama.cpp's name of the HF-named tensor `name`, and for an expert's projection its index in
         llama.cpp's stacked [E, ...] tensor (else None)."""
         if not name.startswith("model.layers."):
-            return _GGUF_TOP_NAMES[name], None
+            return GGUF_TOP_NAMES[name], None
         _, _, i, rest = name.split(".", 3)
         if m := _GGUF_EXPERT.fullmatch(rest):
             return f"blk.{i}.{_GGUF_EXPERT_NAMES[m.group(2)]}", int(m.group(1))
