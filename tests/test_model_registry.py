@@ -30,9 +30,11 @@ def tiny_hf(kind: str, **overrides) -> dict:
 
 
 def test_every_architecture_has_a_tiny_checkpoint_in_the_parity_tests():
-    """A registry line comes with its tests: test_parity.py runs every kind of MODEL_KINDS."""
+    """A registry line comes with its tests: test_parity.py runs every kind of MODEL_KINDS. Gemma 3's
+    image-text checkpoint is its text model under other names, checked against the Gemma3ForCausalLM
+    it holds (test_a_gemma3_image_text_checkpoint_runs_its_text_model)."""
     covered = {tiny.ARCHITECTURES[tiny.hf_config(k, vocab_size=96).model_type] for k in MODEL_KINDS}
-    assert covered == set(ARCHITECTURES)
+    assert covered | {"Gemma3ForConditionalGeneration"} == set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
@@ -220,3 +222,51 @@ def test_quantized_gguf_tensors_load_as_the_gguf_package_dequantizes_them(tokeni
     bad = tiny_gguf.write_llama_gguf(str(tmp_path / "bad.gguf"), folder, quant={"blk.0.attn_q.weight": "Q8_1"})
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' of the GGUF file is quantized as Q8_1"):
         load_model_source(bad)[1]("model.layers.0.self_attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_gemma3_image_text_checkpoint_runs_its_text_model(prefix, model_dirs, tmp_path):
+    """Gemma 3 4B to 27B come as Gemma3ForConditionalGeneration: config.json's text_config and the
+    text model's tensors under `prefix` beside a vision tower that is not read. The engine runs the
+    text model: its config and greedy tokens are those of the same weights as a Gemma3ForCausalLM.
+    A released config's text_config names only what differs from Gemma3TextConfig's defaults: the
+    4B model's reads as that model."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxsched import LLM, SamplingParams
+    from jaxsched.models.loader import load_model_source
+
+    src = model_dirs["gemma3"]
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    text.pop("architectures")
+    folder = tmp_path / "gemma3-it"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    with open(folder / "config.json", "w") as f:
+        json.dump({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+                   "vision_config": {"hidden_size": 16}, "eos_token_id": [2, 5]}, f)
+    tensors = {prefix + k.removeprefix("model."): v for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3, 2, 2), np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    cfg, _, _ = load_model_source(str(folder))
+    want, _, _ = load_model_source(src)
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.eos_token_ids == (2, 5)
+    assert dataclasses.replace(cfg, architecture=want.architecture, eos_token_ids=want.eos_token_ids) == want
+    four_b = model_config_from_hf({  # google/gemma-3-4b-it's config.json, less its vision_config
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}})
+    assert (four_b.num_heads, four_b.num_kv_heads, four_b.head_dim, four_b.vocab_size) == (8, 4, 256, 262208)
+    assert (four_b.rope_theta, dict(four_b.rope_scaling), four_b.rope_local_theta) == (
+        1e6, {"factor": 8.0, "rope_type": "linear"}, 10000.0)
+    assert four_b.sliding_window == 1024 and [i for i in range(34) if four_b.layer_window(i) is None] == [
+        5, 11, 17, 23, 29] and four_b.eos_token_ids == (1, 106) and four_b.query_pre_attn_scalar == 256
+    kw = {"max_model_len": 64, "max_num_seqs": 2, "max_num_batched_tokens": 16, "block_size": 8}
+    prompt = [{"prompt_token_ids": [5, 17, 42, 9, 33, 8, 61, 12, 90, 4, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert LLM(str(folder), **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        LLM(src, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

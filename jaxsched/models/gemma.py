@@ -105,11 +105,19 @@ def gemma2_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
                             final_softcap=_softcap(hf, "final_logit_softcapping", 30.0), **_sliding_fields(hf, 2))
 
 
+# Gemma3TextConfig's defaults for the keys a released config.json may leave out (the 4B model's
+# text_config names only what differs from them)
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                         "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 4096}
+
+
 def gemma3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     """Gemma3TextConfig's defaults: five sliding layers for each global one, rope bases 10,000
     (sliding) and 1,000,000 (global), the global one's scaling as rope_scaling says. transformers 5
     writes the two ropes as rope_parameters keyed by layer type; older configs as rope_theta,
     rope_local_base_freq and rope_scaling."""
+    hf = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         theta, scaling = rope_from_hf({"rope_parameters": params.get("full_attention") or {"rope_theta": 1e6}})
@@ -126,6 +134,25 @@ def gemma3_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
                             attn_softcap=_softcap(hf, "attn_logit_softcapping", None),
                             final_softcap=_softcap(hf, "final_logit_softcapping", None),
                             **_sliding_fields(hf, int(hf.get("sliding_window_pattern") or 6)))
+
+
+def gemma3_multimodal_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Gemma3ForConditionalGeneration (Gemma 3 4B to 27B): its text model alone, from text_config
+    (images are not taken; the vision tower's weights are not read). The top level's eos_token_id
+    (the end-of-turn token among them) wins over the text model's."""
+    text = dict(hf.get("text_config") or {})
+    if hf.get("eos_token_id") is not None:
+        text["eos_token_id"] = hf["eos_token_id"]
+    return gemma3_config(text, architecture)
+
+
+def multimodal_tensor_names(name: str) -> tuple[str, ...]:
+    """Where a Gemma3ForConditionalGeneration checkpoint holds the text model's tensor `name`: under
+    language_model.model. (the released checkpoints) or model.language_model. (transformers 5)."""
+    if name.startswith("model."):
+        rest = name.removeprefix("model.")
+        return f"language_model.model.{rest}", f"model.language_model.{rest}"
+    return f"language_model.{name}", name
 
 
 def gemma_gguf_meta(arch: str, meta: Callable[[str], Any], hf: dict[str, Any]) -> dict[str, Any]:

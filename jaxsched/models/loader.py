@@ -79,7 +79,10 @@ def load_hf_config(folder: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def safetensors_getter(folder: str) -> Callable[[str], np.ndarray]:
+def safetensors_getter(folder: str, names: Callable[[str], tuple[str, ...]] | None = None
+                       ) -> Callable[[str], np.ndarray]:
+    """get(HF name) over a folder's *.safetensors; names: where else a checkpoint may hold a tensor
+    (Architecture.checkpoint_names), tried when the name itself is not there."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -92,6 +95,8 @@ def safetensors_getter(folder: str) -> Callable[[str], np.ndarray]:
                 where[k] = fn
 
     def get(name: str) -> np.ndarray:
+        if name not in where and names is not None:
+            name = next((n for n in names(name) if n in where), name)
         if name not in where:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder!r}")
         # framework="flax" reads bfloat16 too; numpy has no bfloat16
@@ -212,5 +217,5 @@ def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarra
     if os.path.isdir(path):
         hf = load_hf_config(path)
         cfg = model_config_from_hf(hf)
-        return cfg, safetensors_getter(path), "hf"
+        return cfg, safetensors_getter(path, ARCHITECTURES[cfg.architecture].checkpoint_names), "hf"
     raise ValueError(f"model {path!r} is neither a Hugging Face model folder nor a .gguf file")

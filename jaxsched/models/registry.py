@@ -19,8 +19,10 @@ from jaxsched.models.gemma import (
     GemmaForCausalLM,
     gemma2_config,
     gemma3_config,
+    gemma3_multimodal_config,
     gemma_config,
     gemma_gguf_meta,
+    multimodal_tensor_names,
 )
 from jaxsched.models.llama import (
     LlamaForCausalLM,
@@ -46,6 +48,9 @@ class Architecture:
     # (llama.cpp's architecture, meta(key) of "{arch}.{key}", the keys read so far) -> config.json keys
     # of the architecture's own GGUF metadata (Gemma's windows and soft-capping)
     gguf_meta: Callable[[str, Callable[[str], Any], dict[str, Any]], dict[str, Any]] | None = None
+    # a tensor's name as the model class asks for it -> the names a checkpoint may hold it under
+    # (a multimodal checkpoint's text model); None: the name itself
+    checkpoint_names: Callable[[str], tuple[str, ...]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -61,6 +66,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GemmaForCausalLM": Architecture(gemma_config, GemmaForCausalLM),
     "Gemma2ForCausalLM": Architecture(gemma2_config, GemmaForCausalLM, gguf="gemma2", gguf_meta=gemma_gguf_meta),
     "Gemma3ForCausalLM": Architecture(gemma3_config, GemmaForCausalLM, gguf="gemma3", gguf_meta=gemma_gguf_meta),
+    # Gemma 3 4B to 27B: the text model of the image-text checkpoint
+    "Gemma3ForConditionalGeneration": Architecture(gemma3_multimodal_config, GemmaForCausalLM,
+                                                   checkpoint_names=multimodal_tensor_names),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
