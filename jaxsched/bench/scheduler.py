@@ -21,9 +21,9 @@ import numpy as np
 
 from jaxsched.bench.results import add_output_arguments, emit
 from jaxsched.config import SchedulerConfig
-from jaxsched.core.block_manager import FULL_ATTENTION, BlockManager, cdiv
+from jaxsched.core.block_manager import BlockManager, cdiv
 from jaxsched.core.buckets import seq_buckets, token_buckets
-from jaxsched.core.kv_groups import group_layers
+from jaxsched.core.kv_groups import FULL_ATTENTION, group_layers
 from jaxsched.core.request import Request, SamplingParams
 from jaxsched.core.scheduler import Scheduler
 from jaxsched.runner.batch import BatchPacker

@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxsched.core.kv_groups import KVGroups
+from jaxsched.core.kv_groups import FULL_ATTENTION, KVGroups
 from jaxsched.core.request import Request
 
 NULL_BLOCK = 0
@@ -58,9 +58,6 @@ class KVCacheStats:
     allocated_slots: int  # token slots in used blocks
     used_slots: int  # slots that hold (or will hold this step) a token's K/V
     internal_waste: int  # allocated_slots - used_slots: the tails of last blocks
-
-
-FULL_ATTENTION = KVGroups(((),), (None,))  # one group, no window: the plain pool
 
 
 class BlockManager:

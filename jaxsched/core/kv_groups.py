@@ -76,6 +76,11 @@ class KVGroups:
         return 0 if w is None else max(0, position - w + 1) // block_size
 
 
+# one group without a window, its layers left unsaid: the plain pool, for the host's bookkeeping
+# (block manager, packer, limits) where no model is at hand (benchmarks, tests)
+FULL_ATTENTION = KVGroups(((),), (None,))
+
+
 def kv_groups(cfg: ModelConfig) -> KVGroups:
     """The groups of a model as it runs (after config.resolve dropped a window no shorter than the
     context)."""

@@ -38,9 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxsched.config import SchedulerConfig
-from jaxsched.core.block_manager import FULL_ATTENTION, NULL_BLOCK, BlockManager, SwapPool, cdiv
+from jaxsched.core.block_manager import NULL_BLOCK, BlockManager, SwapPool, cdiv
 from jaxsched.core.buckets import round_up, seq_buckets_for
-from jaxsched.core.kv_groups import KVGroups
+from jaxsched.core.kv_groups import FULL_ATTENTION, KVGroups
 from jaxsched.core.policy import SchedulerPolicy, make_policy
 from jaxsched.core.request import Request, RequestStatus
 from jaxsched.core.stats import EngineStats

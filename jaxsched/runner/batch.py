@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxsched import envs
-from jaxsched.core.block_manager import FULL_ATTENTION
-from jaxsched.core.kv_groups import KVGroups
+from jaxsched.core.kv_groups import FULL_ATTENTION, KVGroups
 from jaxsched.core.limits import MAX_LOGIT_BIAS
 from jaxsched.core.request import INT32_MAX, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
