@@ -39,15 +39,21 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtyp
     free memory also caps it), weights_bytes that device's share, and a block costs each device
     its K / shards heads. Never more than `max_useful` blocks (null page included)."""
     total, free = memory
-    budget = (min(utilization * total, free) - weights_bytes
-              - activation_bytes(cfg, max_tokens, max_seqs, dtype, shards))
-    n = int(budget // kv_bytes_per_block(cfg, block_size, kv_dtype, shards))
+    activations = activation_bytes(cfg, max_tokens, max_seqs, dtype, shards)
+    budget = min(utilization * total, free) - weights_bytes - activations
+    block = kv_bytes_per_block(cfg, block_size, kv_dtype, shards)
+    n = int(budget // block)
     if n < 2:
+        mib = 2**20
         raise ValueError(
-            f"no memory left for the KV pool: {total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free, "
-            f"weights {weights_bytes / 2**30:.2f} GiB (per device, with tensor_parallel_size={shards}); raise "
+            f"no memory left for the KV pool: of a device's {total / mib:.1f} MiB ({free / mib:.1f} MiB free), "
+            f"gpu_memory_utilization={utilization} gives {min(utilization * total, free) / mib:.1f} MiB, and the "
+            f"weights take {weights_bytes / mib:.1f} MiB (per device, with tensor_parallel_size={shards}) and the "
+            f"activations {activations / mib:.1f} MiB (max_num_batched_tokens={max_tokens}, max_num_seqs="
+            f"{max_seqs}), leaving {max(budget, 0) / mib:.1f} MiB for blocks of {block / mib:.2f} MiB: raise "
             "tensor_parallel_size to split the model over more devices or gpu_memory_utilization, lower "
-            "max_num_batched_tokens / max_num_seqs, or set num_gpu_blocks_override"
+            "max_num_batched_tokens (enable_chunked_prefill keeps longer prompts possible) or max_num_seqs, "
+            "use dtype='bfloat16' for smaller weights and KV, or set num_gpu_blocks_override"
         )
     return min(n, max_useful)
 

@@ -216,6 +216,7 @@ class AsyncEngine:
         self.metrics.describe_cache(cfg.cache.block_size, cfg.cache.num_blocks, engine.kv_bytes_per_device(),
                                     cfg.model.num_kv_heads // cfg.tensor_parallel_size, cfg.tensor_parallel_size,
                                     engine.client.num_cores)
+        self.metrics.describe_memory(engine.memory_report())
         if start:
             self.start()
 

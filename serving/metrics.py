@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from jaxsched.core.stats import HOST_PHASES, EngineStats
+from jaxsched.runner.memory_report import MemoryReport
 
 PREFIX = "jaxsched:"
 
@@ -79,6 +80,10 @@ class EngineMetrics:
             "of one engine: every device holds every block, with its share of the KV heads.",
             ("block_size", "num_gpu_blocks", "kv_bytes_per_device", "num_kv_heads_per_device", "tensor_parallel_size",
              "data_parallel_size"), registry=self.registry)
+        self.memory_bytes = Gauge(
+            PREFIX + "memory_bytes", "Where one device's memory went at start, by kind: weights, kv_pool, swap (host "
+            "memory), workspace (the largest step program's temporaries), budget (gpu_memory_utilization of the "
+            "device) and what it leaves.", ("kind",), registry=self.registry)
         self._preemptions_seen = 0
         self._seconds_seen = (0.0, 0.0)
         self._phases_seen = dict.fromkeys(HOST_PHASES, 0.0)
@@ -90,6 +95,11 @@ class EngineMetrics:
         self.cache_config_info.labels(str(block_size), str(num_blocks), str(bytes_per_device),
                                       str(kv_heads_per_device), str(tensor_parallel_size),
                                       str(data_parallel_size)).set(1)
+
+    def describe_memory(self, report: MemoryReport) -> None:
+        """Set memory_bytes once, from the engine's start-up report."""
+        for kind, value in report.bytes_by_kind().items():
+            self.memory_bytes.labels(kind).set(value)
 
     def publish(self, stats: EngineStats) -> None:
         """Set the gauges from the engine's figures. The scheduler counts preemptions itself; the

@@ -81,6 +81,7 @@ from jaxsched.parallel.mesh import engine_devices, make_mesh
 from jaxsched.platforms import expected, host_malloc
 from jaxsched.platforms import of as platform_of
 from jaxsched.platforms.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
+from jaxsched.runner.memory_report import MemoryReport, device_bytes
 from jaxsched.runner.model_runner import (
     ModelRunner,
     device_memory,
@@ -180,12 +181,17 @@ class EngineCore:
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
         self.cost_seeds = self._warm_up()
+        # the load's host copies and the warm-up runs' temporary buffers, kept by malloc (the steps
+        # keep the largest one again from their first run on: the report's workspace)
+        host_malloc.release_freed()
         self.eos_token_ids = tuple(sorted({*model_cfg.eos_token_ids, *(
             [int(self.tokenizer.eos_token_id)] if self.tokenizer.eos_token_id is not None else [])}))
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
         self.runner.packer.grammar_executor = lambda: self.grammars.executor
         self._init_loop_state()
         self._log_pool()
+        self.memory = self._memory_report(devices[0], args.gpu_memory_utilization)
+        logger.info(self.memory.lines())
         _register(self)
 
     def _start_process(self, args: EngineArgs, model_cfg: ModelConfig, devices: Sequence[Any] | None) -> int:
@@ -283,6 +289,20 @@ class EngineCore:
                     cfg.cache.dtype, cfg.attention_backend, self.kv_bytes_per_device() / 2**20, tp,
                     cfg.model.num_kv_heads // tp, cfg.model.num_kv_heads, cfg.scheduler.num_host_blocks)
 
+    def _memory_report(self, device, utilization: float) -> MemoryReport:
+        """Where the memory of one of this core's devices went, read off the arrays (memory_report.py)."""
+        r, cfg = self.runner, self.config
+        local = sum(1 for d in self.devices if d.process_index == device.process_index)
+        total, _ = device_memory(device, local)
+        weights, kv = device_bytes(r._state_leaves), device_bytes(r.kv)
+        workspace = largest_temporary_bytes(r.step_programs())
+        budget = int(utilization * total)
+        usable = cfg.cache.num_usable_blocks
+        return MemoryReport(weights=weights, kv_pool=kv, kv_blocks=usable,
+                            kv_tokens=usable * cfg.cache.block_size // r.kv_groups.num_groups,
+                            swap=sum(x.nbytes for x in r.host_kv) if r.host_kv is not None else 0,
+                            workspace=workspace, budget=budget, left=budget - weights - kv - workspace)
+
     # -- what the front end reads once ---------------------------------------------------------
     @property
     def model_config(self) -> ModelConfig:
@@ -298,7 +318,7 @@ class EngineCore:
                                                        c.tensor_parallel_size)
 
     def info(self) -> CoreInfo:
-        return CoreInfo(list(self.eos_token_ids), self.runner.warmup_seconds, self.kv_bytes_per_device(),
+        return CoreInfo(list(self.eos_token_ids), self.runner.warmup_seconds, self.kv_bytes_per_device(), self.memory,
                         len(self.devices))
 
     # -- requests ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxsched.core.request import SamplingParams
 from jaxsched.core.stats import EngineStats
+from jaxsched.runner.memory_report import MemoryReport
 from jaxsched.structured.params import StructuredOutputsParams
 
 _ARRAY_EXT = 1  # the msgpack extension code of a numpy array
@@ -126,6 +127,7 @@ class CoreInfo(msgspec.Struct, array_like=True, gc=False):
     eos_token_ids: list[int]
     warmup_seconds: float
     kv_bytes_per_device: int
+    memory: MemoryReport  # where one device's memory went (runner/memory_report.py)
     num_devices: int
 
 

@@ -33,6 +33,7 @@ from jaxsched.engine.core_messages import EngineCoreOutputs, EngineCoreRequest
 from jaxsched.engine.output_processor import OutputProcessor
 from jaxsched.engine.outputs import RequestOutput
 from jaxsched.errors import InvalidRequestError
+from jaxsched.runner.memory_report import MemoryReport
 from jaxsched.runner.penalties import check_penalty_capacity
 
 PromptType = str | dict[str, Any]
@@ -104,6 +105,10 @@ class FrontEnd:
 
     def kv_bytes_per_device(self) -> int:
         return self.info.kv_bytes_per_device
+
+    def memory_report(self) -> MemoryReport:
+        """Where the memory of one device of the (first) core went (runner/memory_report.py)."""
+        return self.info.memory
 
     # -- requests in ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType | Sequence[int]) -> tuple[list[int], str | None]:

@@ -149,6 +149,16 @@ def arena_count() -> int:
         return f.read().count("<heap nr=")
 
 
+def release_freed() -> None:
+    """Give the kernel back the host memory freed so far (glibc's malloc_trim): once, when an
+    engine has started, so that the host copies of its weights' loading (a GGUF file dequantized,
+    tensors stacked) and the temporary buffers of every program warm-up ran do not stay in the
+    process up to the trim threshold kept for the steps' buffers."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def apply_once() -> bool:
     """keep_freed_memory() the first time an engine of this process starts; later engines find
     the process as the first one left it. Returns whether the settings are in effect."""
