@@ -23,6 +23,7 @@ group: the pool is then f[L, NB, ...] as without groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from jaxsched.models.model_config import ModelConfig
@@ -81,9 +82,10 @@ class KVGroups:
 FULL_ATTENTION = KVGroups(((),), (None,))
 
 
+@functools.lru_cache(maxsize=16)
 def kv_groups(cfg: ModelConfig) -> KVGroups:
     """The groups of a model as it runs (after config.resolve dropped a window no shorter than the
-    context)."""
+    context); computed once per config (the front end asks for every request)."""
     return group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
 
 

@@ -358,11 +358,13 @@ class BatchPacker:
         else:
             b.token_ids[:n] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos.tolist())]
         n_blocks = np.fromiter((len(row.block_ids) for row in rows), np.int32, n)
-        trimmed = np.fromiter((row.blocks_trimmed for row in rows), np.int32, n)
-        last_trimmed = st.trimmed if keep is None else st.trimmed[keep]
+        changed = n_blocks != last_blocks  # a row that entered a new block
+        trimmed = st.trimmed[:0]
+        if self.tables.sliding:  # or whose window passed one (only models with sliding windows)
+            trimmed = np.fromiter((row.blocks_trimmed for row in rows), np.int32, n)
+            changed |= trimmed != (st.trimmed if keep is None else st.trimmed[keep])
         slots = b.row_slots[:n]
-        # a row that entered a new block, or whose window passed one
-        for i in np.flatnonzero((n_blocks != last_blocks) | (trimmed != last_trimmed)).tolist():
+        for i in np.flatnonzero(changed).tolist():
             self.tables.sync(int(slots[i]), rows[i].block_ids, rows[i].blocks_trimmed)
         b.slot_mapping[:n] = self.tables.mirror[slots, pos // P * self.G] * P + pos % P
         self._steady = _Steady(T, S, n, reqs, self._turn, seq_lens, n_blocks, trimmed, st.from_prev)
@@ -547,7 +549,7 @@ class _Steady:
     turn: int
     seq_lens: np.ndarray  # i32[n]
     n_blocks: np.ndarray  # i32[n]
-    trimmed: np.ndarray  # i32[n] ScheduledRequest.blocks_trimmed
+    trimmed: np.ndarray  # i32[n] ScheduledRequest.blocks_trimmed (empty without sliding groups)
     from_prev: bool
 
     @classmethod
