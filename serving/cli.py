@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import logging
 import signal
 import sys
@@ -56,7 +55,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from jaxsched.engine.llm_engine import create_engine
     from serving.app import allowed_hosts_for, build_app
     from serving.async_engine import AsyncEngine
-    from serving.server import serve
+    from serving.server import freeze_heap, serve
 
     log = logging.getLogger("jaxsched.serve")
     if ns.grpc_port is not None and not 0 <= ns.grpc_port < 65536:
@@ -102,11 +101,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         def on_exit() -> None:
             engine.shutdown(timeout=None)
             eng.shutdown()
-    # Everything built so far (jax, transformers, the app: hundreds of thousands of objects) lives as
-    # long as the server: out of the collector's sight, so that a full collection, which the outputs
-    # a slow client leaves waiting can set off, does not walk it all (as vLLM's server does)
-    gc.collect()
-    gc.freeze()
+    freeze_heap()  # everything built so far lives as long as the server
     try:
         code = serve(app, engine, ns.host, ns.port, shutdown_timeout=ns.shutdown_timeout,
                      log_level=ns.log_level.lower(), on_exit=on_exit, front_ends=front_ends)

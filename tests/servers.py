@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import subprocess
 import threading
@@ -14,17 +15,19 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from serving.server import KEEP_ALIVE_SECONDS, GracefulServer
+from serving.server import KEEP_ALIVE_SECONDS, GracefulServer, freeze_heap
 
 
 @contextlib.contextmanager
 def uvicorn_thread(app, engine=None, front_ends=(), shutdown_timeout: float = 5) -> Iterator[str]:
     """Serve `app` on a free port in a thread; yields its URL; stops it on exit. With `front_ends`
     (the gRPC server), as `jaxsched serve` runs them: on the same loop, under GracefulServer, whose
-    exit also shuts `engine` down."""
+    exit also shuts `engine` down. The heap is frozen while it serves, as `jaxsched serve` freezes
+    it, and given back to the collector on exit (the test process goes on)."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
     srv = GracefulServer(config, engine, shutdown_timeout, front_ends) if front_ends else uvicorn.Server(config)
+    freeze_heap()
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -36,6 +39,7 @@ def uvicorn_thread(app, engine=None, front_ends=(), shutdown_timeout: float = 5)
     finally:
         srv.should_exit = True
         thread.join(10)
+        gc.unfreeze()
 
 
 def free_port() -> int:

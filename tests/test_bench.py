@@ -377,7 +377,10 @@ def test_serve_priority_classes_sweep_and_plots(server_url, tmp_path, capsys):
         assert res["priority"]["field_sent"] is True
         classes = res["classes"]
         assert classes["high"]["completed"] == 3 and classes["normal"]["completed"] == 9
-        assert all(isinstance(classes[c][k], float) for c in classes for k in METRICS if "tpot" not in k)
+        # a class's inter-token gaps may be none at all: when the stream's reader falls behind, the
+        # server sends what waits as one chunk, and a class of 3 short answers can come whole
+        assert all(isinstance(classes[c][k], float) for c in classes for k in METRICS if "_ttft_" in k or "_e2el_" in k)
+        assert all(isinstance(classes[c][k], (float, type(None))) for c in classes for k in METRICS if "_itl_" in k)
         assert "ttfts" not in res and len(full["ttfts"]) == 12 and full["request_classes"].count("high") == 3
     for name in ("serve_latency_cdf_rate40.0.png", "serve_latency_cdf_rateinf.png", "serve_sweep.png"):
         assert png(tmp_path / name), name
