@@ -59,6 +59,12 @@ class EngineArgs:
     # the bytes decode attention reads (at a small precision cost); with the CPU backends the pool
     # holds the bfloat16 bits as uint16, which XLA:CPU gathers fast (pallas_kernels/pool_storage.py)
     kv_cache_dtype: str = "auto"
+    # weight-only quantization at load (jaxsched/models/quantize.py): "int8" or "fp8" (e4m3) keeps every
+    # linear weight in 8 bits with a float32 scale per output channel, dequantized inside the
+    # matmul; None keeps the weights in `dtype`. quantize_embedding: the embedding and lm_head too
+    # (one scale per token), which a small model's vocabulary makes worth it and costs more quality
+    quantization: str | None = None
+    quantize_embedding: bool = False
     # "auto": the Pallas kernel on a GPU; on a CPU "numba" (attention in a numba kernel that reads KV
     # pages where they lie, called from the jitted step), or "xla" (the jnp path) where numba cannot
     # run; "pallas" on a CPU runs the kernel in interpret mode (slow; for tests)
@@ -163,6 +169,13 @@ class EngineArgs:
             raise ValueError(f"cpu_reserved_cores must be a whole number >= 0 or 'auto', got {n!r}")
         if self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
+        from jaxsched.models.quantize import QUANTIZATIONS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (the weights in dtype), "
+                             f"got {self.quantization!r}")
+        if self.quantize_embedding and self.quantization is None:
+            raise ValueError("quantize_embedding needs quantization ('int8' or 'fp8'): set both, or neither")
         if self.attention_backend != "auto":
             from pallas_kernels.backends import BACKENDS  # the registry of backend records
 
@@ -297,7 +310,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    dtype: str  # of the weights and activations
+    dtype: str  # of the activations, and of the weights not quantized
     attention_backend: str  # a name in pallas_kernels.backends.BACKENDS, never "auto"
     penalty_capacity: int  # W of the penalty tables (penalties.table_capacity)
     max_logprobs: int
@@ -315,6 +328,8 @@ class EngineConfig:
     target_tpot_ms: float | None = None
     warm_up_runs: bool = False  # every program run once at warm-up (runner.warm_up)
     cpu_reserved_cores: int = 0  # cores for the host's Python threads (cpu_affinity.py); CPU only
+    quantization: str | None = None  # weight-only, at load (models/quantize.py)
+    quantize_embedding: bool = False
 
 
 def token_budget(args: EngineArgs, max_len: int) -> int:
@@ -446,6 +461,6 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         heads=heads, async_scheduling=decide_async_scheduling(args, checkpoint, platform, n_reserved),
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
-        cpu_reserved_cores=n_reserved,
+        cpu_reserved_cores=n_reserved, quantization=args.quantization, quantize_embedding=args.quantize_embedding,
         layer_weights=plat.layer_weights if args.layer_weights == "auto" else args.layer_weights,
         sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches)

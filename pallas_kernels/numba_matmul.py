@@ -118,6 +118,17 @@ def _zero_rows(out, m):
         f[i] = 0.0
 
 
+@njit(fastmath=True, inline="always", cache=True)
+def _scale_tile(of, o_off, ldo, rows, s, col):
+    """of[o_off.., NR columns, `rows` rows ldo apart] *= s[col : col + NR]: an int8 panel's
+    per-column scales on the tile it just wrote, while the tile is in L1 (none for float32
+    weights: s empty)."""
+    if s.size:
+        for j in range(rows):
+            for c in range(NR):
+                of[o_off + j * ldo + c] *= s[col + c]
+
+
 @njit(inline="always", cache=True)
 def _plan(M, P):
     """How an M-row matmul over P panels is shared out: (by_rows, n_threads). With more rows than
@@ -144,8 +155,9 @@ def _share(M, P, by_rows, n_threads, t):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul(x, w, out_a, out_b, out_c, rows):
-    """x f32[M, K] @ W, w the packed W f32[P, K, NR], in three column groups: out_a f32[M, Na] gets
+def packed_matmul(x, w, out_a, out_b, out_c, rows, s):
+    """x f32[M, K] @ W, w the packed W f32[P, K, NR] (or int8 with its column scales s f32[P * NR];
+    s empty for float32), in three column groups: out_a f32[M, Na] gets
     W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
     multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
     The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
@@ -185,6 +197,7 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows):
                 while m < m1:
                     rows = _tile_rows(m1 - m)
                     _tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
+                    _scale_tile(of, m * N + c, N, rows, s, p * NR)
                     m += rows
                     i += 1
 
@@ -232,9 +245,9 @@ def _silu_mul(typingctx, gu, rows, out, o_off, ldo):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul_silu_mul(x, w, out, rows):
+def packed_matmul_silu_mul(x, w, out, rows, s):
     """out f32[M, F] = silu(x @ Wg) * (x @ Wu), w the packed [Wg Wu] f32[P, K, NR] (a fused gate/up
-    weight, F = P / 2 * NR: the gate's panels first). Each row tile of a gate panel and of the up
+    weight, F = P / 2 * NR: the gate's panels first; or int8 with its column scales s, else s empty). Each row tile of a gate panel and of the up
     panel beside it go to a scratch tile in cache, and only their product is written, so the
     [M, 2 F] projection never reaches memory nor a separate elementwise pass. Rows of x past
     `rows` are not multiplied; their rows of out are zeros."""
@@ -262,15 +275,37 @@ def packed_matmul_silu_mul(x, w, out, rows):
                     x_off = (m - m0) * K
                     _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
                     _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
+                    _scale_tile(gu, 0, NR, rows, s, q * NR)
+                    _scale_tile(gu, MR * NR, NR, rows, s, (q + F2) * NR)
                     _silu_mul(gu, rows, of, m * F + q * NR, F)
                     m += rows
                     i += 1
 
 
-# FFI handler. Arguments: x f32[M, K], w f32[P, K, NR], rows i32[1] (x's real rows). Results, told apart by their count and
-# shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul); three, x @ W in column groups
-# (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a fused gate/up weight
-# (matmul_silu_mul).
+@njit(inline="always", cache=True)
+def _dispatch(frame, x, w, s, M, P):
+    """The call the results ask for (see the handlers)."""
+    a_p, a_d = buffer(frame, RETS, 0)
+    Na = dim(a_d, 1)
+    rows = _scalar(frame, 2, np.int32)
+    out_a = carray(pointer(a_p), (M, Na), dtype=np.float32)
+    if cpu_ffi.count(frame, RETS) == 3:
+        b_p, b_d = buffer(frame, RETS, 1)
+        c_p, c_d = buffer(frame, RETS, 2)
+        packed_matmul(x, w, out_a, carray(pointer(b_p), (M, dim(b_d, 1)), dtype=np.float32),
+                      carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32), rows, s)
+    elif Na == P * NR:
+        none = np.empty((M, 0), np.float32)
+        packed_matmul(x, w, out_a, none, none, rows, s)
+    else:
+        packed_matmul_silu_mul(x, w, out_a, rows, s)
+
+
+# FFI handlers. Arguments: x f32[M, K], w f32[P, K, NR], rows i32[1] (x's real rows); the int8
+# handler's w is int8[P, K, NR] with a fourth argument, its column scales f32[P * NR]. Results, told
+# apart by their count and shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul);
+# three, x @ W in column groups (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a
+# fused gate/up weight (matmul_silu_mul).
 @cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
 def handler(frame_ptr):
     frame = cpu_ffi.frame_words(frame_ptr)
@@ -278,28 +313,32 @@ def handler(frame_ptr):
         numba_threads.apply_limit()
         x_p, x_d = buffer(frame, ARGS, 0)
         w_p, w_d = buffer(frame, ARGS, 1)
-        a_p, a_d = buffer(frame, RETS, 0)
-        M, K, P, Na = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0), dim(a_d, 1)
-        rows = _scalar(frame, 2, np.int32)
+        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.float32)
-        out_a = carray(pointer(a_p), (M, Na), dtype=np.float32)
-        if cpu_ffi.count(frame, RETS) == 3:
-            b_p, b_d = buffer(frame, RETS, 1)
-            c_p, c_d = buffer(frame, RETS, 2)
-            packed_matmul(x, w, out_a, carray(pointer(b_p), (M, dim(b_d, 1)), dtype=np.float32),
-                          carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32), rows)
-        elif Na == P * NR:
-            none = np.empty((M, 0), np.float32)
-            packed_matmul(x, w, out_a, none, none, rows)
-        else:
-            packed_matmul_silu_mul(x, w, out_a, rows)
+        _dispatch(frame, x, w, np.empty(0, np.float32), M, P)
+    return cpu_ffi.success()
+
+
+@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
+def handler_int8(frame_ptr):
+    frame = cpu_ffi.frame_words(frame_ptr)
+    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
+        x_p, x_d = buffer(frame, ARGS, 0)
+        w_p, w_d = buffer(frame, ARGS, 1)
+        s_p, _ = buffer(frame, ARGS, 3)
+        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
+        x = carray(pointer(x_p), (M, K), dtype=np.float32)
+        w = carray(pointer(w_p), (P, K, NR), dtype=np.int8)
+        _dispatch(frame, x, w, carray(pointer(s_p), (P * NR,), dtype=np.float32), M, P)
     return cpu_ffi.success()
 
 
 def packable(w) -> bool:
-    """Whether a weight can be packed: float32 [K, N] with N a multiple of NR."""
-    return w.ndim == 2 and w.dtype == np.float32 and w.shape[1] % NR == 0 and w.shape[1] > 0
+    """Whether a weight can be packed: float32 or int8 (quantized: its scales stay beside it) [K, N]
+    with N a multiple of NR."""
+    return w.ndim == 2 and w.dtype in (np.float32, np.int8) and w.shape[1] % NR == 0 and w.shape[1] > 0
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -315,33 +354,34 @@ def unpack(wp: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _target() -> str:
-    name = "jaxsched_numba_matmul_f32"
-    cpu_ffi.register(name, handler)
+def _target(int8: bool = False) -> str:
+    name = "jaxsched_numba_matmul_i8" if int8 else "jaxsched_numba_matmul_f32"
+    cpu_ffi.register(name, handler_int8 if int8 else handler)
     return name
 
 
-def matmul(x, wp):
-    """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program."""
-    return _call(x, wp, (wp.shape[0] * NR,))[0]
+def matmul(x, wp, scale=None):
+    """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program. An int8
+    wp comes with its column scales f32[N] (models/quantize.py)."""
+    return _call(x, wp, (wp.shape[0] * NR,), scale)[0]
 
 
-def matmul_split(x, wp, widths: tuple[int, int, int]):
+def matmul_split(x, wp, widths: tuple[int, int, int], scale=None):
     """x [..., K] @ W as three arrays [..., widths[i]], W's columns in that order, each written by the
     kernel where it lies (a fused q/k/v projection's q, k and v without slicing). The widths add up to
     W's columns and are multiples of NR."""
     if len(widths) != 3 or sum(widths) != wp.shape[0] * NR or any(n % NR or n <= 0 for n in widths):
         raise ValueError(f"matmul_split takes three positive widths, multiples of {NR}, that add up to the "
                          f"weight's {wp.shape[0] * NR} columns; got {widths}")
-    return _call(x, wp, widths)
+    return _call(x, wp, widths, scale)
 
 
-def matmul_silu_mul(x, wp):
+def matmul_silu_mul(x, wp, scale=None):
     """silu(x @ Wg) * (x @ Wu) [..., F] with wp = pack([Wg Wu]) of an even number of panels (F a
     multiple of NR), in float32, inside a jitted program."""
     if wp.shape[0] % 2:
         raise ValueError(f"a fused gate/up weight needs an even number of {NR}-column panels, got {wp.shape[0]}")
-    return _call(x, wp, (wp.shape[0] // 2 * NR,))[0]
+    return _call(x, wp, (wp.shape[0] // 2 * NR,), scale)[0]
 
 
 # While a step's model is traced (runner.py): {rows of an operand: how many of them are real}, for
@@ -363,16 +403,21 @@ def row_limits(limits: dict):
         _ROW_LIMITS.reset(token)
 
 
-def _call(x, wp, widths: tuple[int, ...]):
+def _call(x, wp, widths: tuple[int, ...], scale=None):
     """The kernel's results, one [..., n] per width (the handler tells the three calls apart)."""
     import jax
     import jax.numpy as jnp
+
+    int8 = wp.dtype == jnp.int8
+    if int8 != (scale is not None):
+        raise ValueError("an int8 packed weight takes its column scales (scale=), a float32 one none")
 
     K = wp.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
     limit = (_ROW_LIMITS.get() or {}).get(x2.shape[0])
     rows = jnp.full((1,), x2.shape[0], jnp.int32) if limit is None else jnp.reshape(limit, (1,)).astype(jnp.int32)
-    outs = jax.ffi.ffi_call(_target(), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
-        x2, wp, rows)
+    args = (x2, wp, rows, scale.astype(jnp.float32)) if int8 else (x2, wp, rows)
+    outs = jax.ffi.ffi_call(_target(int8), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
+        *args)
     return tuple(o.reshape(*lead, n).astype(x.dtype) for o, n in zip(outs, widths))

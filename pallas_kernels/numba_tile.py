@@ -10,6 +10,9 @@ amortise that); phi nodes stay in registers. Used by numba_matmul.py (the layers
 b a packed weight panel) and numba_kernels.py (the prefill tiles' and decode rows' score and value
 dots, b a page of the KV pool).
 
+A packed tile's b may also be int8 (a quantized weight panel): each row is widened to float32 as it
+is loaded, and the caller scales the result.
+
 Two forms, each an intrinsic made for one MR and a number of columns (NR, or a strided tile's
 own: a decode row's tiles hold whole page rows of 64 or 128; every array flat float32
 C-contiguous, offsets in elements, a's rows lda apart and c's ldc apart):
@@ -117,11 +120,22 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             start = [[ir.Constant(v16, [0.0] * 16)] * nv for _ in range(MR)]
         lanes = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
 
+        # an int8 b (a packed panel of int8 weights: numba_matmul) is widened to float32 as it is
+        # loaded (vpmovsxbd + vcvtdq2ps: two instructions per 16 columns and term, against MR
+        # multiply-adds); its scales are the caller's to apply to c
+        b_int8 = packed and b_ty.dtype == types.int8
+        v16i8 = ir.VectorType(ir.IntType(8), 16)
+
+        def b_vector(at):
+            if b_int8:
+                raw = builder.load(builder.bitcast(builder.gep(bp, [at]), v16i8.as_pointer()), align=1)
+                return builder.sitofp(raw, v16)
+            return builder.load(builder.bitcast(builder.gep(bp, [at]), v16.as_pointer()), align=4)
+
         def term(k, acc):
             """acc + a[:, k] (x) b[k, :]: one broadcast of a and nv fused multiply-adds per row."""
             b_row = builder.add(b_off, builder.mul(k, b_step))
-            bv = [builder.load(builder.bitcast(builder.gep(bp, [builder.add(b_row, const(16 * j))]),
-                                               v16.as_pointer()), align=4) for j in range(nv)]
+            bv = [b_vector(builder.add(b_row, const(16 * j))) for j in range(nv)]
             new = []
             for r in range(MR):
                 if packed:  # the tile's MR terms k lie together, so every address is a constant offset
@@ -136,7 +150,7 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
 
         def prefetch_row(row, width, step, level):
             at_row = builder.add(b_ahead, builder.mul(row, step))
-            for j in range(0, width, 16):  # one 64-byte line per 16 float32
+            for j in range(0, width, 64 if b_int8 else 16):  # one 64-byte line per 16 float32 (64 int8)
                 addr = builder.bitcast(builder.gep(bp, [builder.add(at_row, const(j))]), i8p)
                 builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, level), ir.Constant(i32, 1)])
 

@@ -76,6 +76,7 @@ from jaxsched.errors import InvalidRequestError
 from jaxsched.models.demo import demo_model_path
 from jaxsched.models.hub import local_args
 from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
+from jaxsched.models.quantize import quantize_model
 from jaxsched.parallel.hosts import same_pool_on_every_host
 from jaxsched.parallel.mesh import engine_devices, make_mesh
 from jaxsched.platforms import expected, host_malloc
@@ -169,6 +170,10 @@ class EngineCore:
         model = build_model(cfg.checkpoint_model, cfg.dtype, getter, attention_backend=cfg.attention_backend, seed=cfg.seed,
                             layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if mesh else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
+        if cfg.quantization:
+            n = quantize_model(model, cfg.quantization, cfg.quantize_embedding)
+            logger.info("quantized %d weights to %s (per output channel)%s", n, cfg.quantization,
+                        ", embedding and lm_head included" if cfg.quantize_embedding else "")
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching,
@@ -214,7 +219,8 @@ class EngineCore:
         tp = len(devices)
         local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, devices[0].platform, reserved=reserved,
-                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp),
+                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp, args.quantization,
+                                                                         args.quantize_embedding),
                       memory=lambda: device_memory(local[0], len(local)))
         if jax.process_count() > 1:
             cfg = same_pool_on_every_host(cfg)

@@ -45,6 +45,7 @@ from jaxsched.models.layers import (
 )
 from jaxsched.models.llama import GGUF_LAYER_NAMES, GGUF_TOP_NAMES
 from jaxsched.models.model_config import ModelConfig
+from jaxsched.models.quantize import scale_of
 
 
 def _hidden_act(hf: dict[str, Any], key: str) -> None:
@@ -238,7 +239,9 @@ class GemmaForCausalLM(nnx.Module):
             return h + gemma_rms_norm(mlp(p, gemma_rms_norm(h, p["pre_ff_norm"], eps)), p["post_ff_norm"], eps)
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
-        h = embed_tokens(embed, batch.token_ids, self.mesh) * jnp.asarray(D**0.5, jnp.float32).astype(embed.dtype)  # [T, D]
+        dt = self.norm[...].dtype  # the model's dtype (a quantized table's is not)
+        h = embed_tokens(embed, batch.token_ids, self.mesh, scale_of(self, "embed"), dt) * \
+            jnp.asarray(D**0.5, jnp.float32).astype(dt)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
         local_rope = None
         if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
@@ -249,8 +252,9 @@ class GemmaForCausalLM(nnx.Module):
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.
         hs = gemma_rms_norm(h, self.norm[...], eps)
-        w = embed.T if self.lm_head is None else self.lm_head[...]
-        logits = vocab_logits(hs, w, self.mesh)
+        w, scale = (embed.T, scale_of(self, "embed")) if self.lm_head is None else \
+            (self.lm_head[...], scale_of(self, "lm_head"))
+        logits = vocab_logits(hs, w, self.mesh, scale)
         if cfg.final_softcap is not None:  # Gemma 2
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
         return logits, kv

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched import platforms
 from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.model_config import ModelConfig
+from jaxsched.models.quantize import SCALE, quantized_dot
 from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, write_kv
 from pallas_kernels.window import NO_WINDOW
@@ -222,41 +223,58 @@ def paged_attend(batch, backend: str, cfg: ModelConfig, cos, sin, page: int, mes
     return attend
 
 
-def embed_tokens(embed, token_ids, mesh=None):
+def embed_tokens(embed, token_ids, mesh=None, scale=None, dtype=None):
     """embed [V, D] at token_ids i32[T] -> [T, D]. With the vocabulary split over the mesh's "model"
     axis, each shard looks up the ids in its own range and the shards' partial rows are summed (one
-    all-reduce of [T, D]), so the table is never gathered whole."""
-    if shards_of(mesh) == 1 or embed.shape[0] % shards_of(mesh):
-        return embed[token_ids]
+    all-reduce of [T, D]), so the table is never gathered whole. A quantized table (quantize.py)
+    comes with `scale` f32[V], one per row, and its rows are dequantized to `dtype`."""
+    def rows_of(table, ids, s):
+        rows = table[ids]
+        return rows if s is None else (rows.astype(jnp.float32) * s[ids][:, None]).astype(dtype)
 
-    def local(table, ids):
+    if shards_of(mesh) == 1 or embed.shape[0] % shards_of(mesh):
+        return rows_of(embed, token_ids, scale)
+
+    def local(table, ids, s=None):
         V_local = table.shape[0]
         start = jax.lax.axis_index("model") * V_local
         inside = (ids >= start) & (ids < start + V_local)
-        rows = table[jnp.where(inside, ids - start, 0)]
+        rows = rows_of(table, jnp.where(inside, ids - start, 0), s)
         return jax.lax.psum(jnp.where(inside[:, None], rows, jnp.zeros((), rows.dtype)), "model")
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), P()), out_specs=P(),
-                         check_vma=False)(embed, token_ids)
+    args, specs = (embed, token_ids), (P("model", None), P())
+    if scale is not None:
+        args, specs = (*args, scale), (*specs, P("model"))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
 
 
-def vocab_logits(hs, w, mesh=None):
+def vocab_logits(hs, w, mesh=None, scale=None):
     """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
     cross between devices, never the weight (left to itself, XLA gathered the weight instead to
     produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices (simulated on the CPU)").
-    A w packed by pack_linear_weights (one device) goes through numba_matmul's kernel."""
+    A w packed by pack_linear_weights (one device) goes through numba_matmul's kernel. A quantized
+    w (quantize.py) comes with `scale` f32[V]."""
     if w.ndim == 3:
         from pallas_kernels import numba_matmul
 
-        return numba_matmul.matmul(hs.astype(jnp.float32), w)
+        return numba_matmul.matmul(hs.astype(jnp.float32), w, scale)
+
+    def dot(h, w, s=None):
+        if s is None:
+            return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32) * s
+
     if shards_of(mesh) == 1 or w.shape[1] % shards_of(mesh):
-        return jnp.dot(hs, w, preferred_element_type=jnp.float32)
+        return dot(hs, w, scale)
 
-    def local(h, w):
-        return jax.lax.all_gather(jnp.dot(h, w, preferred_element_type=jnp.float32), "model", axis=1, tiled=True)
+    def local(h, w, s=None):
+        return jax.lax.all_gather(dot(h, w, s), "model", axis=1, tiled=True)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "model")), out_specs=P(), check_vma=False)(hs, w)
+    args, specs = (hs, w), (P(), P(None, "model"))
+    if scale is not None:
+        args, specs = (*args, scale), (*specs, P("model"))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
 
 
 def shards_of(mesh) -> int:
@@ -266,12 +284,15 @@ def shards_of(mesh) -> int:
 
 def linear(p: dict, x, name: str, bias: str = ""):
     """x @ p[name], plus p[bias] when the layer has that bias. A weight packed by
-    pack_linear_weights ([N / NR, K, NR]) goes through numba_matmul's kernel."""
-    w = p[name]
+    pack_linear_weights ([N / NR, K, NR]) goes through numba_matmul's kernel; a quantized one
+    (quantize.py: p[name + SCALE] beside it) is dequantized inside the matmul."""
+    w, s = p[name], p.get(name + SCALE)
     if w.ndim == 3:
         from pallas_kernels import numba_matmul  # numba is imported only where it is used
 
-        y = numba_matmul.matmul(x, w)
+        y = numba_matmul.matmul(x, w, s)
+    elif s is not None:
+        y = quantized_dot(x, w, s)
     else:
         y = x @ w
     return y + p[bias] if bias in p else y
@@ -293,6 +314,8 @@ def untie_lm_head(model) -> bool:
     if not numba_matmul.packable(head):
         return False
     model.lm_head = nnx.data(nnx.Param(head))  # None made it a static attribute
+    if getattr(model, "embed" + SCALE, None) is not None:  # a quantized table: its rows' scales go along
+        model.lm_head_scale = nnx.data(nnx.Param(model.embed_scale[...]))
     return True
 
 
@@ -326,7 +349,7 @@ def qkv_projection(p: dict, x, N: int, K: int, H: int, shards: int = 1):
         from pallas_kernels import numba_matmul
 
         if (N * H) % numba_matmul.NR == 0 and (K * H) % numba_matmul.NR == 0:
-            q, k, v = numba_matmul.matmul_split(x, w, (N * H, K * H, K * H))
+            q, k, v = numba_matmul.matmul_split(x, w, (N * H, K * H, K * H), p.get("qkv" + SCALE))
             T = x.shape[0]
             return q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     return split_qkv(linear(p, x, "qkv", "qkv_bias"), N, K, H, shards)
@@ -358,7 +381,7 @@ def silu_gate_up(p: dict, x, shards: int = 1):
     if w.ndim == 3 and "gate_up_bias" not in p and w.shape[0] % 2 == 0:
         from pallas_kernels import numba_matmul
 
-        return numba_matmul.matmul_silu_mul(x, w)
+        return numba_matmul.matmul_silu_mul(x, w, p.get("gate_up" + SCALE))
     g, u = split_gate_up(linear(p, x, "gate_up", "gate_up_bias"), shards)
     return jax.nn.silu(g) * u
 

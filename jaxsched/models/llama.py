@@ -41,6 +41,7 @@ from jaxsched.models.layers import (
 )
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.models.moe import moe_mlp
+from jaxsched.models.quantize import scale_of
 
 
 # -- config adapters (config.json dict -> ModelConfig), one per registry entry ----------------------
@@ -202,12 +203,13 @@ class LlamaForCausalLM(nnx.Module):
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh)
-        h, kv = self.layers(embed_tokens(embed, batch.token_ids, self.mesh), kv, before, after, attend,
-                            batch.logits_indices)  # h [S, D]
+        h = embed_tokens(embed, batch.token_ids, self.mesh, scale_of(self, "embed"), self.norm[...].dtype)
+        h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
         hs = rms_norm(h, self.norm[...], eps)
-        w = embed.T if self.lm_head is None else self.lm_head[...]
-        return vocab_logits(hs, w, self.mesh), kv
+        w, scale = (embed.T, scale_of(self, "embed")) if self.lm_head is None else \
+            (self.lm_head[...], scale_of(self, "lm_head"))
+        return vocab_logits(hs, w, self.mesh, scale), kv
 
     def mlp(self, p: dict, x):
         """The layer's MLP on x [T, D] (normed): silu(gate) * up, then down; or its mixture of experts."""

@@ -208,6 +208,19 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
 
 
 # -- entry point ----------------------------------------------------------------------------------
+def check_not_prequantized(hf: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose config says its weights are stored quantized (quantization_config:
+    GPTQ, AWQ, compressed-tensors, fp8, bitsandbytes): read as floats, its 8- or 4-bit tensors
+    would be wrong numbers without a word. Pre-quantized checkpoints are not read yet."""
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+        raise ValueError(
+            f"{path!r} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}), which jaxsched "
+            "does not read yet; load the model's unquantized (bfloat16 / float32) checkpoint and quantize it at "
+            "load with --quantization int8 or --quantization fp8")
+
+
 def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray], str]:
     """(ModelConfig, tensor getter, kind) for a HF folder or a .gguf file."""
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -216,6 +229,7 @@ def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarra
         return model_config_from_hf(hf), gguf_getter(reader, hf), "gguf"
     if os.path.isdir(path):
         hf = load_hf_config(path)
+        check_not_prequantized(hf, path)
         cfg = model_config_from_hf(hf)
         return cfg, safetensors_getter(path, ARCHITECTURES[cfg.architecture].checkpoint_names), "hf"
     raise ValueError(f"model {path!r} is neither a Hugging Face model folder nor a .gguf file")

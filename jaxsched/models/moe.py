@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxsched.models.quantize import SCALE, dequantize
+
 # rows per tile of the "tiles" grouped matmul: about the pairs an expert gets in a step (N / E), within
 # these bounds. Each tile reads (on a CPU: copies) its expert's weights, so a tile much smaller than
 # that reads them several times; much larger, and padding rows cost dots (docs/PERFORMANCE.md)
@@ -119,13 +121,20 @@ def moe_mlp(p: dict, x, k: int, normalize: bool, how: str, mesh=None):
     y = _routed(p, x, k, normalize, how, mesh)
     if "shared_gate_up" in p:
         gate = jax.nn.sigmoid(jnp.dot(x, p["shared_gate"]).astype(jnp.float32)).astype(x.dtype)  # [T, 1]
-        y = y + gate * _expert_mlp(x, p["shared_gate_up"], p["shared_down"])
+        y = y + gate * _expert_mlp(x, _weight(p, "shared_gate_up", x.dtype), _weight(p, "shared_down", x.dtype))
     return y
+
+
+def _weight(p: dict, name: str, dtype):
+    """p[name], dequantized when quantized (quantize.py: per expert and output channel). The grouped
+    matmuls take float weights: a quantized MoE holds its experts in 8 bits and dequantizes them in
+    the step, before the grouped matmul (a fused dequantizing grouped matmul is not written yet)."""
+    return dequantize(p[name], p.get(name + SCALE), dtype)
 
 
 def _routed(p: dict, x, k: int, normalize: bool, how: str, mesh):
     weights, experts = route(x, p["router"], k, normalize)
-    gate_up, down = p["experts_gate_up"], p["experts_down"]
+    gate_up, down = _weight(p, "experts_gate_up", x.dtype), _weight(p, "experts_down", x.dtype)
     n = 1 if mesh is None else mesh.shape["model"]
     if n == 1:
         return experts_mlp(x, weights, experts, gate_up, down, how)

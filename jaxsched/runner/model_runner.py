@@ -128,17 +128,28 @@ def device_memory(dev=None, sharing: int = 1) -> tuple[int, int]:
     return total // sharing, free // sharing
 
 
-def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1) -> int:
+def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1, quantization: str | None = None,
+                  quantize_embedding: bool = False) -> int:
     """The model's weights in `dtype` on one of `shards` devices (the split weights' 1 / shards,
-    the replicated ones whole), from its shapes alone (nothing is allocated)."""
+    the replicated ones whole), from its shapes alone (nothing is allocated); with `quantization`,
+    the weights quantize_model quantizes at a byte each plus a float32 scale per output channel."""
     from jaxsched.models.loader import build_model
+    from jaxsched.models.quantize import QUANTIZED_LAYER_WEIGHTS
     from jaxsched.parallel.mesh import param_spec
 
     abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
+    quantized = (*QUANTIZED_LAYER_WEIGHTS, *(("embed", "lm_head") if quantize_embedding else ())) \
+        if quantization else ()
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract))):
-        split = "model" in param_spec(str(path[-1].key), x.ndim, model_config.vocab_size % shards == 0)
-        total += x.size * x.dtype.itemsize // (shards if split else 1)
+        name = str(path[-1].key)
+        split = "model" in param_spec(name, x.ndim, model_config.vocab_size % shards == 0)
+        if name in quantized:  # int8 / fp8 values, and a scale per output channel (per row for embed)
+            scales = x.size // x.shape[-1 if name == "embed" else -2]
+            n = x.size + 4 * scales
+        else:
+            n = x.size * x.dtype.itemsize
+        total += n // (shards if split else 1)
     return total
 
 
