@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16")
+_KV_DTYPES = (*_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -167,8 +168,8 @@ class EngineArgs:
         n = self.cpu_reserved_cores
         if n is not None and n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise ValueError(f"cpu_reserved_cores must be a whole number >= 0 or 'auto', got {n!r}")
-        if self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
         from jaxsched.models.quantize import QUANTIZATIONS
 
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

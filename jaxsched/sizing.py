@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from jaxsched.models.model_config import ModelConfig
     from jaxsched.platforms import Platform
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, shards: int = 1) -> int:

@@ -21,7 +21,7 @@ from pallas_kernels import numba_attention
 from pallas_kernels.pallas_attention import pallas_attention, validate_pallas
 from pallas_kernels.pallas_attention import prepare as pallas_prepare
 from pallas_kernels.pallas_attention import unsupported_reason as pallas_unsupported
-from pallas_kernels.pool_storage import BF16_BITS
+from pallas_kernels.pool_storage import BF16_BITS, E4M3_BITS, is_fp8, values_dtype
 from pallas_kernels.reference_attention import reference_attention
 from pallas_kernels.xla_attention import prepare as xla_prepare
 from pallas_kernels.xla_attention import xla_attention
@@ -59,6 +59,9 @@ class AttentionBackend:
     prepare: Callable | None = field(default=None, repr=False)
     # attend takes softcap= (Gemma 2's score soft-capping, softcap.py); False: it refuses such models
     softcap: bool = True
+    # an fp8 e4m3 pool stored as uint8 bits (the numba kernels' storage, and the XLA ones' on a CPU
+    # for the reason bfloat16's is uint16: pool_storage.py)
+    fp8_as_bits: bool = False
 
     def pool_shapes(self, L: int, NB: int, K: int, P: int, H: int):
         """(K pool shape, V pool shape): [L, NB, K, H, P] or [L, NB, K, P, H], and [L, NB, K, P, H]."""
@@ -66,10 +69,14 @@ class AttentionBackend:
         return ((L, NB, K, H, P) if self.k_transposed else v), v
 
     def pool_dtype(self, dtype: str):
-        """The array dtype of a pool of `dtype` values ("float32" / "bfloat16")."""
-        if self.bf16_as_bits and jnp.dtype(dtype) == jnp.bfloat16:
+        """The array dtype of a pool of `dtype` values (a resolved kv_cache_dtype: "float32",
+        "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")."""
+        values = values_dtype(dtype)
+        if self.bf16_as_bits and values == jnp.bfloat16:
             return BF16_BITS
-        return jnp.dtype(dtype)
+        if self.fp8_as_bits and values == jnp.float8_e4m3fn:
+            return E4M3_BITS
+        return values
 
 
 def _pallas(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *, sm_scale,
@@ -84,15 +91,18 @@ def _pallas_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
     if not (plat.triton or plat.host_runs_model):  # Triton, or Pallas' interpreter on the host
         return (f"attention backend 'pallas' runs its Triton kernels on a GPU (interpreted on a CPU, for "
                 f"tests), not on {platform!r}")
-    if jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-        # the kernels load K/V tiles straight into dots with q, which Triton wants in one dtype
-        return (f"kv_cache_dtype {jnp.dtype(kv_dtype).name!r} differs from the model dtype "
-                f"{jnp.dtype(dtype).name!r}, which attention backend 'pallas' does not support; use "
-                f"kv_cache_dtype='auto'")
+    if not is_fp8(kv_dtype) and values_dtype(kv_dtype) != jnp.dtype(dtype):
+        # the kernels convert fp8 tiles to q's dtype before their dots; a 16- or 32-bit pool is
+        # loaded straight into them, which Triton wants in q's dtype
+        return (f"kv_cache_dtype {kv_dtype!r} differs from the model dtype {jnp.dtype(dtype).name!r}, which "
+                f"attention backend 'pallas' supports only for fp8 pools; use kv_cache_dtype='auto' or 'fp8'")
     return pallas_unsupported(head_dim, block_size, dtype)
 
 
 def _numba_unsupported(head_dim, block_size, dtype, kv_dtype, platform):
+    if kv_dtype == "fp8_e5m2":
+        return ("kv_cache_dtype 'fp8_e5m2' is not read by the numba kernels (they read e4m3 as its bits); "
+                "use kv_cache_dtype='fp8' (e4m3) or attention_backend='xla'")
     return numba_attention.unsupported_reason(platform)
 
 
@@ -111,7 +121,7 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # scores too. Its compiled kernels have no score soft-capping: Gemma 2 runs on "xla" instead.
     AttentionBackend("numba", numba_attention.numba_attention, k_transposed=True, bf16_as_bits=True,
                      default_block_size=128, auto_on=("cpu",), why_unsupported=_numba_unsupported,
-                     rope_write=numba_attention.rope_write_kv, softcap=False),
+                     rope_write=numba_attention.rope_write_kv, softcap=False, fp8_as_bits=True),
     # The jnp implementation tuned for XLA:CPU (xla_attention.py); runs anywhere, so the fallback.
     # K pages [H, P]: its score dot contracts over H, and XLA:CPU feeds that dot a [.., H, C]
     # operand, so with [P, H] pages every gathered K chunk went through a transpose copy on top of
@@ -119,11 +129,11 @@ BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
     # backend uses: XLA:CPU's gathers copy a page per index, so bigger pages read faster. Both
     # measured in docs/PERFORMANCE.md, "Decisions in the code".
     AttentionBackend("xla", xla_attention, k_transposed=True, bf16_as_bits=True, default_block_size=128,
-                     auto_on=None, why_unsupported=_runs_anything, prepare=xla_prepare),
+                     auto_on=None, why_unsupported=_runs_anything, prepare=xla_prepare, fp8_as_bits=True),
     # The obviously-correct version every other backend is tested against (reference_attention.py);
     # O(T * M * P) memory, so never chosen by "auto".
     AttentionBackend("reference", reference_attention, k_transposed=False, bf16_as_bits=True,
-                     default_block_size=128, auto_on=(), why_unsupported=_runs_anything),
+                     default_block_size=128, auto_on=(), why_unsupported=_runs_anything, fp8_as_bits=True),
 )}
 
 

@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 # The handlers in groups of about equal compile time, one process per group where there are cores
 # to spare: both attention handlers share numba_kernels' cached functions (their cache index files),
 # so they stay in one process; the matmul and the rope-and-KV-write handlers are the other group.
-GROUPS = (("matmul", "rope and KV write"), ("attention float32 pool", "attention bfloat16 pool"))
+GROUPS = (("matmul", "matmul int8", "rope and KV write"),
+          ("attention float32 pool", "attention bfloat16 pool", "attention fp8 pool"))
+_ATTENTION = {"attention float32 pool": "f32", "attention bfloat16 pool": "u16", "attention fp8 pool": "u8"}
 
 
 def _compile(name: str) -> None:
@@ -34,10 +36,14 @@ def _compile(name: str) -> None:
         from pallas_kernels import numba_matmul  # its handler is compiled (or loaded) at import
 
         numba_matmul._target()
+    elif name == "matmul int8":
+        from pallas_kernels import numba_matmul
+
+        numba_matmul._target(True)
     elif name == "rope and KV write":
         numba_attention._rope_write_target()
     else:
-        numba_attention._target(name == "attention bfloat16 pool")
+        numba_attention._target(_ATTENTION[name])
 
 
 def compile_group(names: tuple[str, ...]) -> dict[str, float]:

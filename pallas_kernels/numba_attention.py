@@ -35,24 +35,29 @@ def unsupported_reason(platform: str) -> str | None:
     return None
 
 
+_STORAGE = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.uint16): "u16", jnp.dtype(jnp.uint8): "u8"}
+
+
 @functools.cache
-def _target(bits: bool) -> str:
+def _target(storage: str) -> str:
     """Register the kernel's FFI handler for one pool storage (once per process); its name."""
     from pallas_kernels import cpu_ffi, numba_kernels
 
-    name = f"jaxsched_numba_attention_{'u16' if bits else 'f32'}"
-    cpu_ffi.register(name, numba_kernels.handler(bits))
+    name = f"jaxsched_numba_attention_{storage}"
+    cpu_ffi.register(name, numba_kernels.handler(storage))
     return name
 
 
 def _kernel_storage(pool):
-    """The kernel reads float32 or uint16 (bfloat16 bits) pages. The engine's pools are one of those
-    (AttentionBackend.pool_dtype); a bfloat16 array is reinterpreted as its bits, anything else
-    converted (a copy of the pool: for tests and odd callers only)."""
-    if pool.dtype in (jnp.float32, jnp.uint16):
+    """The kernel reads float32, uint16 (bfloat16 bits) or uint8 (fp8 e4m3 bits) pages. The engine's
+    pools are one of those (AttentionBackend.pool_dtype); a bfloat16 or e4m3 array is reinterpreted
+    as its bits, anything else converted (a copy of the pool: for tests and odd callers only)."""
+    if pool.dtype in _STORAGE:
         return pool
     if pool.dtype == jnp.bfloat16:
         return jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    if pool.dtype == jnp.float8_e4m3fn:
+        return jax.lax.bitcast_convert_type(pool, jnp.uint8)
     return pool.astype(jnp.float32)
 
 
@@ -62,7 +67,7 @@ def numba_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_st
     first page a window holds."""
     T, N, H = q.shape
     k_cache, v_cache = _kernel_storage(k_cache), _kernel_storage(v_cache)
-    call = jax.ffi.ffi_call(_target(k_cache.dtype == jnp.uint16), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
+    call = jax.ffi.ffi_call(_target(_STORAGE[k_cache.dtype]), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
     out = call(q.astype(jnp.float32), k_cache, v_cache, layer_and_window(layer, window),
                block_tables, seq_lens, query_start_loc, num_seqs, jnp.full((1,), sm_scale, jnp.float32))
     return out.astype(q.dtype)

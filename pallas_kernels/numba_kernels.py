@@ -57,6 +57,18 @@ _C1, _C2, _C3, _C4, _C5, _C6 = (np.float32(c) for c in (
     0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
     0.0013333558146428443, 0.00015403530393381606))
 _SHIFT = np.uint32(16)
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32[256]: the value of each fp8 e4m3fn bit pattern (0x7f and 0xff are NaN), a uint8
+    pool's values (pool_storage.py). A table lookup per element: numba has no fp8 type, and the
+    table stays in L1."""
+    import ml_dtypes
+
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
 # Threads the work is dealt to: numba's pool size, fixed when this module is first compiled (calling
 # numba.get_num_threads() inside a kernel would make it uncacheable). A smaller pool at run time
 # (numba.set_num_threads) still runs every item, less evenly.
@@ -81,6 +93,8 @@ def _val(x):
 
 @overload(_val, inline="always")
 def _val_impl(x):
+    if isinstance(x, types.Integer) and x.bitwidth == 8:  # uint8 fp8 e4m3 bits
+        return lambda x: _E4M3[x]
     if isinstance(x, types.Integer):  # uint16 bfloat16 bits: the upper half of a float32
         return lambda x: np.uint32(np.uint32(x) << _SHIFT).view(np.float32)
     return lambda x: x
@@ -733,16 +747,26 @@ def _handler_u16(frame_ptr):
     return cpu_ffi.success()
 
 
-_HANDLERS: dict[bool, object] = {}
+def _handler_u8(frame_ptr):
+    frame = cpu_ffi.frame_words(frame_ptr)
+    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
+        k_shape, v_shape = _pool_shapes(frame)
+        _run(frame, carray(pointer(buffer(frame, ARGS, 1)[0]), k_shape, dtype=np.uint8),
+             carray(pointer(buffer(frame, ARGS, 2)[0]), v_shape, dtype=np.uint8))
+    return cpu_ffi.success()
+
+
+_HANDLERS: dict[str, object] = {}
 _HANDLERS_LOCK = threading.Lock()  # one cfunc per storage, even if two threads trace at once
+STORAGES = {"f32": _handler_f32, "u16": _handler_u16, "u8": _handler_u8}
 
 
-def handler(bits: bool):
-    """The FFI handler for a float32 pool (bits False) or a uint16 one holding bfloat16 bits,
-    compiled (or loaded from numba's cache) on first use: an engine pays only for the storage its
-    pool has, and importing this module (numba_matmul.py does) compiles nothing."""
+def handler(storage: str):
+    """The FFI handler for a pool of float32 ("f32"), uint16 bfloat16 bits ("u16") or uint8 fp8
+    e4m3 bits ("u8"), compiled (or loaded from numba's cache) on first use: an engine pays only
+    for the storage its pool has, and importing this module (numba_matmul.py does) compiles nothing."""
     with _HANDLERS_LOCK:
-        if bits not in _HANDLERS:
-            _HANDLERS[bits] = cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)(
-                _handler_u16 if bits else _handler_f32)
-        return _HANDLERS[bits]
+        if storage not in _HANDLERS:
+            _HANDLERS[storage] = cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)(STORAGES[storage])
+        return _HANDLERS[storage]

@@ -73,9 +73,11 @@ def validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_s
         if a.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
     floats = (jnp.float32, jnp.bfloat16, jnp.float16)
-    if q.dtype not in floats or (k_cache.dtype not in floats and k_cache.dtype != jnp.uint16):
+    pools = (*floats, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint16, jnp.uint8)
+    if q.dtype not in floats or k_cache.dtype not in pools:
         raise ValueError(f"q ({q.dtype}) must be float32, bfloat16 or float16 and k_cache ({k_cache.dtype}) one "
-                         "of those or uint16 (bfloat16 bits, see pool_storage.py)")
+                         "of those, float8_e4m3fn, float8_e5m2, uint16 (bfloat16 bits) or uint8 (e4m3 bits; "
+                         "see pool_storage.py)")
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,

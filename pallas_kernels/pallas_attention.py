@@ -82,9 +82,10 @@ def validate_pallas(q, k_cache, block_tables) -> None:
     reason = unsupported_reason(q.shape[-1], k_cache.shape[3], q.dtype)
     if reason:
         raise ValueError(reason)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype} for attention backend "
-                         "'pallas' (kv_cache_dtype='auto'), or use attention_backend='xla'")
+                         "'pallas' (kv_cache_dtype='auto'), or the cache be fp8 (kv_cache_dtype='fp8'), or use "
+                         "attention_backend='xla'")
     if block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must have at least one column (M >= 1), got shape {block_tables.shape}")
 
@@ -112,11 +113,14 @@ def _online_softmax(carry, s, v):
     return m_new, l * corr + p.sum(axis=1), acc * corr[:, None] + pv
 
 
-def _load_chunk(cache_ref, layer, bt_ref, row, chunk, kv, pages: int):
-    """KV chunk `chunk` of sequence `row` for KV head kv: f[pages * P, H], gathered page by page."""
+def _load_chunk(cache_ref, layer, bt_ref, row, chunk, kv, pages: int, dtype):
+    """KV chunk `chunk` of sequence `row` for KV head kv: [pages * P, H] in `dtype` (q's), gathered
+    page by page; an fp8 pool's tile is converted to it here, before the dots (which accumulate in
+    float32), as Triton wants both of a dot's operands in one dtype."""
     ids = bt_ref[row, pl.ds(chunk * pages, pages)]  # i32[pages]
     x = cache_ref[layer, ids, kv, :, :]  # [pages, P, H]
-    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+    x = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale: float,
@@ -136,8 +140,8 @@ def _decode_kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_
     q = q_ref[s_i, pl.ds(kv * Gp, Rd), :]  # [Rd, H]; rows >= Gp belong to the next KV head, unused
 
     def body(c, carry):
-        k = _load_chunk(k_ref, layer, bt_ref, s_i, c, kv, pages)
-        v = _load_chunk(v_ref, layer, bt_ref, s_i, c, kv, pages)
+        k = _load_chunk(k_ref, layer, bt_ref, s_i, c, kv, pages, q.dtype)
+        v = _load_chunk(v_ref, layer, bt_ref, s_i, c, kv, pages, q.dtype)
         s = soft_cap(_dot_nt(q, k) * sm_scale, softcap)
         pos = c * C + jnp.arange(C, dtype=jnp.int32)
         s = jnp.where(jnp.broadcast_to((pos[None, :] < length) & (pos[None, :] >= lo), (Rd, C)), s, _NEG_INF)
@@ -179,8 +183,8 @@ def _prefill_kernel(layer_ref, tile_row_ref, tile_first_ref, qsl_ref, lens_ref, 
         kv_end = ctx + first + count  # causal limit of the tile's last token
 
         def body(c, carry):
-            k = _load_chunk(k_ref, layer, bt_ref, row, c, kv, pages)
-            v = _load_chunk(v_ref, layer, bt_ref, row, c, kv, pages)
+            k = _load_chunk(k_ref, layer, bt_ref, row, c, kv, pages, q.dtype)
+            v = _load_chunk(v_ref, layer, bt_ref, row, c, kv, pages, q.dtype)
             s = soft_cap(_dot_nt(q, k) * sm_scale, softcap)
             pos = c * C + jnp.arange(C, dtype=jnp.int32)
             s = jnp.where((pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window), s, _NEG_INF)

@@ -117,6 +117,35 @@ def test_pool_layout_and_dtype_of_each_record():
     assert all(BACKENDS[n].pool_dtype(BF16) == jnp.uint16 for n in ("numba", "xla", "reference"))
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_each_backend_reads_an_fp8_pool(name, kv):
+    """An fp8 pool in the record's own storage (e4m3 as uint8 bits for the CPU backends, float8
+    for Pallas; e5m2 as float8 everywhere) gives the reference's attention over the same rounded
+    values in float32; writing saturates at the format's largest value instead of making NaN."""
+    from pallas_kernels.pool_storage import pool_values, to_pool
+
+    b = BACKENDS[name]
+    rng = np.random.default_rng(5)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1, 5], [20, 7, 0, 0], N=4, K=2, H=16, P=8, S=6, T=32,
+                                         NB=16, M=6, dtype=jnp.float32)
+    storage = b.pool_dtype(kv)
+    assert storage == ({"fp8": jnp.uint8 if b.fp8_as_bits else jnp.float8_e4m3fn,
+                        "fp8_e5m2": jnp.float8_e5m2}[kv])
+    k8, v8 = to_pool(k * 4, storage), to_pool(v * 4, storage)
+    assert k8.dtype == storage and k8.dtype.itemsize == 1
+    k32, v32 = pool_values(k8), pool_values(v8)  # the values the pool holds
+    assert 0 < float(jnp.abs(k32 - k * 4).max()) < 0.2 * float(jnp.abs(k * 4).max())  # rounded, not garbage
+    want = np.asarray(reference_attention(q, k32, v32, 1, bt, sl, qsl, ns, sm_scale=0.25))
+    k_pool = jnp.swapaxes(k8, -1, -2) if b.k_transposed else k8
+    got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name))(
+        q, k_pool, v8, jnp.int32(1), bt, sl, qsl, ns)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    big = pool_values(to_pool(jnp.asarray([1e9, -1e9, 500.0], jnp.float32), storage))
+    top = 448.0 if kv == "fp8" else 57344.0
+    assert np.asarray(big).tolist() == [top, -top, 448.0 if kv == "fp8" else 512.0]
+
+
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_each_backend_matches_the_reference(name):
     """A mixed step (decode rows, a prefill chunk over a cached prefix, a fresh prompt, padding rows)

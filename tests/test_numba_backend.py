@@ -57,8 +57,8 @@ def test_importing_the_kernels_compiles_no_attention_handler():
     from pallas_kernels import numba_kernels
 
     assert [name for name, v in vars(numba_kernels).items() if isinstance(v, CFunc)] == []
-    f32 = numba_kernels.handler(False)
-    assert isinstance(f32, CFunc) and f32.address and numba_kernels.handler(False) is f32
+    f32 = numba_kernels.handler("f32")
+    assert isinstance(f32, CFunc) and f32.address and numba_kernels.handler("f32") is f32
 
 
 def test_compile_cpu_kernels_readies_every_handler_for_later_processes():
@@ -77,6 +77,7 @@ def test_compile_cpu_kernels_readies_every_handler_for_later_processes():
     run()
     line = next(x for x in run().splitlines() if x.startswith("numba kernels ready"))
     seconds = dict(re.findall(r"(\w[\w ]*?) ([0-9.]+) s", line.split("(", 1)[1]))
-    assert set(seconds) == {"matmul", "attention float32 pool", "attention bfloat16 pool", "rope and KV write"}, line
+    assert set(seconds) == {"matmul", "matmul int8", "attention float32 pool", "attention bfloat16 pool",
+                            "attention fp8 pool", "rope and KV write"}, line
     # loaded, not compiled: a compile of the attention handlers takes tens of seconds
     assert all(float(v) < 10 for v in seconds.values()), line

@@ -65,6 +65,21 @@ def test_pallas_matches_reference(N, K, P, dtype):
         check(got, *args[:3], layer, *args[3:], TOL[dtype])
 
 
+def test_pallas_reads_fp8_pages_in_interpret_mode():
+    """An e4m3 pool under a bfloat16 and a float32 q: the kernels convert each tile to q's dtype;
+    the reference gets the same rounded values in float32."""
+    from pallas_kernels.pool_storage import pool_values, to_pool
+
+    for i, dtype in enumerate((jnp.bfloat16, jnp.float32)):
+        rng = np.random.default_rng([7, i])
+        q_lens, ctx = zip(*BATCHES["mixed"])
+        q, k, v, *rest = make_case(rng, q_lens, ctx, N=8, K=2, H=H, P=16, S=S, T=T, NB=NB, M=M, dtype=dtype)
+        k8, v8 = to_pool(k, jnp.float8_e4m3fn), to_pool(v, jnp.float8_e4m3fn)
+        layer = jnp.int32(1)
+        got = _pallas(q, k8, v8, layer, *rest)
+        check(got, q, pool_values(k8), pool_values(v8), layer, *rest, TOL[dtype])
+
+
 def test_small_tiles_splits_and_odd_group():
     """Many prefill tiles per row (windows clamped at the end of T), many KV chunks split four ways,
     and G = 3 query heads per KV head (padded to 4 inside)."""

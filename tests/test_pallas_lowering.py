@@ -152,6 +152,20 @@ def test_gemma_shaped_kernels_lower_for_cuda():
             assert ttir_problems(ttir) == [], f"T={T} S={S} {name}: {ttir_problems(ttir)}"
 
 
+def test_fp8_pages_lower_for_cuda():
+    """An fp8 pool (kv_cache_dtype="fp8": e4m3 pages) under a bfloat16 model: each kernel converts
+    its tiles to bfloat16 before the dots, which stay bfloat16 x bfloat16 with float32 accumulation."""
+    for T, S in BUCKETS[:2] + BUCKETS[-1:]:
+        q, k, v, *rest = attention_args(T, S, 32, 8, 64, 16, jnp.bfloat16)
+        k, v = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn) for x in (k, v))
+        kernels = triton_kernels(lower_for_cuda(pallas_for_gpu, q, k, v, *rest))
+        assert sorted(kernels) == ["ragged_paged_attention_decode", "ragged_paged_attention_prefill"]
+        for name, ttir in kernels.items():
+            assert "f8E4M3FN" in ttir, f"{name}: the fp8 tiles are not loaded as fp8"
+            assert "tt.fp_to_fp" in ttir or "arith.extf" in ttir, f"{name}: no fp8 -> bfloat16 conversion"
+            assert ttir_problems(ttir) == [], f"T={T} S={S} {name}: {ttir_problems(ttir)}"
+
+
 def test_the_wrapper_dispatches_the_kernel_when_lowering_for_cuda():
     """backend="pallas" through the public wrapper, exported with the Triton custom call allowed."""
     from jax import export
