@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=400)
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of a prefill-only step")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16", "fp8", "fp8_e5m2"))
     ap.add_argument("--block-size", type=int, default=None, help="tokens per page; default: the engine's")
     args = ap.parse_args()
     rng = np.random.default_rng(0)

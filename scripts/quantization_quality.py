@@ -1,5 +1,5 @@
-"""What each weight quantization costs on the demo model (or --model): the weights' bytes on the
-device against float32's, how many of 16 chat prompts keep float32's first 32 greedy tokens, the
+"""What each weight quantization and KV cache dtype costs on the demo model (or --model): the
+weights' bytes on the device against float32's, the KV pool's bytes per token, how many of 16 chat prompts keep float32's first 32 greedy tokens, the
 Paris answer, and the mean log-likelihood per token of each mode's greedy answers scored by the
 float32 model (transformers, so the scorer is not the engine under test; torch must be installed:
 `make test` installs it). Prints a Markdown table (docs/PERFORMANCE.md has the current one).
@@ -30,6 +30,8 @@ MODES = {
     "int8+embedding": {"quantization": "int8", "quantize_embedding": True},
     "fp8": {"quantization": "fp8"},
     "fp8+embedding": {"quantization": "fp8", "quantize_embedding": True},
+    "KV bfloat16": {"kv_cache_dtype": "bfloat16"},
+    "KV fp8": {"kv_cache_dtype": "fp8"},
 }
 
 
@@ -40,7 +42,8 @@ def run(model: str | None, args: dict, n: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     res = {"prompts": [o.prompt_token_ids for o in outs], "tokens": [list(o.outputs[0].token_ids) for o in outs],
-           "paris": "Paris" in outs[0].outputs[0].text, "weights": llm.llm_engine.memory_report().weights}
+           "paris": "Paris" in outs[0].outputs[0].text, "weights": llm.llm_engine.memory_report().weights,
+           "kv_token": llm.llm_engine.kv_bytes_per_device() // llm.llm_engine.memory_report().kv_tokens}
     del llm
     gc.collect()
     return res
@@ -82,14 +85,14 @@ def main() -> None:
     results = {m: run(a.model, MODES[m], a.tokens) for m in modes}
     score = scorer(a.model)
     ref = results["float32"]
-    print(f"| weights | bytes vs float32 | prompts with float32's {a.tokens} tokens (of {len(PROMPTS)}) "
-          "| Paris | mean log-likelihood / token (float32 scorer) |")
-    print("|---|---|---|---|---|")
+    print(f"| mode | weight bytes vs float32 | KV bytes / token | prompts with float32's {a.tokens} tokens "
+          f"(of {len(PROMPTS)}) | Paris | mean log-likelihood / token (float32 scorer) |")
+    print("|---|---|---|---|---|---|")
     for m in modes:
         r = results[m]
         same = sum(t == u for t, u in zip(r["tokens"], ref["tokens"]))
         ll = sum(score(p, t) for p, t in zip(r["prompts"], r["tokens"])) / len(PROMPTS)
-        print(f"| {m} | {r['weights'] / ref['weights']:.3f} ({r['weights'] / 2**20:.0f} MiB) | {same} "
+        print(f"| {m} | {r['weights'] / ref['weights']:.3f} ({r['weights'] / 2**20:.0f} MiB) | {r['kv_token']} | {same} "
               f"| {'yes' if r['paris'] else 'no'} | {ll:.4f} |", flush=True)
 
 

@@ -117,12 +117,15 @@ def test_pool_layout_and_dtype_of_each_record():
     assert all(BACKENDS[n].pool_dtype(BF16) == jnp.uint16 for n in ("numba", "xla", "reference"))
 
 
+@pytest.mark.parametrize("v_scale", [4.0, 0.003])
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_each_backend_reads_an_fp8_pool(name, kv):
+def test_each_backend_reads_an_fp8_pool(name, kv, v_scale):
     """An fp8 pool in the record's own storage (e4m3 as uint8 bits for the CPU backends, float8
     for Pallas; e5m2 as float8 everywhere) gives the reference's attention over the same rounded
-    values in float32; writing saturates at the format's largest value instead of making NaN."""
+    values in float32; writing saturates at the format's largest value instead of making NaN.
+    v_scale 0.003 makes nearly every V value an fp8 subnormal, which a kernel run with denormals
+    flushed to zero (XLA runs the numba kernels so) must still read as itself."""
     from pallas_kernels.pool_storage import pool_values, to_pool
 
     b = BACKENDS[name]
@@ -132,11 +135,12 @@ def test_each_backend_reads_an_fp8_pool(name, kv):
     storage = b.pool_dtype(kv)
     assert storage == ({"fp8": jnp.uint8 if b.fp8_as_bits else jnp.float8_e4m3fn,
                         "fp8_e5m2": jnp.float8_e5m2}[kv])
-    k8, v8 = to_pool(k * 4, storage), to_pool(v * 4, storage)
+    k8, v8 = to_pool(k * 4, storage), to_pool(v * v_scale, storage)
     assert k8.dtype == storage and k8.dtype.itemsize == 1
     k32, v32 = pool_values(k8), pool_values(v8)  # the values the pool holds
     assert 0 < float(jnp.abs(k32 - k * 4).max()) < 0.2 * float(jnp.abs(k * 4).max())  # rounded, not garbage
     want = np.asarray(reference_attention(q, k32, v32, 1, bt, sl, qsl, ns, sm_scale=0.25))
+    assert np.abs(want).max() > 0.5 * v_scale
     k_pool = jnp.swapaxes(k8, -1, -2) if b.k_transposed else k8
     got = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.25, backend=name))(
         q, k_pool, v8, jnp.int32(1), bt, sl, qsl, ns)
