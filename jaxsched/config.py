@@ -333,6 +333,12 @@ class EngineConfig:
     quantize_embedding: bool = False
 
 
+def quantization_of(args: EngineArgs, model: ModelConfig) -> str | None:
+    """The weights' quantization: --quantization, else a pre-quantized checkpoint's own kind (kept
+    in 8 bits on the device, as vLLM keeps an FP8 checkpoint)."""
+    return args.quantization or model.quantized_checkpoint
+
+
 def token_budget(args: EngineArgs, max_len: int) -> int:
     """max_num_batched_tokens as resolve() decides it, for a max_model_len of max_len."""
     if args.enable_chunked_prefill:
@@ -462,6 +468,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         heads=heads, async_scheduling=decide_async_scheduling(args, checkpoint, platform, n_reserved),
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
-        cpu_reserved_cores=n_reserved, quantization=args.quantization, quantize_embedding=args.quantize_embedding,
+        cpu_reserved_cores=n_reserved, quantization=quantization_of(args, checkpoint),
+        quantize_embedding=args.quantize_embedding,
         layer_weights=plat.layer_weights if args.layer_weights == "auto" else args.layer_weights,
         sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches)

@@ -125,10 +125,103 @@ def test_bad_quantization_flags_are_refused(kwargs, match):
         EngineArgs(**kwargs)
 
 
-def test_a_prequantized_checkpoint_is_refused_with_the_way_out(llama_dir, tmp_path):
-    dst = shutil.copytree(llama_dir, tmp_path / "fp8")
+def compressed_tensors_fp8(src: str, dst: str, strategy: str) -> tuple[str, str]:
+    """(an FP8 checkpoint of `src` in compressed-tensors' "float-quantized" format, as llm-compressor
+    writes FP8_DYNAMIC (strategy "channel") or FP8 (strategy "tensor"): each quantized linear's
+    `weight` as F8_E4M3 [out, in] and `weight_scale` float32 [out, 1] or [1]; its float32 twin
+    holding weight * scale), from the format's published spec (the compressed-tensors package
+    itself needs torch and a calibration pass to write one)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    twin = shutil.copytree(src, dst + "-twin")
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, deq = {}, {}
+    for name, w in tensors.items():
+        if not QUANTIZED.search(name):
+            out[name] = deq[name] = w
+            continue
+        amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max().reshape(1)
+        scale = (amax / np.float32(448.0)).astype(np.float32)
+        q = (w / (scale if strategy == "channel" else scale[0])).astype(ml_dtypes.float8_e4m3fn)
+        out[name], out[name + "_scale"] = q, scale
+        deq[name] = (q.astype(np.float32) * (scale if strategy == "channel" else scale[0])).astype(np.float32)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst, twin
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_a_compressed_tensors_fp8_checkpoint_stays_fp8_and_matches_its_float32_twin(llama_dir, tmp_path, strategy):
+    from flax import nnx
+
+    path, twin = compressed_tensors_fp8(llama_dir, str(tmp_path / "fp8"), strategy)
+    fp8 = LLM(path, attention_backend="xla", **ENGINE)
+    assert fp8.llm_engine.config.quantization == "fp8"  # kept in 8 bits without being asked
+    state = nnx.to_pure_dict(fp8.llm_engine.core.runner.state)
+    assert state["layers"]["per_layer"][0]["qkv"].dtype == jnp.float8_e4m3fn
+    got = greedy(fp8)
+    # against the twin quantized at load: per channel the same fp8 values and scales come back
+    # (to a float32 ulp of the scale); a per-tensor scale is requantized per channel, within fp8's
+    # rounding, and the greedy tokens hold on this model
+    assert got == greedy(LLM(twin, attention_backend="xla", quantization="fp8", **ENGINE))
+    if strategy == "channel":
+        w = np.asarray(state["layers"]["per_layer"][0]["o_proj"], np.float32) * \
+            np.asarray(state["layers"]["per_layer"][0]["o_proj_scale"])
+        from safetensors.numpy import load_file
+
+        want = load_file(os.path.join(twin, "model.safetensors"))["model.layers.0.self_attn.o_proj.weight"].T
+        np.testing.assert_allclose(w, want, rtol=1e-6, atol=1e-9)  # the stored weights, to float32 rounding
+    # and the float32 twin itself (no quantization at run time): the first step's top-5 tokens and
+    # their logprobs, to 1e-4 (the dot in float32 over fp8 values, scaled after, against one over
+    # their products: rounding apart; a later greedy token can flip at a near-tie)
+    if strategy == "channel":
+        top = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+        a, b = (llm.generate(PROMPTS, top, use_tqdm=False) for llm in (fp8, LLM(twin, attention_backend="xla",
+                                                                                 **ENGINE)))
+        for x, y in zip(a, b):
+            lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+            assert list(lx) == list(ly)
+            np.testing.assert_allclose([v.logprob for v in lx.values()], [v.logprob for v in ly.values()], atol=1e-4)
+
+
+@pytest.mark.parametrize(("qc", "match"), [
+    ({"quant_method": "gptq", "bits": 4}, r"quant_method='gptq'.*reads compressed-tensors 'float-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, r"format='pack-quantized'.*--quantization int8"),
+])
+def test_a_prequantized_checkpoint_of_another_kind_is_refused_with_the_way_out(llama_dir, tmp_path, qc, match):
+    dst = shutil.copytree(llama_dir, tmp_path / "q")
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    cfg["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"pre-quantized checkpoint.*'compressed-tensors'.*--quantization int8"):
+    with pytest.raises(ValueError, match=r"pre-quantized checkpoint.*" + match):
         LLM(str(dst), **ENGINE)
+
+
+def test_a_q8_0_gguf_is_held_in_int8_when_asked(model_dirs, tmp_path):
+    """A GGUF's Q8_0 tensors, dequantized as they are read, go back to int8 on the device with
+    --quantization int8 (per output channel: Q8_0's 32-value blocks are not kept)."""
+    from tiny_gguf import write_llama_gguf
+
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_llama_gguf(str(tmp_path / "q8.gguf"), model_dirs["llama"],
+                            quant={f"blk.{i}.{n}.weight": "Q8_0" for i in range(2) for n in names})
+    plain = greedy(LLM(path, attention_backend="xla", **ENGINE))
+    q = LLM(path, attention_backend="xla", quantization="int8", **ENGINE)
+    layers = q.llm_engine.core.runner.state["layers"]["per_layer"]
+    assert all(layers[i]["qkv"][...].dtype == jnp.int8 for i in range(len(layers)))
+    got = greedy(q)
+    same = sum(x == y for s, t in zip(got, plain) for x, y in zip(s, t))
+    assert same >= 0.75 * sum(len(s) for s in plain), (got, plain)

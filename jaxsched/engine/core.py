@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, resolve, token_budget
+from jaxsched.config import EngineArgs, EngineConfig, ModelConfig, quantization_of, resolve, token_budget
 from jaxsched.core.block_manager import BlockManager
 from jaxsched.core.buckets import bucket_pairs
 from jaxsched.core.kv_groups import kv_groups
@@ -219,8 +219,8 @@ class EngineCore:
         tp = len(devices)
         local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, devices[0].platform, reserved=reserved,
-                      weights_bytes=lambda run_cfg, dtype: weights_bytes(run_cfg, dtype, tp, args.quantization,
-                                                                         args.quantize_embedding),
+                      weights_bytes=lambda run_cfg, dtype: weights_bytes(
+                          run_cfg, dtype, tp, quantization_of(args, model_cfg), args.quantize_embedding),
                       memory=lambda: device_memory(local[0], len(local)))
         if jax.process_count() > 1:
             cfg = same_pool_on_every_host(cfg)

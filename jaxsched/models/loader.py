@@ -9,6 +9,7 @@ file's tensor names and layout quirks are its model class's too (gguf_name, from
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import json
@@ -79,10 +80,30 @@ def load_hf_config(folder: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def safetensors_getter(folder: str, names: Callable[[str], tuple[str, ...]] | None = None
-                       ) -> Callable[[str], np.ndarray]:
+_FP8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # safetensors' dtype names -> ml_dtypes'
+
+
+def _read_fp8(path: str, name: str) -> np.ndarray:
+    """An fp8 tensor of a .safetensors file as float32, read by the format's layout (an 8-byte
+    little-endian header length, the JSON header with each tensor's dtype, shape and byte offsets
+    after it, then the data)."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), dtype=getattr(ml_dtypes, _FP8[entry["dtype"]]))
+    return raw.reshape(entry["shape"]).astype(np.float32)
+
+
+def safetensors_getter(folder: str, names: Callable[[str], tuple[str, ...]] | None = None,
+                       scaled: bool = False) -> Callable[[str], np.ndarray]:
     """get(HF name) over a folder's *.safetensors; names: where else a checkpoint may hold a tensor
-    (Architecture.checkpoint_names), tried when the name itself is not there."""
+    (Architecture.checkpoint_names), tried when the name itself is not there. scaled (a
+    pre-quantized checkpoint: prequantized): a "X.weight" stored with a "X.weight_scale" beside it
+    is read as weight * scale in float32 (the scale [out, 1] per channel, or one per tensor)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -94,14 +115,23 @@ def safetensors_getter(folder: str, names: Callable[[str], tuple[str, ...]] | No
             for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 where[k] = fn
 
+    def read(name: str) -> np.ndarray:
+        with safe_open(where[name], framework="flax") as f:
+            if f.get_slice(name).get_dtype() in _FP8:  # safetensors 0.8 looks for np.float8_*, which numpy lacks
+                return _read_fp8(where[name], name)
+            # framework="flax" reads bfloat16 too; numpy has no bfloat16
+            return np.asarray(f.get_tensor(name).astype(jnp.float32))
+
     def get(name: str) -> np.ndarray:
         if name not in where and names is not None:
             name = next((n for n in names(name) if n in where), name)
         if name not in where:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder!r}")
-        # framework="flax" reads bfloat16 too; numpy has no bfloat16
-        with safe_open(where[name], framework="flax") as f:
-            return np.asarray(f.get_tensor(name).astype(jnp.float32))
+        w = read(name)
+        if scaled and name + "_scale" in where:
+            scale = read(name + "_scale")
+            w = w * (scale.reshape(-1, 1) if scale.size == w.shape[0] else scale.reshape(()))
+        return w
 
     return get
 
@@ -208,17 +238,30 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
 
 
 # -- entry point ----------------------------------------------------------------------------------
-def check_not_prequantized(hf: dict[str, Any], path: str) -> None:
-    """Refuse a checkpoint whose config says its weights are stored quantized (quantization_config:
-    GPTQ, AWQ, compressed-tensors, fp8, bitsandbytes): read as floats, its 8- or 4-bit tensors
-    would be wrong numbers without a word. Pre-quantized checkpoints are not read yet."""
+def prequantized(hf: dict[str, Any], path: str) -> str | None:
+    """What a checkpoint's config says about quantized weights: None (none), "fp8" for what this
+    engine reads (compressed-tensors' "float-quantized" format, vLLM's name for FP8 checkpoints
+    made by llm-compressor: 8-bit float weights, float32 `weight_scale` per output channel or per
+    tensor, read by its published layout), else ValueError: read as floats, any other kind's 4- or
+    8-bit tensors (GPTQ, AWQ, bitsandbytes, block-scaled fp8, ...) would be wrong numbers without a
+    word. Activation scales (`input_scale`) are not used: the weights are dequantized inside the
+    matmul and the activations stay in the model's dtype."""
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
-    if qc:
-        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
-        raise ValueError(
-            f"{path!r} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}), which jaxsched "
-            "does not read yet; load the model's unquantized (bfloat16 / float32) checkpoint and quantize it at "
-            "load with --quantization int8 or --quantization fp8")
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else {}
+    method = qc.get("quant_method", "unknown")
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups if isinstance(g, dict)]
+    if method == "compressed-tensors" and qc.get("format") == "float-quantized" and weights and all(
+            w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("channel", "tensor")
+            and w.get("symmetric", True) for w in weights):
+        return "fp8"
+    raise ValueError(
+        f"{path!r} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}, format="
+        f"{qc.get('format')!r}) of a kind jaxsched does not read; it reads compressed-tensors 'float-quantized' "
+        "(fp8 weights with a scale per channel or per tensor). Load the model's unquantized (bfloat16 / float32) "
+        "checkpoint and quantize it at load with --quantization int8 or --quantization fp8")
 
 
 def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray], str]:
@@ -229,7 +272,8 @@ def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarra
         return model_config_from_hf(hf), gguf_getter(reader, hf), "gguf"
     if os.path.isdir(path):
         hf = load_hf_config(path)
-        check_not_prequantized(hf, path)
-        cfg = model_config_from_hf(hf)
-        return cfg, safetensors_getter(path, ARCHITECTURES[cfg.architecture].checkpoint_names), "hf"
+        quantized = prequantized(hf, path)
+        cfg = dataclasses.replace(model_config_from_hf(hf), quantized_checkpoint=quantized)
+        return cfg, safetensors_getter(path, ARCHITECTURES[cfg.architecture].checkpoint_names,
+                                       scaled=quantized is not None), "hf"
     raise ValueError(f"model {path!r} is neither a Hugging Face model folder nor a .gguf file")

@@ -47,6 +47,9 @@ class ModelConfig:
     # MLP between norms of its own (pre_ / post_feedforward_layernorm)
     sandwich_norms: bool = False
     dtype: str = "float32"  # the checkpoint's dtype
+    # "fp8": a pre-quantized checkpoint whose linear weights are stored in fp8 with scales
+    # (loader.prequantized); the engine keeps them in 8 bits unless told otherwise (config.resolve)
+    quantized_checkpoint: str | None = None
     # mixture of experts (models/moe.py): E experts of intermediate size moe_intermediate_size in every
     # layer's MLP, k of them per token; 0 experts: a dense MLP of intermediate_size
     num_experts: int = 0  # E
