@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import needs_torch
 
 from jaxsched import LLM, SamplingParams
 from jaxsched.config import EngineArgs
@@ -194,6 +195,62 @@ def test_a_compressed_tensors_fp8_checkpoint_stays_fp8_and_matches_its_float32_t
             lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
             assert list(lx) == list(ly)
             np.testing.assert_allclose([v.logprob for v in lx.values()], [v.logprob for v in ly.values()], atol=1e-4)
+
+
+@needs_torch
+def test_an_fp8_checkpoint_written_by_compressed_tensors_loads(llama_dir, tmp_path):
+    """The compressed-tensors package (llm-compressor's writer) quantizes transformers' model of the
+    tiny checkpoint to FP8 per channel and saves it; jaxsched reads it, keeps it fp8, and its first
+    step's top-5 logprobs are those of a float32 folder holding the file's weight * scale."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    from jaxsched.models.loader import safetensors_getter
+
+    dst = str(tmp_path / "ct-fp8")
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    for m in model.modules():  # the weights' scales, as llm-compressor's min-max observer sets them
+        if hasattr(m, "weight_scale"):
+            w = m.weight.data
+            scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), args)
+            m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(llama_dir, name)):
+            shutil.copy(os.path.join(llama_dir, name), dst)
+    twin = shutil.copytree(llama_dir, tmp_path / "ct-twin")
+    get = safetensors_getter(dst, scaled=True)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(dst, "model.safetensors"), "np") as f:
+        names = [k for k in f.keys() if not k.endswith("_scale")]  # noqa: SIM118
+    save_file({k: get(k) for k in names}, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+
+    fp8 = LLM(dst, attention_backend="xla", **ENGINE)
+    assert fp8.llm_engine.config.quantization == "fp8"
+    assert fp8.llm_engine.core.runner.state["layers"]["per_layer"][0]["gate_up"][...].dtype == jnp.float8_e4m3fn
+    top = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    a, b = (llm.generate(PROMPTS, top, use_tqdm=False) for llm in (fp8, LLM(str(twin), attention_backend="xla",
+                                                                             **ENGINE)))
+    for x, y in zip(a, b):
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        assert list(lx) == list(ly)
+        np.testing.assert_allclose([v.logprob for v in lx.values()], [v.logprob for v in ly.values()], atol=1e-4)
 
 
 @pytest.mark.parametrize(("qc", "match"), [
