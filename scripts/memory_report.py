@@ -1,7 +1,7 @@
 """The start-up memory report against what the process really took: RSS after an engine started
 minus RSS before it loaded anything (its code and libraries imported, the runtime up), and the
-report's weights + KV pool + swap + workspace (on a CPU every figure is host memory). Prints both
-and their ratio.
+report's weights + KV pool + swap + workspace + compiled programs (on a CPU every figure is host
+memory). Prints both and their ratio.
 
   python scripts/memory_report.py                       # the demo model, its defaults
   python scripts/memory_report.py --model path --swap-space 1
@@ -37,11 +37,11 @@ def main() -> None:
     llm = LLM(a.model, max_model_len=a.max_model_len, swap_space=a.swap_space, preemption_mode="swap")
     after = rss()
     r = llm.llm_engine.memory_report()
-    counted = r.weights + r.kv_pool + r.swap + r.workspace
+    counted = r.weights + r.kv_pool + r.swap + r.workspace + r.programs
     mib = 2**20
     print(r.lines())
     print(f"RSS after start - RSS before loading: {(after - before) / mib:.1f} MiB; weights + KV pool + swap + "
-          f"workspace: {counted / mib:.1f} MiB; ratio {(after - before) / counted:.3f}")
+          f"workspace + programs: {counted / mib:.1f} MiB; ratio {(after - before) / counted:.3f}")
 
 
 if __name__ == "__main__":

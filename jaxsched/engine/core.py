@@ -82,7 +82,7 @@ from jaxsched.parallel.mesh import engine_devices, make_mesh
 from jaxsched.platforms import expected, host_malloc
 from jaxsched.platforms import of as platform_of
 from jaxsched.platforms.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
-from jaxsched.runner.memory_report import MemoryReport, device_bytes
+from jaxsched.runner.memory_report import MemoryReport, code_bytes, device_bytes, resident_bytes
 from jaxsched.runner.model_runner import (
     ModelRunner,
     device_memory,
@@ -185,10 +185,14 @@ class EngineCore:
                                    cost_model=self.cost_model, target_step_seconds=target)
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
+        host_malloc.release_freed()
+        before_warm_up = resident_bytes()
         self.cost_seeds = self._warm_up()
         # the load's host copies and the warm-up runs' temporary buffers, kept by malloc (the steps
         # keep the largest one again from their first run on: the report's workspace)
         host_malloc.release_freed()
+        # what the compiled programs keep of the host's memory (the report's programs on a CPU)
+        self._warm_up_kept = max(0, resident_bytes() - before_warm_up)
         self.eos_token_ids = tuple(sorted({*model_cfg.eos_token_ids, *(
             [int(self.tokenizer.eos_token_id)] if self.tokenizer.eos_token_id is not None else [])}))
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, self.eos_token_ids)
@@ -301,13 +305,18 @@ class EngineCore:
         local = sum(1 for d in self.devices if d.process_index == device.process_index)
         total, _ = device_memory(device, local)
         weights, kv = device_bytes(r._state_leaves), device_bytes(r.kv)
-        workspace = largest_temporary_bytes(r.step_programs())
+        programs = r.step_programs()
+        workspace = largest_temporary_bytes(programs)
+        # a GPU reports its programs' code; a CPU does not, and its programs live in host memory,
+        # the device's there: what the warm-up's compilations kept of it
+        code = code_bytes(programs) or (self._warm_up_kept if device.platform == "cpu" else 0)
         budget = int(utilization * total)
         usable = cfg.cache.num_usable_blocks
         return MemoryReport(weights=weights, kv_pool=kv, kv_blocks=usable,
                             kv_tokens=usable * cfg.cache.block_size // r.kv_groups.num_groups,
                             swap=sum(x.nbytes for x in r.host_kv) if r.host_kv is not None else 0,
-                            workspace=workspace, budget=budget, left=budget - weights - kv - workspace)
+                            workspace=workspace, budget=budget, left=budget - weights - kv - workspace - code,
+                            programs=code)
 
     # -- what the front end reads once ---------------------------------------------------------
     @property
