@@ -53,7 +53,8 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtyp
             f"{max_seqs}), leaving {max(budget, 0) / mib:.1f} MiB for blocks of {block / mib:.2f} MiB: raise "
             "tensor_parallel_size to split the model over more devices or gpu_memory_utilization, lower "
             "max_num_batched_tokens (enable_chunked_prefill keeps longer prompts possible) or max_num_seqs, "
-            "use dtype='bfloat16' for smaller weights and KV, or set num_gpu_blocks_override"
+            "use dtype='bfloat16' for smaller weights and KV, quantization='int8' or 'fp8' for 8-bit weights, "
+            "kv_cache_dtype='fp8' for blocks of a byte a value, or set num_gpu_blocks_override"
         )
     return min(n, max_useful)
 

@@ -40,5 +40,6 @@ def test_a_pool_that_cannot_fit_says_what_to_change(llama_dir, monkeypatch):
     from jaxsched.engine import core
 
     monkeypatch.setattr(core, "device_memory", lambda *a, **k: (2**16, 2**16))  # a 64 KiB device
-    with pytest.raises(ValueError, match=r"no memory left for the KV pool.*weights.*activations.*max_num_seqs"):
+    with pytest.raises(ValueError, match=r"no memory left for the KV pool.*weights.*activations.*max_num_seqs.*"
+                                         r"quantization='int8'.*kv_cache_dtype='fp8'"):
         LLM(llama_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=16)
