@@ -76,7 +76,7 @@ def test_auto_elsewhere_is_the_portable_backend():
      r"attention_backend='pallas' cannot run here: q: head_dim H=80 .*; or use attention_backend='xla'"),
     (("pallas", "cpu", 64, 16, BF16, "float32"),
      (r"attention_backend='pallas' cannot run here: kv_cache_dtype 'float32' differs from the model dtype "
-      r"'bfloat16'.*use kv_cache_dtype='auto'; or use attention_backend='numba'")),
+      r"'bfloat16'.*use kv_cache_dtype='auto' or 'fp8'; or use attention_backend='numba'")),
     (("pallas", "tpu", 64, None, BF16, BF16), r"not on 'tpu'; or use attention_backend='xla'"),
 ])
 def test_explicit_backend_that_cannot_run_says_what_to_change(monkeypatch, args, match):

@@ -309,7 +309,7 @@ class EngineCore:
         workspace = largest_temporary_bytes(programs)
         # a GPU reports its programs' code; a CPU does not, and its programs live in host memory,
         # the device's there: what the warm-up's compilations kept of it
-        code = code_bytes(programs) or (self._warm_up_kept if device.platform == "cpu" else 0)
+        code = code_bytes(programs) or (self._warm_up_kept if platform_of(device.platform).host_runs_model else 0)
         budget = int(utilization * total)
         usable = cfg.cache.num_usable_blocks
         return MemoryReport(weights=weights, kv_pool=kv, kv_blocks=usable,
