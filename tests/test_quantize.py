@@ -84,6 +84,10 @@ def test_weights_hold_the_bytes_sizing_counts(llama_dir):
         assert got == weights_bytes(cfg, "float32", 1, "int8", embedding)
         assert got < (0.35 if embedding else 0.6) * f32, (embedding, got / f32)
         del llm
+    # the CPU's packed matmuls give a tied lm_head its own copy, but not a float one beside 8-bit weights
+    llm = LLM(llama_dir, quantization="int8", **ENGINE)
+    assert llm.llm_engine.core.runner.packed_matmuls
+    assert llm.llm_engine.memory_report().weights == weights_bytes(cfg, "float32", 1, "int8", False)
 
 
 @pytest.mark.parametrize("M", [1, 7, 13, 64, 300])
