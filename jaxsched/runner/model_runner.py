@@ -214,7 +214,7 @@ class ModelRunner:
         self.packed_matmuls = self.platform.packed_matmuls(config.attention_backend, n_devices)
         # a tied lm_head gets its own copy, packed below (layers.vocab_logits); not a float copy of a
         # float table beside quantized weights, which would take back much of what they saved
-        # (docs/PERFORMANCE.md, "Weight quantization")
+        # (docs/PERFORMANCE.md, "Weight quantization and the fp8 KV cache, demo model")
         if self.packed_matmuls and not (config.quantization and not config.quantize_embedding):
             untie_lm_head(model)
         self.graphdef, state = nnx.split(model)
