@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from jaxsched import platforms
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.platforms.cpu_affinity import auto_async_scheduling
+from jaxsched.sizing import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from jaxsched.core.policy import SchedulerPolicy
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16")
-_KV_DTYPES = (*_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names: "fp8" is e4m3
+_KV_DTYPES = ("auto", *DTYPE_BYTES)  # vLLM's names: "fp8" is e4m3
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 

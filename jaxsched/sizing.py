@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from jaxsched.models.model_config import ModelConfig
     from jaxsched.platforms import Platform
 
+# bytes a value of each kv_cache_dtype (and dtype): the names config.EngineArgs accepts for the pool
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 

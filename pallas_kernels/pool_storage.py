@@ -26,7 +26,6 @@ E4M3_BITS = jnp.uint8
 # kv_cache_dtype -> the dtype of the pool's values
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
              "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-_FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
 
 
 def values_dtype(kv_cache_dtype: str):
@@ -43,9 +42,9 @@ def to_pool(x, storage):
     rounding, saturated, then e4m3's bits when the pool is uint8)."""
     if storage == BF16_BITS:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
-    fp8 = jnp.float8_e4m3fn if storage == E4M3_BITS else storage
-    if jnp.dtype(fp8) in _FP8_MAX:
-        top = _FP8_MAX[jnp.dtype(fp8)]
+    fp8 = jnp.dtype(jnp.float8_e4m3fn if storage == E4M3_BITS else storage)
+    if fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        top = float(jnp.finfo(fp8).max)
         x = jnp.clip(x.astype(jnp.float32), -top, top).astype(fp8)
         return jax.lax.bitcast_convert_type(x, E4M3_BITS) if storage == E4M3_BITS else x
     return x.astype(storage)

@@ -263,7 +263,7 @@ def vocab_logits(hs, w, mesh=None, scale=None):
     def dot(h, w, s=None):
         if s is None:
             return jnp.dot(h, w, preferred_element_type=jnp.float32)
-        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32) * s
+        return quantized_dot(h, w, s, jnp.float32)
 
     if shards_of(mesh) == 1 or w.shape[1] % shards_of(mesh):
         return dot(hs, w, scale)

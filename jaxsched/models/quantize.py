@@ -31,8 +31,8 @@ from flax import nnx
 
 QUANTIZATIONS = ("int8", "fp8")
 SCALE = "_scale"  # a quantized layer weight `name` has its scales at name + SCALE
-# what each mode stores and the largest magnitude it holds (e4m3's, as vLLM's fp8 weights)
-_QTYPE = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+# what each mode stores (e4m3, as vLLM's fp8 weights)
+_QTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # the layer weights quantized: the linear ones (layers.LINEAR_WEIGHTS) and an MoE layer's experts
 QUANTIZED_LAYER_WEIGHTS = ("qkv", "o_proj", "gate_up", "down", "experts_gate_up", "experts_down",
                            "shared_gate_up", "shared_down")
@@ -46,7 +46,8 @@ def is_quantized(w) -> bool:
 def quantize_array(w, mode: str, axis: int = -2):
     """(q, scale) of w, the scale over `axis` (the input axis of a [.., in, out] weight; -1 for a
     table's rows): q has w's shape, scale w's without `axis`, float32."""
-    qtype, top = _QTYPE[mode]
+    qtype = _QTYPE[mode]
+    top = float(jnp.iinfo(qtype).max if mode == "int8" else jnp.finfo(qtype).max)  # 127, 448
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
     scale = jnp.where(amax > 0, amax / top, 1.0)  # an all-zero channel stays zero, with scale 1
@@ -63,12 +64,12 @@ def dequantize(w, scale, dtype, axis: int = -2):
     return (w.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
 
 
-def quantized_dot(x, w, scale):
+def quantized_dot(x, w, scale, out_dtype=None):
     """x [.., D] @ w [D, N] with w quantized: the dot in x's dtype (XLA converts the 8-bit weight
     inside the dot's fusion on a GPU), accumulated in float32, then one multiply by the channel
-    scales."""
+    scales; the result in out_dtype (x's by default)."""
     y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+    return (y * scale).astype(out_dtype or x.dtype)
 
 
 def quantize_model(model, mode: str, embedding: bool = False) -> int:
