@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # The handlers in groups of about equal compile time, one process per group where there are cores
 # to spare: both attention handlers share numba_kernels' cached functions (their cache index files),
 # so they stay in one process; the matmul and the rope-and-KV-write handlers are the other group.
-GROUPS = (("matmul", "matmul int8", "rope and KV write"),
+GROUPS = (("matmul", "matmul int8", "matmul int8 grouped", "rope and KV write"),
           ("attention float32 pool", "attention bfloat16 pool", "attention fp8 pool"))
 _ATTENTION = {"attention float32 pool": "f32", "attention bfloat16 pool": "u16", "attention fp8 pool": "u8"}
 
@@ -39,7 +39,11 @@ def _compile(name: str) -> None:
     elif name == "matmul int8":
         from pallas_kernels import numba_matmul
 
-        numba_matmul._target(True)
+        numba_matmul._target("i8")
+    elif name == "matmul int8 grouped":
+        from pallas_kernels import numba_matmul
+
+        numba_matmul._target("i8g")
     elif name == "rope and KV write":
         numba_attention._rope_write_target()
     else:

@@ -129,6 +129,46 @@ def _scale_tile(of, o_off, ldo, rows, s, col):
                 of[o_off + j * ldo + c] *= s[col + c]
 
 
+@njit(fastmath=True, cache=True)
+def group_sums(xf, m0, m1, K, NG, xs):
+    """xs[(m - m0) * NG + g] = the sum of row m's inputs in group g (K / NG of them), rows m0 .. m1:
+    a grouped weight's minimums multiply these (_grouped_tile)."""
+    G = K // NG
+    for m in range(m0, m1):
+        for g in range(NG):
+            acc = np.float32(0.0)
+            base = m * K + g * G
+            for k in range(G):
+                acc += xf[base + k]
+            xs[(m - m0) * NG + g] = acc
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _grouped_tile(rows, xp, x_off, K, wf, b, ahead, n_tiles, i, tmp, of, o_off, ldo, s, mn, sg, xs, xs_off, NG):
+    """One row tile of an int8 panel b whose columns have a scale and a minimum per group of K / NG
+    inputs (w = (q + 128) * scale + minimum: models/quantize.py's grouped weights): the tile's sum
+    over each group goes to the scratch tmp [rows, NR], and of[o_off.., NR columns, rows ldo apart]
+    gets scale * (sum + 128 * group sum of x) + minimum * group sum of x, group by group. The
+    panel's scales and minimums are s / mn[sg + g * NR + c]; the rows' group sums xs[xs_off + j *
+    NG + g] (group_sums). The micro-kernel runs one group at a time (K / NG terms): its
+    accumulators stay in registers within a group, and the rescale costs a pass over the tile in
+    L1 per group, about one multiply-add in K / NG."""
+    G = K // NG
+    for g in range(NG):
+        _tile(rows, xp, x_off + g * G * rows, G, wf, b + g * G * NR, ahead + g * G * NR, n_tiles, i, tmp, 0, NR)
+        so = sg + g * NR
+        for j in range(rows):
+            xg = xs[xs_off + j * NG + g]
+            oj = o_off + j * ldo
+            tj = j * NR
+            if g == 0:
+                for c in range(NR):
+                    of[oj + c] = s[so + c] * (tmp[tj + c] + 128.0 * xg) + mn[so + c] * xg
+            else:
+                for c in range(NR):
+                    of[oj + c] += s[so + c] * (tmp[tj + c] + 128.0 * xg) + mn[so + c] * xg
+
+
 @njit(inline="always", cache=True)
 def _plan(M, P):
     """How an M-row matmul over P panels is shared out: (by_rows, n_threads). With more rows than
@@ -155,9 +195,10 @@ def _share(M, P, by_rows, n_threads, t):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul(x, w, out_a, out_b, out_c, rows, s):
+def packed_matmul(x, w, out_a, out_b, out_c, rows, s, mn):
     """x f32[M, K] @ W, w the packed W f32[P, K, NR] (or int8 with its column scales s f32[P * NR];
-    s empty for float32), in three column groups: out_a f32[M, Na] gets
+    s empty for float32; or int8 in groups, s and mn its packed scales and minimums f32[P * NG *
+    NR], flat: _grouped_tile; mn empty otherwise), in three column groups: out_a f32[M, Na] gets
     W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
     multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
     The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
@@ -174,14 +215,19 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows, s):
     Pb = Pa + out_b.shape[1] // NR
     xf, wf = x.ravel(), w.ravel()
     fa, fb, fc = out_a.ravel(), out_b.ravel(), out_c.ravel()
+    NG = mn.size // (P * NR) if P > 0 else 0  # groups along K of a grouped weight, else 0
     by_rows, n_threads = _plan(M, P)
     for t in prange(n_threads):
         r0, r1, p0, p1 = _share(M, P, by_rows, n_threads, t)
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)  # a block of the thread's rows, packed
+        tmp = np.empty(MR * NR, np.float32)  # a grouped tile's sum over one group
+        xs = np.empty(min(r1 - r0, MB) * max(NG, 1), np.float32)
         for m0 in range(r0, r1, MB):
             m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
+            if NG:
+                group_sums(xf, m0, m1, K, NG, xs)
             for p in range(p0, p1):
                 # the group panel p writes into, that group's row length and the panel's column there
                 if p < Pa:
@@ -196,8 +242,12 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows, s):
                 i = 0
                 while m < m1:
                     rows = _tile_rows(m1 - m)
-                    _tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
-                    _scale_tile(of, m * N + c, N, rows, s, p * NR)
+                    if NG:
+                        _grouped_tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, tmp, of, m * N + c, N,
+                                      s, mn, p * NG * NR, xs, (m - m0) * NG, NG)
+                    else:
+                        _tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
+                        _scale_tile(of, m * N + c, N, rows, s, p * NR)
                     m += rows
                     i += 1
 
@@ -245,9 +295,10 @@ def _silu_mul(typingctx, gu, rows, out, o_off, ldo):
 
 
 @njit(fastmath=True, parallel=True, cache=True)
-def packed_matmul_silu_mul(x, w, out, rows, s):
+def packed_matmul_silu_mul(x, w, out, rows, s, mn):
     """out f32[M, F] = silu(x @ Wg) * (x @ Wu), w the packed [Wg Wu] f32[P, K, NR] (a fused gate/up
-    weight, F = P / 2 * NR: the gate's panels first; or int8 with its column scales s, else s empty). Each row tile of a gate panel and of the up
+    weight, F = P / 2 * NR: the gate's panels first; or int8 with its column scales s, else s empty;
+    or int8 in groups with s and mn as packed_matmul's). Each row tile of a gate panel and of the up
     panel beside it go to a scratch tile in cache, and only their product is written, so the
     [M, 2 F] projection never reaches memory nor a separate elementwise pass. Rows of x past
     `rows` are not multiplied; their rows of out are zeros."""
@@ -257,15 +308,20 @@ def packed_matmul_silu_mul(x, w, out, rows, s):
     F2 = w.shape[0] // 2  # panels of the gate (and of the up)
     F = F2 * NR
     xf, wf, of = x.ravel(), w.ravel(), out.ravel()
+    NG = mn.size // (2 * F2 * NR) if F2 > 0 else 0
     by_rows, n_threads = _plan(M, F2)
     for t in prange(n_threads):
         r0, r1, q0, q1 = _share(M, F2, by_rows, n_threads, t)
         gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)
+        tmp = np.empty(MR * NR, np.float32)
+        xs = np.empty(min(r1 - r0, MB) * max(NG, 1), np.float32)
         for m0 in range(r0, r1, MB):
             m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
+            if NG:
+                group_sums(xf, m0, m1, K, NG, xs)
             for q in range(q0, q1):
                 nq = q + 1 if q + 1 < q1 else q0
                 m = m0
@@ -273,17 +329,24 @@ def packed_matmul_silu_mul(x, w, out, rows, s):
                 while m < m1:
                     rows = _tile_rows(m1 - m)
                     x_off = (m - m0) * K
-                    _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
-                    _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
-                    _scale_tile(gu, 0, NR, rows, s, q * NR)
-                    _scale_tile(gu, MR * NR, NR, rows, s, (q + F2) * NR)
+                    if NG:
+                        xs_off = (m - m0) * NG
+                        _grouped_tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, tmp, gu, 0, NR,
+                                      s, mn, q * NG * NR, xs, xs_off, NG)
+                        _grouped_tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i,
+                                      tmp, gu, MR * NR, NR, s, mn, (q + F2) * NG * NR, xs, xs_off, NG)
+                    else:
+                        _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
+                        _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
+                        _scale_tile(gu, 0, NR, rows, s, q * NR)
+                        _scale_tile(gu, MR * NR, NR, rows, s, (q + F2) * NR)
                     _silu_mul(gu, rows, of, m * F + q * NR, F)
                     m += rows
                     i += 1
 
 
 @njit(inline="always", cache=True)
-def _dispatch(frame, x, w, s, M, P):
+def _dispatch(frame, x, w, s, mn, M, P):
     """The call the results ask for (see the handlers)."""
     a_p, a_d = buffer(frame, RETS, 0)
     Na = dim(a_d, 1)
@@ -293,16 +356,17 @@ def _dispatch(frame, x, w, s, M, P):
         b_p, b_d = buffer(frame, RETS, 1)
         c_p, c_d = buffer(frame, RETS, 2)
         packed_matmul(x, w, out_a, carray(pointer(b_p), (M, dim(b_d, 1)), dtype=np.float32),
-                      carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32), rows, s)
+                      carray(pointer(c_p), (M, dim(c_d, 1)), dtype=np.float32), rows, s, mn)
     elif Na == P * NR:
         none = np.empty((M, 0), np.float32)
-        packed_matmul(x, w, out_a, none, none, rows, s)
+        packed_matmul(x, w, out_a, none, none, rows, s, mn)
     else:
-        packed_matmul_silu_mul(x, w, out_a, rows, s)
+        packed_matmul_silu_mul(x, w, out_a, rows, s, mn)
 
 
 # FFI handlers. Arguments: x f32[M, K], w f32[P, K, NR], rows i32[1] (x's real rows); the int8
-# handler's w is int8[P, K, NR] with a fourth argument, its column scales f32[P * NR]. Results, told
+# handler's w is int8[P, K, NR] with a fourth argument, its column scales f32[P * NR]; the grouped
+# int8 handler's fourth and fifth are its packed scales and minimums f32[P, NG, NR]. Results, told
 # apart by their count and shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul);
 # three, x @ W in column groups (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a
 # fused gate/up weight (matmul_silu_mul).
@@ -316,7 +380,8 @@ def handler(frame_ptr):
         M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.float32)
-        _dispatch(frame, x, w, np.empty(0, np.float32), M, P)
+        none = np.empty(0, np.float32)
+        _dispatch(frame, x, w, none, none, M, P)
     return cpu_ffi.success()
 
 
@@ -331,13 +396,31 @@ def handler_int8(frame_ptr):
         M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.int8)
-        _dispatch(frame, x, w, carray(pointer(s_p), (P * NR,), dtype=np.float32), M, P)
+        _dispatch(frame, x, w, carray(pointer(s_p), (P * NR,), dtype=np.float32), np.empty(0, np.float32), M, P)
+    return cpu_ffi.success()
+
+
+@cfunc(cpu_ffi.HANDLER_SIGNATURE, cache=_CACHE_HANDLERS)
+def handler_int8_grouped(frame_ptr):
+    frame = cpu_ffi.frame_words(frame_ptr)
+    if not cpu_ffi.answer_metadata(frame) and cpu_ffi.executing(frame):
+        numba_threads.apply_limit()
+        x_p, x_d = buffer(frame, ARGS, 0)
+        w_p, w_d = buffer(frame, ARGS, 1)
+        s_p, s_d = buffer(frame, ARGS, 3)
+        m_p, _ = buffer(frame, ARGS, 4)
+        M, K, P = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
+        n = P * dim(s_d, 1) * NR
+        x = carray(pointer(x_p), (M, K), dtype=np.float32)
+        w = carray(pointer(w_p), (P, K, NR), dtype=np.int8)
+        _dispatch(frame, x, w, carray(pointer(s_p), (n,), dtype=np.float32),
+                  carray(pointer(m_p), (n,), dtype=np.float32), M, P)
     return cpu_ffi.success()
 
 
 def packable(w) -> bool:
-    """Whether a weight can be packed: float32 or int8 (quantized: its scales stay beside it) [K, N]
-    with N a multiple of NR."""
+    """Whether a weight can be packed: float32 or int8 (quantized: its scales stay beside it, or are
+    packed too where they are per group) [K, N] with N a multiple of NR."""
     return w.ndim == 2 and w.dtype in (np.float32, np.int8) and w.shape[1] % NR == 0 and w.shape[1] > 0
 
 
@@ -353,35 +436,40 @@ def unpack(wp: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(wp).transpose(1, 0, 2).reshape(K, P * NR))
 
 
+_HANDLERS = {"f32": handler, "i8": handler_int8, "i8g": handler_int8_grouped}
+
+
 @functools.cache
-def _target(int8: bool = False) -> str:
-    name = "jaxsched_numba_matmul_i8" if int8 else "jaxsched_numba_matmul_f32"
-    cpu_ffi.register(name, handler_int8 if int8 else handler)
+def _target(kind: str = "f32") -> str:
+    """The FFI target of a weight kind: "f32", "i8" (int8, scales per column) or "i8g" (int8 in groups)."""
+    name = f"jaxsched_numba_matmul_{kind}"
+    cpu_ffi.register(name, _HANDLERS[kind])
     return name
 
 
-def matmul(x, wp, scale=None):
+def matmul(x, wp, scale=None, minimum=None):
     """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program. An int8
-    wp comes with its column scales f32[N] (models/quantize.py)."""
-    return _call(x, wp, (wp.shape[0] * NR,), scale)[0]
+    wp comes with its column scales f32[N] (models/quantize.py), or, grouped, with its scales and
+    minimums packed as it is (pack of f32[K / G, N])."""
+    return _call(x, wp, (wp.shape[0] * NR,), scale, minimum)[0]
 
 
-def matmul_split(x, wp, widths: tuple[int, int, int], scale=None):
+def matmul_split(x, wp, widths: tuple[int, int, int], scale=None, minimum=None):
     """x [..., K] @ W as three arrays [..., widths[i]], W's columns in that order, each written by the
     kernel where it lies (a fused q/k/v projection's q, k and v without slicing). The widths add up to
     W's columns and are multiples of NR."""
     if len(widths) != 3 or sum(widths) != wp.shape[0] * NR or any(n % NR or n <= 0 for n in widths):
         raise ValueError(f"matmul_split takes three positive widths, multiples of {NR}, that add up to the "
                          f"weight's {wp.shape[0] * NR} columns; got {widths}")
-    return _call(x, wp, widths, scale)
+    return _call(x, wp, widths, scale, minimum)
 
 
-def matmul_silu_mul(x, wp, scale=None):
+def matmul_silu_mul(x, wp, scale=None, minimum=None):
     """silu(x @ Wg) * (x @ Wu) [..., F] with wp = pack([Wg Wu]) of an even number of panels (F a
     multiple of NR), in float32, inside a jitted program."""
     if wp.shape[0] % 2:
         raise ValueError(f"a fused gate/up weight needs an even number of {NR}-column panels, got {wp.shape[0]}")
-    return _call(x, wp, (wp.shape[0] // 2 * NR,), scale)[0]
+    return _call(x, wp, (wp.shape[0] // 2 * NR,), scale, minimum)[0]
 
 
 # While a step's model is traced (runner.py): {rows of an operand: how many of them are real}, for
@@ -403,7 +491,7 @@ def row_limits(limits: dict):
         _ROW_LIMITS.reset(token)
 
 
-def _call(x, wp, widths: tuple[int, ...], scale=None):
+def _call(x, wp, widths: tuple[int, ...], scale=None, minimum=None):
     """The kernel's results, one [..., n] per width (the handler tells the three calls apart)."""
     import jax
     import jax.numpy as jnp
@@ -411,13 +499,19 @@ def _call(x, wp, widths: tuple[int, ...], scale=None):
     int8 = wp.dtype == jnp.int8
     if int8 != (scale is not None):
         raise ValueError("an int8 packed weight takes its column scales (scale=), a float32 one none")
+    if minimum is not None and (minimum.shape != scale.shape or scale.ndim != 3 or scale.shape[0] != wp.shape[0]
+                                or wp.shape[1] % scale.shape[1]):
+        raise ValueError(f"a grouped int8 weight {wp.shape} takes packed scales and minimums [P, K / G, NR] of one "
+                         f"shape; got {scale.shape} and {minimum.shape}")
 
     K = wp.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
     limit = (_ROW_LIMITS.get() or {}).get(x2.shape[0])
     rows = jnp.full((1,), x2.shape[0], jnp.int32) if limit is None else jnp.reshape(limit, (1,)).astype(jnp.int32)
-    args = (x2, wp, rows, scale.astype(jnp.float32)) if int8 else (x2, wp, rows)
-    outs = jax.ffi.ffi_call(_target(int8), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
+    args = (x2, wp, rows) + ((scale.astype(jnp.float32),) if int8 else ()) \
+        + ((minimum.astype(jnp.float32),) if minimum is not None else ())
+    kind = "i8g" if minimum is not None else ("i8" if int8 else "f32")
+    outs = jax.ffi.ffi_call(_target(kind), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
         *args)
     return tuple(o.reshape(*lead, n).astype(x.dtype) for o, n in zip(outs, widths))

@@ -41,7 +41,8 @@ def matmuls(lib: str, rows: list[int], repeats: int) -> None:
         def mm(a, wp):
             out = np.empty((a.shape[0], wp.shape[0] * nm.NR), np.float32)
             none = np.empty((a.shape[0], 0), np.float32)
-            nm.packed_matmul(a, wp, out, none, none, a.shape[0])
+            empty = np.empty(0, np.float32)  # no scales: a float32 weight
+            nm.packed_matmul(a, wp, out, none, none, a.shape[0], empty, empty)
 
         conv, conv_w = (lambda x: x), nm.pack
     else:

@@ -19,11 +19,12 @@ from tiny import needs_torch
 
 from jaxsched import LLM, SamplingParams
 from jaxsched.config import EngineArgs
-from jaxsched.models.quantize import quantize_array
+from jaxsched.models.quantize import GROUP, dequantize, quantize_array, quantize_grouped
 
 ENGINE = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 16}
 PROMPTS = ["the capital of france is", "one two three four", "hello world, how are", "a b c d e f"]
 # the HF tensors quantize_model quantizes (each [out, in]: per row), the MoE router left out
+SEED_320 = 1  # the tied tiny model with a vocabulary of 320: a seed whose greedy outputs are not degenerate
 QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
@@ -57,12 +58,19 @@ def greedy(llm: LLM) -> list[list[int]]:
     ("llama", "int8", "xla", False),  # XLA's dequantizing dot
     ("qwen2", "fp8", "xla", True),  # e4m3, with biases
     ("qwen3_moe", "int8", "auto", False),  # the experts, dequantized before the grouped matmul
+    # tied, a vocabulary of 320 (panels of 32): the 8-bit table moves into the packed lm_head
+    ("llama3", "int8", "auto", True),
 ])
-def test_quantized_engine_is_its_dequantized_twin(model_dirs, tmp_path, kind, mode, backend, embedding):
-    twin = dequantized_twin(model_dirs[kind], str(tmp_path / "twin"), mode, embedding)
-    q = LLM(model_dirs[kind], quantization=mode, quantize_embedding=embedding, attention_backend=backend, **ENGINE)
+def test_quantized_engine_is_its_dequantized_twin(model_dirs, tokenizer_dir, tmp_path, kind, mode, backend, embedding):
+    import tiny
+
+    src = model_dirs[kind] if kind != "llama3" else tiny.build_model(str(tmp_path / kind), kind, tokenizer_dir,
+                                                                      seed=SEED_320, vocab_size=320)
+    twin = dequantized_twin(src, str(tmp_path / "twin"), mode, embedding)
+    q = LLM(src, quantization=mode, quantize_embedding=embedding, attention_backend=backend, **ENGINE)
     got = greedy(q)
     runner = q.llm_engine.core.runner
+    assert ("embed" in runner.state) == (kind != "llama3")
     dtypes = {str(x.dtype) for x in jax.tree.leaves(runner._state_leaves)}
     assert ("int8" if mode == "int8" else "float8_e4m3fn") in dtypes
     del q
@@ -110,6 +118,61 @@ def test_numba_int8_kernel_is_the_float_matmul_of_the_dequantized_weight(M):
     np.testing.assert_allclose(g, jax.nn.silu(ref[:, : N // 2]) * ref[:, N // 2:], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="int8 packed weight takes its column scales"):
         nm.matmul(jnp.asarray(x), wp)
+
+
+@pytest.mark.parametrize("M", [1, 7, 13, 300])
+def test_numba_grouped_int8_kernel_is_the_float_matmul_of_the_dequantized_weight(M):
+    """The grouped panels (a scale and a minimum per 32 inputs of each column) in all three calls,
+    against numpy's matmul of the weight quantize_grouped gives back."""
+    from pallas_kernels import numba_matmul as nm
+
+    rng = np.random.default_rng(M)
+    K, N = 96, 6 * nm.NR
+    w = rng.standard_normal((K, N)).astype(np.float32) + rng.standard_normal(N).astype(np.float32)  # off-centre
+    q, s, lo = quantize_grouped(jnp.asarray(w))
+    wd = np.asarray(dequantize(q, s, jnp.float32, minimum=lo))
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    ref = x @ wd
+    wp, sp, mp = (jnp.asarray(nm.pack(np.asarray(a, np.float32 if a.dtype != jnp.int8 else np.int8))) for a in (q, s, lo))
+    y = jax.jit(lambda x: nm.matmul(x, wp, sp, mp))(x)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
+    parts = jax.jit(lambda x: nm.matmul_split(x, wp, (2 * nm.NR, 2 * nm.NR, 2 * nm.NR), sp, mp))(x)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), ref, rtol=1e-5, atol=1e-4)
+    g = jax.jit(lambda x: nm.matmul_silu_mul(x, wp, sp, mp))(x)
+    np.testing.assert_allclose(g, jax.nn.silu(ref[:, : N // 2]) * ref[:, N // 2:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="grouped int8 weight"):
+        nm.matmul(jnp.asarray(x), wp, sp, mp[:, :1])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_grouped_quantization_gives_a_gguf_files_blocks_back(kind):
+    """Weights dequantized from GGUF blocks (the gguf package's own quantizer and dequantizer) come
+    back from quantize_grouped within float32's rounding, and their scales are the blocks' own d."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    N, K = 48, 4 * GROUP
+    w = (rng.standard_normal((N, K)) * 0.05 + rng.standard_normal((N, 1)) * 0.02).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    file_w = gguf.dequantize(gguf.quantize(w, qtype), qtype).reshape(N, K).T  # [in, out], as the model holds it
+    q, s, lo = quantize_grouped(jnp.asarray(file_w))
+    assert q.dtype == jnp.int8 and s.shape == lo.shape == (K // GROUP, N) and s.dtype == jnp.float16
+    back = np.asarray(dequantize(q, s, jnp.float32, minimum=lo))
+    groups = np.abs(file_w).reshape(K // GROUP, GROUP, N).max(axis=1)
+    assert (np.abs(back - file_w).reshape(K // GROUP, GROUP, N).max(axis=1) <= 2e-6 * groups).all()
+    # the rounding a 255-step grid would leave is far larger: the test can tell exact from close
+    assert np.abs(back - file_w).max() < 1e-3 * np.asarray(s, np.float32).min()
+
+
+def test_grouped_quantization_of_other_values_takes_255_steps():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2 * GROUP, 40)).astype(np.float32)
+    q, s, lo = quantize_grouped(jnp.asarray(w))
+    g = w.reshape(2, GROUP, 40)
+    step = (g.max(axis=1) - g.min(axis=1)) / 255
+    np.testing.assert_allclose(np.asarray(s, np.float32), step, rtol=1e-3)
+    err = np.abs(np.asarray(dequantize(q, s, jnp.float32, minimum=lo)) - w).reshape(2, GROUP, 40).max(axis=1)
+    assert (err <= 0.51 * step + 1e-3 * np.abs(g).max(axis=1)).all()
 
 
 def test_quantize_array_bounds_the_error():
@@ -271,18 +334,46 @@ def test_a_prequantized_checkpoint_of_another_kind_is_refused_with_the_way_out(l
         LLM(str(dst), **ENGINE)
 
 
-def test_a_q8_0_gguf_is_held_in_int8_when_asked(model_dirs, tmp_path):
-    """A GGUF's Q8_0 tensors, dequantized as they are read, go back to int8 on the device with
-    --quantization int8 (per output channel: Q8_0's 32-value blocks are not kept)."""
+@pytest.mark.parametrize(("kind", "backend", "embedding"), [
+    ("llama", "xla", False), ("llama", "auto", False), ("llama", "xla", True), ("llama", "auto", True),
+    # a tied lm_head: the table's groups, transposed; on the CPU's packed path (a vocabulary of 320,
+    # a multiple of the panels' width) the table moves into the packed head and is read from there
+    ("llama3", "xla", True), ("llama3", "auto", True),
+])
+def test_a_block_quantized_gguf_stays_in_its_blocks_with_int8(model_dirs, tokenizer_dir, tmp_path, kind, backend,
+                                                              embedding):
+    """A GGUF's block-quantized tensors (Q8_0, Q4_1, Q5_0 here; the tiny llama's lm_head is its own
+    tensor), dequantized as they are read, are
+    held in int8 with a scale and minimum per 32 inputs (their blocks) with --quantization int8,
+    and give the float32 engine's greedy tokens and logprobs: XLA's dequantizing dot, and the
+    numba kernel's grouped panels with the embedding and its untied lm_head quantized too."""
     from tiny_gguf import write_llama_gguf
 
-    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    path = write_llama_gguf(str(tmp_path / "q8.gguf"), model_dirs["llama"],
-                            quant={f"blk.{i}.{n}.weight": "Q8_0" for i in range(2) for n in names})
-    plain = greedy(LLM(path, attention_backend="xla", **ENGINE))
-    q = LLM(path, attention_backend="xla", quantization="int8", **ENGINE)
-    layers = q.llm_engine.core.runner.state["layers"]["per_layer"]
-    assert all(layers[i]["qkv"][...].dtype == jnp.int8 for i in range(len(layers)))
-    got = greedy(q)
-    same = sum(x == y for s, t in zip(got, plain) for x, y in zip(s, t))
-    assert same >= 0.75 * sum(len(s) for s in plain), (got, plain)
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_1", "ffn_gate": "Q8_0",
+             "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
+    quant = {f"blk.{i}.{n}.weight": k for i in range(2) for n, k in kinds.items()}
+    import tiny
+
+    folder = model_dirs[kind] if kind == "llama" else tiny.build_model(str(tmp_path / kind), kind, tokenizer_dir,
+                                                                        seed=SEED_320, vocab_size=320)
+    path = write_llama_gguf(str(tmp_path / "blocks.gguf"), folder, quant={**quant, "token_embd.weight": "Q8_0",
+                                                                                  "output.weight": "Q4_1"})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run(llm):
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return [o.token_ids for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
+
+    plain_tokens, plain_lp = run(LLM(path, attention_backend=backend, **ENGINE))
+    q = LLM(path, attention_backend=backend, quantization="int8", quantize_embedding=embedding, **ENGINE)
+    state = q.llm_engine.core.runner.state
+    layers = state["layers"]["per_layer"]
+    assert all(layers[i]["qkv"][...].dtype == jnp.int8 and "qkv_min" in layers[i] for i in range(len(layers)))
+    packed_head = kind == "llama3" and backend == "auto"
+    assert ("embed" in state) != packed_head and ("embed_min" in state) == (embedding and not packed_head)
+    assert ("lm_head" in state) == (kind == "llama" or packed_head)
+    assert ("lm_head_min" in state) == (embedding and "lm_head" in state)
+    tokens, lp = run(q)
+    assert len({t for toks in plain_tokens for t in toks}) > 4, "degenerate outputs would prove nothing"
+    assert tokens == plain_tokens
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(plain_lp), atol=2e-5)

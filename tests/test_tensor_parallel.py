@@ -183,17 +183,27 @@ def test_greedy_tokens_are_transformers_at_2_and_4_devices(tp_models, model_dirs
 
 
 @pytest.mark.slow
-def test_quantized_weights_give_the_same_tokens_at_1_and_2_devices(tp_models, model_dirs):
+def test_quantized_weights_give_the_same_tokens_at_1_and_2_devices(tp_models, model_dirs, tmp_path):
     # int8 with the embedding: at 1 device the numba kernel's int8 panels, at 2 XLA's dequantizing
     # dots over weights and scales split with their output columns (the vocabulary too); fp8 on xla;
     # the MoE model's int8 experts split over the devices
+    # a block-quantized GGUF in int8 groups of 32 inputs, whose scales split with the weights' inputs
+    # (o_proj, down) or columns
+    from tiny_gguf import write_llama_gguf
+
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    gguf_path = write_llama_gguf(str(tmp_path / "blocks.gguf"), model_dirs["llama"], quant={
+        **{f"blk.{i}.{n}.weight": "Q4_1" for i in range(2) for n in names}, "token_embd.weight": "Q8_0",
+        "output.weight": "Q8_0"})
     quant = {"quantization": "int8", "quantize_embedding": True}
     fp8 = {"quantization": "fp8"}
     res = run_sharded("parity", {"models": tp_models, "tps": [1, 2], "engine": quant,
-                                 "variant_models": {"qwen3_moe": model_dirs["qwen3_moe"]}, "variants": [
+                                 "variant_models": {"qwen3_moe": model_dirs["qwen3_moe"], "gguf": gguf_path},
+                                 "variants": [
         *[("qwen2", tp, "xla", fp8, "/fp8") for tp in (1, 2)],
-        *[("qwen3_moe", tp, "auto", {}, "") for tp in (1, 2)]]}, devices=2)
-    for key in ("demo_shaped", "qwen2", "qwen2@{}/fp8", "qwen3_moe"):
+        *[("qwen3_moe", tp, "auto", {}, "") for tp in (1, 2)],
+        *[("gguf", tp, "auto", {}, "") for tp in (1, 2)]]}, devices=2)
+    for key in ("demo_shaped", "qwen2", "qwen2@{}/fp8", "qwen3_moe", "gguf"):
         key = key if "{}" in key else key + "@{}"
         one, two = res[key.format(1)], res[key.format(2)]
         assert len({t for toks in one["tokens"] for t in toks}) > 8, "degenerate outputs would prove nothing"
@@ -201,6 +211,8 @@ def test_quantized_weights_give_the_same_tokens_at_1_and_2_devices(tp_models, mo
         assert two["compiled_after_warmup"] is None and two["shards"]["problems"] == []
     names = {p.rsplit("/", 1)[-1] for p in res["qwen2@2"]["shards"]["split"]}
     assert {"qkv", "qkv_scale", "gate_up_scale", "embed", "embed_scale", "lm_head_scale"} <= names, names
+    names = {p.rsplit("/", 1)[-1] for p in res["gguf@2"]["shards"]["split"]}
+    assert {"o_proj_scale", "o_proj_min", "down_min", "qkv_min", "embed_min", "lm_head_min"} <= names, names
 
 
 def test_a_backend_that_cannot_shard_is_refused_and_auto_skips_it(monkeypatch):

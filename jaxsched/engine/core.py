@@ -76,7 +76,7 @@ from jaxsched.errors import InvalidRequestError
 from jaxsched.models.demo import demo_model_path
 from jaxsched.models.hub import local_args
 from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
-from jaxsched.models.quantize import quantize_model
+from jaxsched.models.quantize import GROUP, grouped, quantize_model
 from jaxsched.parallel.hosts import same_pool_on_every_host
 from jaxsched.parallel.mesh import engine_devices, make_mesh
 from jaxsched.platforms import expected, host_malloc
@@ -171,8 +171,10 @@ class EngineCore:
                             layer_weights=cfg.layer_weights, mesh=mesh, heads=cfg.heads if mesh else None)
         forget_gguf_readers()  # weights and tokenizer are loaded: the file's reader is not needed again
         if cfg.quantization:
-            n = quantize_model(model, cfg.quantization, cfg.quantize_embedding)
-            logger.info("quantized %d weights to %s (per output channel)%s", n, cfg.quantization,
+            groups = grouped(cfg.quantization, cfg.model)
+            n = quantize_model(model, cfg.quantization, cfg.quantize_embedding, groups)
+            logger.info("quantized %d weights to %s (%s)%s", n, cfg.quantization,
+                        f"in groups of {GROUP} inputs, as the GGUF file's blocks" if groups else "per output channel",
                         ", embedding and lm_head included" if cfg.quantize_embedding else "")
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,

@@ -32,20 +32,20 @@ from jaxsched.models.layers import (
     DecoderLayers,
     Put,
     decoder_layer_spec,
-    embed_tokens,
     hf_decoder_weights,
     linear,
+    logits_weight,
     paged_attend,
     param,
     qkv_projection,
     rope_cos_sin,
     shards_of,
     split_gate_up,
+    token_rows,
     vocab_logits,
 )
 from jaxsched.models.llama import GGUF_LAYER_NAMES, GGUF_TOP_NAMES
 from jaxsched.models.model_config import ModelConfig
-from jaxsched.models.quantize import scale_of
 
 
 def _hidden_act(hf: dict[str, Any], key: str) -> None:
@@ -216,7 +216,6 @@ class GemmaForCausalLM(nnx.Module):
         cfg = self.cfg
         N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         eps = cfg.rms_norm_eps
-        embed = self.embed[...]
         shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
@@ -240,7 +239,7 @@ class GemmaForCausalLM(nnx.Module):
 
         # HF multiplies by sqrt(D) as a float32 scalar cast to the embeddings' dtype
         dt = self.norm[...].dtype  # the model's dtype (a quantized table's is not)
-        h = embed_tokens(embed, batch.token_ids, self.mesh, scale_of(self, "embed"), dt) * \
+        h = token_rows(self, batch.token_ids, dt) * \
             jnp.asarray(D**0.5, jnp.float32).astype(dt)  # [T, D]
         cos, sin = rope_cos_sin(cfg, batch.positions)
         local_rope = None
@@ -252,8 +251,7 @@ class GemmaForCausalLM(nnx.Module):
         # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
         # unscaled embedding.
         hs = gemma_rms_norm(h, self.norm[...], eps)
-        w, scale = (embed.T, scale_of(self, "embed")) if self.lm_head is None else \
-            (self.lm_head[...], scale_of(self, "lm_head"))
+        w, scale = logits_weight(self)
         logits = vocab_logits(hs, w, self.mesh, scale)
         if cfg.final_softcap is not None:  # Gemma 2
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)

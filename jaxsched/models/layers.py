@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched import platforms
 from jaxsched.core.kv_groups import kv_groups
 from jaxsched.models.model_config import ModelConfig
-from jaxsched.models.quantize import SCALE, quantized_dot
+from jaxsched.models.quantize import MINIMUM, SCALE, dequantize, quantized_dot, scale_of
 from jaxsched.parallel.mesh import shard_interleave
 from pallas_kernels import backends, paged_attention, write_kv
 from pallas_kernels.window import NO_WINDOW
@@ -227,10 +227,12 @@ def embed_tokens(embed, token_ids, mesh=None, scale=None, dtype=None):
     """embed [V, D] at token_ids i32[T] -> [T, D]. With the vocabulary split over the mesh's "model"
     axis, each shard looks up the ids in its own range and the shards' partial rows are summed (one
     all-reduce of [T, D]), so the table is never gathered whole. A quantized table (quantize.py)
-    comes with `scale` f32[V], one per row, and its rows are dequantized to `dtype`."""
+    comes with `scale` f32[V], one per row, or (scale, minimum) [V, D / GROUP] of a grouped one, and
+    its rows are dequantized to `dtype`."""
     def rows_of(table, ids, s):
-        rows = table[ids]
-        return rows if s is None else (rows.astype(jnp.float32) * s[ids][:, None]).astype(dtype)
+        if s is None:
+            return table[ids]
+        return _rows(table[ids], tuple(a[ids] for a in s) if isinstance(s, tuple) else s[ids], dtype)
 
     if shards_of(mesh) == 1 or embed.shape[0] % shards_of(mesh):
         return rows_of(embed, token_ids, scale)
@@ -248,21 +250,58 @@ def embed_tokens(embed, token_ids, mesh=None, scale=None, dtype=None):
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
 
 
+def token_rows(model, token_ids, dtype):
+    """The model's embeddings of token_ids i32[T] -> [T, D] in `dtype`: from its table (embed_tokens),
+    or, where untie_lm_head dropped a quantized table for its packed copy, from the lm_head's panels
+    (row v of the table is column v of the head: panel v // NR, lane v % NR, with its scales)."""
+    if model.embed is not None:
+        return embed_tokens(model.embed[...], token_ids, model.mesh, scale_of(model, "embed"), dtype)
+    from pallas_kernels.numba_matmul import NR
+
+    panel, lane = token_ids // NR, token_ids % NR
+    s = scale_of(model, "lm_head")
+    if isinstance(s, tuple):  # packed [P, D / GROUP, NR] like the head
+        s = tuple(a[panel, :, lane] for a in s)
+    else:
+        s = s[token_ids]
+    return _rows(model.lm_head[...][panel, :, lane], s, dtype)
+
+
+def _rows(rows, s, dtype):
+    """Quantized table rows [T, D] with their scales (f32[T], or (scale, minimum) [T, D / GROUP])
+    dequantized to `dtype`."""
+    if isinstance(s, tuple):
+        return dequantize(rows.T, s[0].T, dtype, minimum=s[1].T).T
+    return (rows.astype(jnp.float32) * s[:, None]).astype(dtype)
+
+
+def logits_weight(model):
+    """(w [D, V], its scales as quantize.scale_of gives them) of the model's logits: its lm_head, or
+    the tied table's transpose, whose grouped scales transpose with it."""
+    if model.lm_head is not None:
+        return model.lm_head[...], scale_of(model, "lm_head")
+    s = scale_of(model, "embed")
+    return model.embed[...].T, (tuple(a.T for a in s) if isinstance(s, tuple) else s)
+
+
 def vocab_logits(hs, w, mesh=None, scale=None):
     """hs [S, D] @ w [D, V] -> logits f32[S, V]. With w's vocabulary split over the mesh's "model"
     axis, each shard computes its own columns and the [S, V] rows are gathered whole: only logits
     cross between devices, never the weight (left to itself, XLA gathered the weight instead to
     produce the replicated logits the sampler reads: docs/PERFORMANCE.md, "Several devices (simulated on the CPU)").
     A w packed by pack_linear_weights (one device) goes through numba_matmul's kernel. A quantized
-    w (quantize.py) comes with `scale` f32[V]."""
+    w (quantize.py) comes with `scale` f32[V], or (scale, minimum) [D / GROUP, V] of a grouped one."""
+    grouped = isinstance(scale, tuple)
     if w.ndim == 3:
         from pallas_kernels import numba_matmul
 
-        return numba_matmul.matmul(hs.astype(jnp.float32), w, scale)
+        return numba_matmul.matmul(hs.astype(jnp.float32), w, *(scale if grouped else (scale,)))
 
     def dot(h, w, s=None):
         if s is None:
             return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        if isinstance(s, tuple):
+            return quantized_dot(h, w, s[0], jnp.float32, minimum=s[1])
         return quantized_dot(h, w, s, jnp.float32)
 
     if shards_of(mesh) == 1 or w.shape[1] % shards_of(mesh):
@@ -273,7 +312,7 @@ def vocab_logits(hs, w, mesh=None, scale=None):
 
     args, specs = (hs, w), (P(), P(None, "model"))
     if scale is not None:
-        args, specs = (*args, scale), (*specs, P("model"))
+        args, specs = (*args, scale), (*specs, P(None, "model") if grouped else P("model"))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
 
 
@@ -285,14 +324,15 @@ def shards_of(mesh) -> int:
 def linear(p: dict, x, name: str, bias: str = ""):
     """x @ p[name], plus p[bias] when the layer has that bias. A weight packed by
     pack_linear_weights ([N / NR, K, NR]) goes through numba_matmul's kernel; a quantized one
-    (quantize.py: p[name + SCALE] beside it) is dequantized inside the matmul."""
-    w, s = p[name], p.get(name + SCALE)
+    (quantize.py: p[name + SCALE] beside it, and p[name + MINIMUM] for a grouped one) is
+    dequantized inside the matmul."""
+    w, s, lowest = p[name], p.get(name + SCALE), p.get(name + MINIMUM)
     if w.ndim == 3:
         from pallas_kernels import numba_matmul  # numba is imported only where it is used
 
-        y = numba_matmul.matmul(x, w, s)
+        y = numba_matmul.matmul(x, w, s, lowest)
     elif s is not None:
-        y = quantized_dot(x, w, s)
+        y = quantized_dot(x, w, s, minimum=lowest)
     else:
         y = x @ w
     return y + p[bias] if bias in p else y
@@ -305,17 +345,23 @@ def untie_lm_head(model) -> bool:
     """Give a model whose lm_head is its embedding (tied: `lm_head` None, logits against embed.T)
     its own [D, V] copy of it, where numba_matmul can pack that copy; True if it did. For engines
     with packed matmuls (runner.py): the logits then run in the packed kernel instead of XLA's dot
-    over the transposed table, for one more copy of the table in memory (docs/PERFORMANCE.md)."""
+    over the transposed table, for one more copy of the table in memory (docs/PERFORMANCE.md).
+    A quantized table moves instead: the copy is the only one kept, and token_rows reads the
+    embeddings from its panels (a gather of T rows of D bytes), so the 8-bit table is held once."""
     from pallas_kernels import numba_matmul
 
-    if getattr(model, "lm_head", False) is not None or not hasattr(model, "embed"):
+    if getattr(model, "lm_head", False) is not None or getattr(model, "embed", None) is None:
         return False
     head = model.embed[...].T
     if not numba_matmul.packable(head):
         return False
     model.lm_head = nnx.data(nnx.Param(head))  # None made it a static attribute
     if getattr(model, "embed" + SCALE, None) is not None:  # a quantized table: its rows' scales go along
-        model.lm_head_scale = nnx.data(nnx.Param(model.embed_scale[...]))
+        model.lm_head_scale = nnx.data(nnx.Param(model.embed_scale[...].T))
+        if getattr(model, "embed" + MINIMUM, None) is not None:  # and a grouped one's minimums
+            model.lm_head_min = nnx.data(nnx.Param(model.embed_min[...].T))
+        for name in ("embed", "embed" + SCALE, "embed" + MINIMUM):
+            setattr(model, name, None)
     return True
 
 
@@ -323,13 +369,23 @@ def pack_linear_weights(state):
     """A model's state (nnx.split) with every layer's linear weights and the lm_head that
     numba_matmul can take (float32, columns a multiple of its panel) packed for it, the rest
     untouched. For engines where the platform record's packed_matmuls says so (runner.py); one weight is packed at
-    a time, and the unpacked array is dropped as its packed one replaces it."""
+    a time, and the unpacked array is dropped as its packed one replaces it. A grouped int8
+    weight's scales and minimums [K / GROUP, N] (quantize.py) are packed the same way, as float32
+    (numba_matmul reads float32; the float16 ones are what a GPU holds)."""
     from pallas_kernels import numba_matmul
+
+    groups = tuple(n + suffix for n in LINEAR_WEIGHTS for suffix in (SCALE, MINIMUM))
+    head_groups = ["lm_head" + SCALE], ["lm_head" + MINIMUM]
 
     def pack(path, x):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
         names = [k for k in keys if isinstance(k, str)]
         linear = names[:1] == ["layers"] and any(n in LINEAR_WEIGHTS for n in names[-2:])
+        grouping = x.ndim == 2 and ((names[:1] == ["layers"] and any(n in groups for n in names[-2:]))
+                                    or names[:1] in head_groups)
+        if grouping and x.shape[1] % numba_matmul.NR == 0:  # packable just when its weight is
+            packed = numba_matmul.pack(np.asarray(x, np.float32))
+            return jax.device_put(packed, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(packed)
         if (linear or names[:1] == ["lm_head"]) and numba_matmul.packable(x):
             packed = numba_matmul.pack(np.asarray(x))
             # where the weight was (a data-parallel replica's weights live on its own device)
@@ -349,7 +405,8 @@ def qkv_projection(p: dict, x, N: int, K: int, H: int, shards: int = 1):
         from pallas_kernels import numba_matmul
 
         if (N * H) % numba_matmul.NR == 0 and (K * H) % numba_matmul.NR == 0:
-            q, k, v = numba_matmul.matmul_split(x, w, (N * H, K * H, K * H), p.get("qkv" + SCALE))
+            q, k, v = numba_matmul.matmul_split(x, w, (N * H, K * H, K * H), p.get("qkv" + SCALE),
+                                                p.get("qkv" + MINIMUM))
             T = x.shape[0]
             return q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     return split_qkv(linear(p, x, "qkv", "qkv_bias"), N, K, H, shards)
@@ -381,7 +438,7 @@ def silu_gate_up(p: dict, x, shards: int = 1):
     if w.ndim == 3 and "gate_up_bias" not in p and w.shape[0] % 2 == 0:
         from pallas_kernels import numba_matmul
 
-        return numba_matmul.matmul_silu_mul(x, w, p.get("gate_up" + SCALE))
+        return numba_matmul.matmul_silu_mul(x, w, p.get("gate_up" + SCALE), p.get("gate_up" + MINIMUM))
     g, u = split_gate_up(linear(p, x, "gate_up", "gate_up_bias"), shards)
     return jax.nn.silu(g) * u
 

@@ -27,9 +27,9 @@ from jaxsched.models.layers import (
     DecoderLayers,
     Put,
     decoder_layer_spec,
-    embed_tokens,
     hf_decoder_weights,
     linear,
+    logits_weight,
     paged_attend,
     param,
     qkv_projection,
@@ -37,11 +37,11 @@ from jaxsched.models.layers import (
     rope_cos_sin,
     shards_of,
     silu_gate_up,
+    token_rows,
     vocab_logits,
 )
 from jaxsched.models.model_config import ModelConfig
 from jaxsched.models.moe import moe_mlp
-from jaxsched.models.quantize import scale_of
 
 
 # -- config adapters (config.json dict -> ModelConfig), one per registry entry ----------------------
@@ -187,7 +187,6 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.cfg
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        embed = self.embed[...]
         shards = shards_of(self.mesh)
 
         def before(p, h):  # -> q [T, N, H], k, v [T, K, H]
@@ -203,12 +202,11 @@ class LlamaForCausalLM(nnx.Module):
 
         cos, sin = rope_cos_sin(cfg, batch.positions)
         attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh)
-        h = embed_tokens(embed, batch.token_ids, self.mesh, scale_of(self, "embed"), self.norm[...].dtype)
+        h = token_rows(self, batch.token_ids, self.norm[...].dtype)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
         # The lm_head runs only where a token is sampled: S rows, not T.
         hs = rms_norm(h, self.norm[...], eps)
-        w, scale = (embed.T, scale_of(self, "embed")) if self.lm_head is None else \
-            (self.lm_head[...], scale_of(self, "lm_head"))
+        w, scale = logits_weight(self)
         return vocab_logits(hs, w, self.mesh, scale), kv
 
     def mlp(self, p: dict, x):

@@ -238,6 +238,14 @@ def gguf_getter(reader, hf: dict[str, Any]) -> Callable[[str], np.ndarray]:
 
 
 # -- entry point ----------------------------------------------------------------------------------
+def gguf_blocks(reader) -> bool:
+    """Whether a GGUF file's layer weights (its 2-D "blk." tensors) are block-quantized: any of
+    another kind than F32, F16 or BF16."""
+    floats = {"F32", "F16", "BF16", "F64"}
+    return any(t.name.startswith("blk.") and len(t.shape) >= 2 and t.tensor_type.name not in floats
+               for t in reader.tensors)
+
+
 def prequantized(hf: dict[str, Any], path: str) -> str | None:
     """What a checkpoint's config says about quantized weights: None (none), "fp8" for what this
     engine reads (compressed-tensors' "float-quantized" format, vLLM's name for FP8 checkpoints
@@ -269,7 +277,8 @@ def load_model_source(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarra
     if os.path.isfile(path) and path.endswith(".gguf"):
         reader = gguf_reader(path)
         hf = gguf_config(reader)
-        return model_config_from_hf(hf), gguf_getter(reader, hf), "gguf"
+        cfg = dataclasses.replace(model_config_from_hf(hf), gguf_blocks=gguf_blocks(reader))
+        return cfg, gguf_getter(reader, hf), "gguf"
     if os.path.isdir(path):
         hf = load_hf_config(path)
         quantized = prequantized(hf, path)

@@ -50,6 +50,9 @@ class ModelConfig:
     # "fp8": a pre-quantized checkpoint whose linear weights are stored in fp8 with scales
     # (loader.prequantized); the engine keeps them in 8 bits unless told otherwise (config.resolve)
     quantized_checkpoint: str | None = None
+    # a GGUF file whose linear weights are block-quantized (Q4_1, Q8_0, K-quants, ...): int8 keeps
+    # them in groups of 32 inputs, as the blocks were (models/quantize.py, quantize_grouped)
+    gguf_blocks: bool = False
     # mixture of experts (models/moe.py): E experts of intermediate size moe_intermediate_size in every
     # layer's MLP, k of them per token; 0 experts: a dense MLP of intermediate_size
     num_experts: int = 0  # E

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.models.quantize import SCALE, dequantize
+from jaxsched.models.quantize import MINIMUM, SCALE, dequantize
 
 # rows per tile of the "tiles" grouped matmul: about the pairs an expert gets in a step (N / E), within
 # these bounds. Each tile reads (on a CPU: copies) its expert's weights, so a tile much smaller than
@@ -129,7 +129,7 @@ def _weight(p: dict, name: str, dtype):
     """p[name], dequantized when quantized (quantize.py: per expert and output channel). The grouped
     matmuls take float weights: a quantized MoE holds its experts in 8 bits and dequantizes them in
     the step, before the grouped matmul (a fused dequantizing grouped matmul is not written yet)."""
-    return dequantize(p[name], p.get(name + SCALE), dtype)
+    return dequantize(p[name], p.get(name + SCALE), dtype, minimum=p.get(name + MINIMUM))
 
 
 def _routed(p: dict, x, k: int, normalize: bool, how: str, mesh):

@@ -132,9 +132,10 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1, quanti
                   quantize_embedding: bool = False) -> int:
     """The model's weights in `dtype` on one of `shards` devices (the split weights' 1 / shards,
     the replicated ones whole), from its shapes alone (nothing is allocated); with `quantization`,
-    the weights quantize_model quantizes at a byte each plus a float32 scale per output channel."""
+    the weights quantize_model quantizes at a byte each plus a float32 scale per output channel, or
+    a float16 scale and minimum per GROUP inputs (a GGUF file's blocks: quantize.grouped)."""
     from jaxsched.models.loader import build_model
-    from jaxsched.models.quantize import QUANTIZED_LAYER_WEIGHTS
+    from jaxsched.models.quantize import GROUP, QUANTIZED_LAYER_WEIGHTS, grouped
     from jaxsched.parallel.mesh import param_spec
 
     abstract = nnx.eval_shape(lambda: build_model(model_config, dtype, None))
@@ -144,9 +145,12 @@ def weights_bytes(model_config: ModelConfig, dtype: str, shards: int = 1, quanti
     for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract))):
         name = str(path[-1].key)
         split = "model" in param_spec(name, x.ndim, model_config.vocab_size % shards == 0)
-        if name in quantized:  # int8 / fp8 values, and a scale per output channel (per row for embed)
-            scales = x.size // x.shape[-1 if name == "embed" else -2]
-            n = x.size + 4 * scales
+        # the axis a weight's scales are per group of or per channel across
+        along = x.shape[-1 if name == "embed" else -2] if name in quantized else 0
+        if name in quantized and along % GROUP == 0 and grouped(quantization, model_config):
+            n = x.size + 2 * 2 * x.size // GROUP
+        elif name in quantized:  # int8 / fp8 values, and a scale per output channel (per row for embed)
+            n = x.size + 4 * (x.size // along)
         else:
             n = x.size * x.dtype.itemsize
         total += n // (shards if split else 1)
