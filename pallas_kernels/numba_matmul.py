@@ -55,6 +55,8 @@ MR = 12 if AVX512 else 6
 
 _tile_mr, _tile4, _tile2, _tile1 = (make_tile(r, "packed") for r in (MR, 4, 2, 1))
 _tile8 = make_tile(8, "packed") if MR > 8 else _tile_mr  # (a remainder tile of 8 rows needs MR > 8)
+_gtile_mr, _gtile4, _gtile2, _gtile1 = (make_tile(r, "packed", grouped=True) for r in (MR, 4, 2, 1))
+_gtile8 = make_tile(8, "packed", grouped=True) if MR > 8 else _gtile_mr
 
 
 @njit(inline="always", cache=True)
@@ -129,44 +131,22 @@ def _scale_tile(of, o_off, ldo, rows, s, col):
                 of[o_off + j * ldo + c] *= s[col + c]
 
 
-@njit(fastmath=True, cache=True)
-def group_sums(xf, m0, m1, K, NG, xs):
-    """xs[(m - m0) * NG + g] = the sum of row m's inputs in group g (K / NG of them), rows m0 .. m1:
-    a grouped weight's minimums multiply these (_grouped_tile)."""
-    G = K // NG
-    for m in range(m0, m1):
-        for g in range(NG):
-            acc = np.float32(0.0)
-            base = m * K + g * G
-            for k in range(G):
-                acc += xf[base + k]
-            xs[(m - m0) * NG + g] = acc
-
-
 @njit(fastmath=True, inline="always", cache=True)
-def _grouped_tile(rows, xp, x_off, K, wf, b, ahead, n_tiles, i, tmp, of, o_off, ldo, s, mn, sg, xs, xs_off, NG):
-    """One row tile of an int8 panel b whose columns have a scale and a minimum per group of K / NG
-    inputs (w = (q + 128) * scale + minimum: models/quantize.py's grouped weights): the tile's sum
-    over each group goes to the scratch tmp [rows, NR], and of[o_off.., NR columns, rows ldo apart]
-    gets scale * (sum + 128 * group sum of x) + minimum * group sum of x, group by group. The
-    panel's scales and minimums are s / mn[sg + g * NR + c]; the rows' group sums xs[xs_off + j *
-    NG + g] (group_sums). The micro-kernel runs one group at a time (K / NG terms): its
-    accumulators stay in registers within a group, and the rescale costs a pass over the tile in
-    L1 per group, about one multiply-add in K / NG."""
-    G = K // NG
-    for g in range(NG):
-        _tile(rows, xp, x_off + g * G * rows, G, wf, b + g * G * NR, ahead + g * G * NR, n_tiles, i, tmp, 0, NR)
-        so = sg + g * NR
-        for j in range(rows):
-            xg = xs[xs_off + j * NG + g]
-            oj = o_off + j * ldo
-            tj = j * NR
-            if g == 0:
-                for c in range(NR):
-                    of[oj + c] = s[so + c] * (tmp[tj + c] + 128.0 * xg) + mn[so + c] * xg
-            else:
-                for c in range(NR):
-                    of[oj + c] += s[so + c] * (tmp[tj + c] + 128.0 * xg) + mn[so + c] * xg
+def _grouped_tile(rows, xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, s, mn, sg, G):
+    """_tile for an int8 panel b whose columns have a scale and a minimum per group of G inputs (w =
+    (q + 128) * scale + minimum: models/quantize.py's grouped weights), the panel's at s / mn[sg + g
+    * NR + c]: the micro-kernel dequantizes each row of the panel as it loads it (numba_tile.py),
+    so the result needs no pass of its own."""
+    if rows == MR:
+        _gtile_mr(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K, s, mn, sg, G)
+    elif rows == 8:
+        _gtile8(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K, s, mn, sg, G)
+    elif rows == 4:
+        _gtile4(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K, s, mn, sg, G)
+    elif rows == 2:
+        _gtile2(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K, s, mn, sg, G)
+    else:
+        _gtile1(xf, x_off, K, wf, b, ahead, n_tiles, i, of, o_off, ldo, K, s, mn, sg, G)
 
 
 @njit(inline="always", cache=True)
@@ -197,8 +177,8 @@ def _share(M, P, by_rows, n_threads, t):
 @njit(fastmath=True, parallel=True, cache=True)
 def packed_matmul(x, w, out_a, out_b, out_c, rows, s, mn):
     """x f32[M, K] @ W, w the packed W f32[P, K, NR] (or int8 with its column scales s f32[P * NR];
-    s empty for float32; or int8 in groups, s and mn its packed scales and minimums f32[P * NG *
-    NR], flat: _grouped_tile; mn empty otherwise), in three column groups: out_a f32[M, Na] gets
+    s empty for float32; or int8 in groups of an even number of inputs, s and mn its packed scales
+    and minimums f32[P * NG * NR], flat: _grouped_tile; mn empty otherwise), in three column groups: out_a f32[M, Na] gets
     W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
     multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
     The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
@@ -220,14 +200,10 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows, s, mn):
     for t in prange(n_threads):
         r0, r1, p0, p1 = _share(M, P, by_rows, n_threads, t)
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)  # a block of the thread's rows, packed
-        tmp = np.empty(MR * NR, np.float32)  # a grouped tile's sum over one group
-        xs = np.empty(min(r1 - r0, MB) * max(NG, 1), np.float32)
         for m0 in range(r0, r1, MB):
             m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
-            if NG:
-                group_sums(xf, m0, m1, K, NG, xs)
             for p in range(p0, p1):
                 # the group panel p writes into, that group's row length and the panel's column there
                 if p < Pa:
@@ -243,8 +219,8 @@ def packed_matmul(x, w, out_a, out_b, out_c, rows, s, mn):
                 while m < m1:
                     rows = _tile_rows(m1 - m)
                     if NG:
-                        _grouped_tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, tmp, of, m * N + c, N,
-                                      s, mn, p * NG * NR, xs, (m - m0) * NG, NG)
+                        _grouped_tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N,
+                                      s, mn, p * NG * NR, K // NG)
                     else:
                         _tile(rows, xp, (m - m0) * K, K, wf, b, ahead, n_tiles, i, of, m * N + c, N)
                         _scale_tile(of, m * N + c, N, rows, s, p * NR)
@@ -314,14 +290,10 @@ def packed_matmul_silu_mul(x, w, out, rows, s, mn):
         r0, r1, q0, q1 = _share(M, F2, by_rows, n_threads, t)
         gu = np.empty(2 * MR * NR, np.float32)  # a row tile of the gate [MR, NR], then of the up [MR, NR]
         xp = np.empty(min(r1 - r0, MB) * K, np.float32)
-        tmp = np.empty(MR * NR, np.float32)
-        xs = np.empty(min(r1 - r0, MB) * max(NG, 1), np.float32)
         for m0 in range(r0, r1, MB):
             m1 = min(r1, m0 + MB)
             n_tiles = _n_tiles(m1 - m0)
             pack_rows(xf, m0, m1, K, xp)
-            if NG:
-                group_sums(xf, m0, m1, K, NG, xs)
             for q in range(q0, q1):
                 nq = q + 1 if q + 1 < q1 else q0
                 m = m0
@@ -330,11 +302,10 @@ def packed_matmul_silu_mul(x, w, out, rows, s, mn):
                     rows = _tile_rows(m1 - m)
                     x_off = (m - m0) * K
                     if NG:
-                        xs_off = (m - m0) * NG
-                        _grouped_tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, tmp, gu, 0, NR,
-                                      s, mn, q * NG * NR, xs, xs_off, NG)
+                        _grouped_tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR,
+                                      s, mn, q * NG * NR, K // NG)
                         _grouped_tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i,
-                                      tmp, gu, MR * NR, NR, s, mn, (q + F2) * NG * NR, xs, xs_off, NG)
+                                      gu, MR * NR, NR, s, mn, (q + F2) * NG * NR, K // NG)
                     else:
                         _tile(rows, xp, x_off, K, wf, q * K * NR, nq * K * NR, n_tiles, i, gu, 0, NR)
                         _tile(rows, xp, x_off, K, wf, (q + F2) * K * NR, (nq + F2) * K * NR, n_tiles, i, gu, MR * NR, NR)
@@ -500,9 +471,9 @@ def _call(x, wp, widths: tuple[int, ...], scale=None, minimum=None):
     if int8 != (scale is not None):
         raise ValueError("an int8 packed weight takes its column scales (scale=), a float32 one none")
     if minimum is not None and (minimum.shape != scale.shape or scale.ndim != 3 or scale.shape[0] != wp.shape[0]
-                                or wp.shape[1] % scale.shape[1]):
+                                or wp.shape[1] % scale.shape[1] or wp.shape[1] // scale.shape[1] % 2):
         raise ValueError(f"a grouped int8 weight {wp.shape} takes packed scales and minimums [P, K / G, NR] of one "
-                         f"shape; got {scale.shape} and {minimum.shape}")
+                         f"shape, G even; got {scale.shape} and {minimum.shape}")
 
     K = wp.shape[1]
     lead = x.shape[:-1]

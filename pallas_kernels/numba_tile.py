@@ -11,7 +11,14 @@ b a packed weight panel) and numba_kernels.py (the prefill tiles' and decode row
 dots, b a page of the KV pool).
 
 A packed tile's b may also be int8 (a quantized weight panel): each row is widened to float32 as it
-is loaded, and the caller scales the result.
+is loaded, and the caller scales the result. Made with grouped=True, the int8 panel's columns have a
+scale and a minimum per group of `glen` terms (models/quantize.py's grouped weights: w = (q + 128)
+* scale + minimum), and each row is dequantized as it is loaded, one more multiply-add per vector:
+  packed grouped(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim, s, m, s_off, glen)
+      s and m the panel's scales and minimums, group g's NR at s_off + g * NR; glen even (a pass of
+      two terms never straddles two groups), kdim a multiple of it. The group's scale and
+      minimum + 128 * scale stay in four vector registers (AVX-512: 24 accumulators, 2 rows of b, a
+      broadcast and these fill 31 of the 32), reloaded once per group.
 
 Two forms, each an intrinsic made for one MR and a number of columns (NR, or a strided tile's
 own: a decode row's tiles hold whole page rows of 64 or 128; every array flat float32
@@ -75,11 +82,15 @@ def registers(rows: int, cols: int) -> int:
     return rows * per_row + min(per_row, rows) + 1
 
 
-def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False, cols: int = NR):
+def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False, cols: int = NR,
+              grouped: bool = False):
     """The intrinsic of `form` ("packed" or "strided", above) for MR rows of `cols` columns (NR
-    unless a strided tile says otherwise; a multiple of 16)."""
+    unless a strided tile says otherwise; a multiple of 16); grouped: a packed int8 panel with
+    scales and minimums per group of terms (above)."""
     if form not in ("packed", "strided"):
         raise ValueError(f"form must be 'packed' or 'strided', got {form!r}")
+    if grouped and form != "packed":
+        raise ValueError("only a packed tile reads a grouped panel")
     if cols % 16 or (form == "packed" and cols != NR):
         raise ValueError(f"a tile's columns are a multiple of 16 (NR = {NR} for a packed one), got {cols}")
     nv = cols // 16
@@ -87,7 +98,10 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
     ahead = ahead and not packed
 
     def codegen(context, builder, signature, args):
-        if packed:
+        if packed and grouped:
+            a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim, s_arr, m_arr, s_off, glen = args
+            a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[8]
+        elif packed:
             a_arr, a_off, lda, b_arr, b_off, b_ahead, every, phase, c_arr, c_off, ldc, kdim = args
             a_ty, b_ty, c_ty = signature.args[0], signature.args[3], signature.args[8]
         elif ahead:
@@ -125,17 +139,34 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
         # multiply-adds); its scales are the caller's to apply to c
         b_int8 = packed and b_ty.dtype == types.int8
         v16i8 = ir.VectorType(ir.IntType(8), 16)
+        group = {}  # grouped: the current group's "scale" and "low" (minimum + 128 * scale) vectors
 
-        def b_vector(at):
+        def b_vector(at, j):
             if b_int8:
                 raw = builder.load(builder.bitcast(builder.gep(bp, [at]), v16i8.as_pointer()), align=1)
-                return builder.sitofp(raw, v16)
+                q = builder.sitofp(raw, v16)
+                return builder.call(fma, [q, group["scale"][j], group["low"][j]]) if grouped else q
             return builder.load(builder.bitcast(builder.gep(bp, [at]), v16.as_pointer()), align=4)
+
+        def group_vectors(k):
+            """The scale and low vectors of the group term k starts (k // glen: once per group)."""
+            sp = context.make_array(signature.args[12])(context, builder, s_arr).data
+            mp = context.make_array(signature.args[13])(context, builder, m_arr).data
+            base = builder.add(s_off, builder.mul(builder.sdiv(k, glen), const(NR)))
+            scale, low = [], []
+            c128 = ir.Constant(v16, [ir.Constant(f32, 128.0)] * 16)
+            for j in range(nv):
+                at = builder.add(base, const(16 * j))
+                sv = builder.load(builder.bitcast(builder.gep(sp, [at]), v16.as_pointer()), align=4)
+                mv = builder.load(builder.bitcast(builder.gep(mp, [at]), v16.as_pointer()), align=4)
+                scale.append(sv)
+                low.append(builder.call(fma, [c128, sv, mv]))
+            return scale, low
 
         def term(k, acc):
             """acc + a[:, k] (x) b[k, :]: one broadcast of a and nv fused multiply-adds per row."""
             b_row = builder.add(b_off, builder.mul(k, b_step))
-            bv = [b_vector(builder.add(b_row, const(16 * j))) for j in range(nv)]
+            bv = [b_vector(builder.add(b_row, const(16 * j)), j) for j in range(nv)]
             new = []
             for r in range(MR):
                 if packed:  # the tile's MR terms k lie together, so every address is a constant offset
@@ -203,6 +234,14 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             n_pass = builder.phi(i64)  # pass % every, counted along: a division per pass slowed the FMAs
             n_pass.add_incoming(const(0), entry)
             acc = phis(start, entry)
+            if grouped:  # the group's vectors and where the next group starts, carried along
+                g_next = builder.phi(i64)
+                g_next.add_incoming(const(0), entry)
+                undef = ir.Constant(v16, ir.Undefined)
+                carried = [[builder.phi(v16) for _ in range(nv)] for _ in range(2)]
+                for vec in carried[0] + carried[1]:
+                    vec.add_incoming(undef, entry)
+                group["scale"], group["low"] = carried
             builder.cbranch(builder.icmp_signed("<=", builder.add(k, const(2)), kdim), fetch, tail)
 
             builder.position_at_end(fetch)
@@ -216,11 +255,39 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
                     with branch:
                         for u in range(2):
                             prefetch_row(builder.add(k, const(u)), NR, const(NR), level)
+            if grouped:  # a new group: its scale and low vectors, once
+                reload, merged = builder.append_basic_block("g_reload"), builder.append_basic_block("g_merged")
+                before = builder.block
+                builder.cbranch(builder.icmp_signed("==", k, g_next), reload, merged)
+                builder.position_at_end(reload)
+                fresh = group_vectors(k)
+                fresh_next = builder.add(k, glen)
+                builder.branch(merged)
+                builder.position_at_end(merged)
+                now = []
+                for old_v, new_v in zip(carried, fresh):
+                    row = []
+                    for o, n in zip(old_v, new_v):
+                        ph = builder.phi(v16)
+                        ph.add_incoming(o, before)
+                        ph.add_incoming(n, reload)
+                        row.append(ph)
+                    now.append(row)
+                next_at = builder.phi(i64)
+                next_at.add_incoming(g_next, before)
+                next_at.add_incoming(fresh_next, reload)
+                group["scale"], group["low"] = now
             builder.branch(body)
 
             builder.position_at_end(body)
             new = term(builder.add(k, const(1)), term(k, acc))
             end = builder.block
+            if grouped:
+                g_next.add_incoming(next_at, end)
+                for ph_row, val_row in zip(carried, now):
+                    for ph, val in zip(ph_row, val_row):
+                        ph.add_incoming(val, end)
+                group["scale"], group["low"] = carried  # what the tail (an odd kdim: never, glen even) sees
             k.add_incoming(builder.add(k, const(2)), end)
             n_next = builder.add(n_pass, const(1))
             n_pass.add_incoming(builder.select(builder.icmp_signed("==", n_next, every), const(0), n_next), end)
@@ -241,7 +308,12 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
                 builder.store(acc[r][j], c_ptr(r, j), align=4)
         return context.get_dummy_value()
 
-    if packed:
+    if packed and grouped:
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim, s, m, s_off, glen):
+            i = types.intp
+            return types.void(a, i, i, b, i, i, i, i, c, i, i, i, s, m, i, i), codegen
+    elif packed:
         @intrinsic
         def tile(typingctx, a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim):
             i = types.intp
