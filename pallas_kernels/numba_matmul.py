@@ -178,7 +178,8 @@ def _share(M, P, by_rows, n_threads, t):
 def packed_matmul(x, w, out_a, out_b, out_c, rows, s, mn):
     """x f32[M, K] @ W, w the packed W f32[P, K, NR] (or int8 with its column scales s f32[P * NR];
     s empty for float32; or int8 in groups of an even number of inputs, s and mn its packed scales
-    and minimums f32[P * NG * NR], flat: _grouped_tile; mn empty otherwise), in three column groups: out_a f32[M, Na] gets
+    and minimums f16[P * NG * NR] as uint16 bits, flat: _grouped_tile; mn empty otherwise), in three
+    column groups: out_a f32[M, Na] gets
     W's first Na columns, out_b the next Nb, out_c the last Nc (Na + Nb + Nc = P * NR, each a
     multiple of NR; a plain matmul passes empty [M, 0] arrays as out_b and out_c). All C-contiguous.
     The groups let a fused q/k/v projection write q, k and v to buffers of their own, which the
@@ -337,7 +338,7 @@ def _dispatch(frame, x, w, s, mn, M, P):
 
 # FFI handlers. Arguments: x f32[M, K], w f32[P, K, NR], rows i32[1] (x's real rows); the int8
 # handler's w is int8[P, K, NR] with a fourth argument, its column scales f32[P * NR]; the grouped
-# int8 handler's fourth and fifth are its packed scales and minimums f32[P, NG, NR]. Results, told
+# int8 handler's fourth and fifth are its packed scales and minimums f16[P, NG, NR]. Results, told
 # apart by their count and shape (the wrappers below choose): one f32[M, P * NR], x @ W (matmul);
 # three, x @ W in column groups (matmul_split); or one f32[M, P / 2 * NR], silu(gate) * up of a
 # fused gate/up weight (matmul_silu_mul).
@@ -384,8 +385,8 @@ def handler_int8_grouped(frame_ptr):
         n = P * dim(s_d, 1) * NR
         x = carray(pointer(x_p), (M, K), dtype=np.float32)
         w = carray(pointer(w_p), (P, K, NR), dtype=np.int8)
-        _dispatch(frame, x, w, carray(pointer(s_p), (n,), dtype=np.float32),
-                  carray(pointer(m_p), (n,), dtype=np.float32), M, P)
+        _dispatch(frame, x, w, carray(pointer(s_p), (n,), dtype=np.uint16),
+                  carray(pointer(m_p), (n,), dtype=np.uint16), M, P)
     return cpu_ffi.success()
 
 
@@ -421,7 +422,7 @@ def _target(kind: str = "f32") -> str:
 def matmul(x, wp, scale=None, minimum=None):
     """x [..., K] @ W with wp = pack(W) (a jax array), in float32, inside a jitted program. An int8
     wp comes with its column scales f32[N] (models/quantize.py), or, grouped, with its scales and
-    minimums packed as it is (pack of f32[K / G, N])."""
+    minimums packed as it is (pack of f16[K / G, N])."""
     return _call(x, wp, (wp.shape[0] * NR,), scale, minimum)[0]
 
 
@@ -480,8 +481,10 @@ def _call(x, wp, widths: tuple[int, ...], scale=None, minimum=None):
     x2 = x.reshape(-1, K).astype(jnp.float32)
     limit = (_ROW_LIMITS.get() or {}).get(x2.shape[0])
     rows = jnp.full((1,), x2.shape[0], jnp.int32) if limit is None else jnp.reshape(limit, (1,)).astype(jnp.int32)
-    args = (x2, wp, rows) + ((scale.astype(jnp.float32),) if int8 else ()) \
-        + ((minimum.astype(jnp.float32),) if minimum is not None else ())
+    if minimum is not None:  # float16, read as such by the micro-kernel
+        args = (x2, wp, rows, scale.astype(jnp.float16), minimum.astype(jnp.float16))
+    else:
+        args = (x2, wp, rows) + ((scale.astype(jnp.float32),) if int8 else ())
     kind = "i8g" if minimum is not None else ("i8" if int8 else "f32")
     outs = jax.ffi.ffi_call(_target(kind), tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths))(
         *args)

@@ -15,7 +15,8 @@ is loaded, and the caller scales the result. Made with grouped=True, the int8 pa
 scale and a minimum per group of `glen` terms (models/quantize.py's grouped weights: w = (q + 128)
 * scale + minimum), and each row is dequantized as it is loaded, one more multiply-add per vector:
   packed grouped(a, a_off, lda, b, b_off, b_ahead, every, phase, c, c_off, ldc, kdim, s, m, s_off, glen)
-      s and m the panel's scales and minimums, group g's NR at s_off + g * NR; glen even (a pass of
+      s and m the panel's scales and minimums, float16 as uint16 bits (what the weights hold:
+      models/quantize.py), group g's NR at s_off + g * NR; glen even (a pass of
       two terms never straddles two groups), kdim a multiple of it. The group's scale and
       minimum + 128 * scale stay in four vector registers (AVX-512: 24 accumulators, 2 rows of b, a
       broadcast and these fill 31 of the 32), reloaded once per group.
@@ -155,10 +156,15 @@ def make_tile(MR: int, form: str, accumulate: bool = False, ahead: bool = False,
             base = builder.add(s_off, builder.mul(builder.sdiv(k, glen), const(NR)))
             scale, low = [], []
             c128 = ir.Constant(v16, [ir.Constant(f32, 128.0)] * 16)
+            v16h = ir.VectorType(ir.HalfType(), 16)
+
+            def half_vector(ptr, at):  # 16 float16 (their uint16 bits) -> float32
+                return builder.fpext(builder.load(builder.bitcast(builder.gep(ptr, [at]), v16h.as_pointer()), align=2),
+                                     v16)
+
             for j in range(nv):
                 at = builder.add(base, const(16 * j))
-                sv = builder.load(builder.bitcast(builder.gep(sp, [at]), v16.as_pointer()), align=4)
-                mv = builder.load(builder.bitcast(builder.gep(mp, [at]), v16.as_pointer()), align=4)
+                sv, mv = half_vector(sp, at), half_vector(mp, at)
                 scale.append(sv)
                 low.append(builder.call(fma, [c128, sv, mv]))
             return scale, low

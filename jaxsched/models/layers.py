@@ -252,19 +252,20 @@ def embed_tokens(embed, token_ids, mesh=None, scale=None, dtype=None):
 
 def token_rows(model, token_ids, dtype):
     """The model's embeddings of token_ids i32[T] -> [T, D] in `dtype`: from its table (embed_tokens),
-    or, where untie_lm_head dropped a quantized table for its packed copy, from the lm_head's panels
-    (row v of the table is column v of the head: panel v // NR, lane v % NR, with its scales)."""
+    or, where untie_lm_head moved the table into a packed lm_head, from the head's panels (row v of
+    the table is column v of the head: panel v // NR, lane v % NR, with its scales)."""
     if model.embed is not None:
         return embed_tokens(model.embed[...], token_ids, model.mesh, scale_of(model, "embed"), dtype)
     from pallas_kernels.numba_matmul import NR
 
     panel, lane = token_ids // NR, token_ids % NR
+    rows = model.lm_head[...][panel, :, lane]
     s = scale_of(model, "lm_head")
+    if s is None:
+        return rows
     if isinstance(s, tuple):  # packed [P, D / GROUP, NR] like the head
-        s = tuple(a[panel, :, lane] for a in s)
-    else:
-        s = s[token_ids]
-    return _rows(model.lm_head[...][panel, :, lane], s, dtype)
+        return _rows(rows, tuple(a[panel, :, lane] for a in s), dtype)
+    return _rows(rows, s[token_ids], dtype)
 
 
 def _rows(rows, s, dtype):
@@ -345,9 +346,10 @@ def untie_lm_head(model) -> bool:
     """Give a model whose lm_head is its embedding (tied: `lm_head` None, logits against embed.T)
     its own [D, V] copy of it, where numba_matmul can pack that copy; True if it did. For engines
     with packed matmuls (runner.py): the logits then run in the packed kernel instead of XLA's dot
-    over the transposed table, for one more copy of the table in memory (docs/PERFORMANCE.md).
-    A quantized table moves instead: the copy is the only one kept, and token_rows reads the
-    embeddings from its panels (a gather of T rows of D bytes), so the 8-bit table is held once."""
+    over the transposed table (which ran at half its speed for a decode step's rows:
+    docs/PERFORMANCE.md, "Weight quantization and the fp8 KV cache, demo model"). The table moves
+    rather than being copied: token_rows reads the embeddings from the head's panels (a gather of T
+    rows of D values), so the table is held once."""
     from pallas_kernels import numba_matmul
 
     if getattr(model, "lm_head", False) is not None or getattr(model, "embed", None) is None:
@@ -358,10 +360,10 @@ def untie_lm_head(model) -> bool:
     model.lm_head = nnx.data(nnx.Param(head))  # None made it a static attribute
     if getattr(model, "embed" + SCALE, None) is not None:  # a quantized table: its rows' scales go along
         model.lm_head_scale = nnx.data(nnx.Param(model.embed_scale[...].T))
-        if getattr(model, "embed" + MINIMUM, None) is not None:  # and a grouped one's minimums
-            model.lm_head_min = nnx.data(nnx.Param(model.embed_min[...].T))
-        for name in ("embed", "embed" + SCALE, "embed" + MINIMUM):
-            setattr(model, name, None)
+    if getattr(model, "embed" + MINIMUM, None) is not None:  # and a grouped one's minimums
+        model.lm_head_min = nnx.data(nnx.Param(model.embed_min[...].T))
+    for name in ("embed", "embed" + SCALE, "embed" + MINIMUM):
+        setattr(model, name, None)
     return True
 
 
@@ -370,8 +372,7 @@ def pack_linear_weights(state):
     numba_matmul can take (float32, columns a multiple of its panel) packed for it, the rest
     untouched. For engines where the platform record's packed_matmuls says so (runner.py); one weight is packed at
     a time, and the unpacked array is dropped as its packed one replaces it. A grouped int8
-    weight's scales and minimums [K / GROUP, N] (quantize.py) are packed the same way, as float32
-    (numba_matmul reads float32; the float16 ones are what a GPU holds)."""
+    weight's scales and minimums f16[K / GROUP, N] (quantize.py) are packed the same way."""
     from pallas_kernels import numba_matmul
 
     groups = tuple(n + suffix for n in LINEAR_WEIGHTS for suffix in (SCALE, MINIMUM))
@@ -384,7 +385,7 @@ def pack_linear_weights(state):
         grouping = x.ndim == 2 and ((names[:1] == ["layers"] and any(n in groups for n in names[-2:]))
                                     or names[:1] in head_groups)
         if grouping and x.shape[1] % numba_matmul.NR == 0:  # packable just when its weight is
-            packed = numba_matmul.pack(np.asarray(x, np.float32))
+            packed = numba_matmul.pack(np.asarray(x))
             return jax.device_put(packed, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(packed)
         if (linear or names[:1] == ["lm_head"]) and numba_matmul.packable(x):
             packed = numba_matmul.pack(np.asarray(x))

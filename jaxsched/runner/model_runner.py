@@ -216,10 +216,8 @@ class ModelRunner:
         self.max_logprobs = config.max_logprobs
         n_devices = 1 if mesh is None else mesh.devices.size
         self.packed_matmuls = self.platform.packed_matmuls(config.attention_backend, n_devices)
-        # a tied lm_head gets its own copy, packed below (layers.vocab_logits); not a float copy of a
-        # float table beside quantized weights, which would take back much of what they saved
-        # (docs/PERFORMANCE.md, "Weight quantization and the fp8 KV cache, demo model")
-        if self.packed_matmuls and not (config.quantization and not config.quantize_embedding):
+        # a tied lm_head becomes the table's packed home (layers.untie_lm_head, vocab_logits, token_rows)
+        if self.packed_matmuls:
             untie_lm_head(model)
         self.graphdef, state = nnx.split(model)
         if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
