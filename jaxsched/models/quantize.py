@@ -19,7 +19,7 @@ lines below; its weight-only dot_general also dequantizes before a float dot, as
 GGUF's block-quantized weights (Q4_1, Q8_0, ...: `gguf_blocks` in ModelConfig) are kept in
 groups instead, with `--quantization int8`: the file's weights are the dequantized blocks, and a
 scale per output channel would round them again (on the demo's Q4_1 weights to 0.89 % of a row's
-RMS, 6.6x bfloat16's 0.13 %, which cost float32's greedy tokens on half the prompts). Each GROUP of
+RMS, 6.6x bfloat16's 0.13 %, which lost float32's greedy tokens on 10 of 16 prompts). Each GROUP of
 32 inputs of a column gets a float16 scale and minimum (llama.cpp's blocks are 32 inputs long):
 
     w [.., D_in, N]  ->  q [.., D_in, N] int8,  scale, minimum f16[.., D_in / 32, N]
@@ -29,13 +29,14 @@ quantize_grouped finds each block's own grid from its values: Q4_1 / Q5_1 blocks
 0 .. 15 or 31) and Q8_0 / Q4_0 / Q5_0 ones (d * q, |q| up to 127, 8 or 16) come back exactly (their
 d and min are float16 numbers already); other blocks (the K-quants' sub-blocks) take 255 steps from
 their min to their max, an error under 1/17 of a 4-bit step. Why not keep the 4-bit codes as int4:
-the bytes are within 0.1x of float32 either way (0.43x against 0.32x of it for the demo), and every
+the bytes are within 0.1x of float32 either way (0.43x against 0.34x of it for the demo), and every
 kernel here reads 8-bit weights already (docs/PERFORMANCE.md, "Weight quantization and the fp8 KV
 cache, demo model").
 
 Quantized after the model is built, one weight at a time on its own device(s) (the float weight is
 dropped as its quantized one replaces it): the load's peak is the float model's, the steady state
-the quantized one's. A weight keeps its sharding; its scale takes the sharding of its output axis.
+the quantized one's. A weight keeps its sharding; its scale takes the sharding of its output axis
+(a grouped weight's scales and minimums take the weight's own: its input axis, grouped, and columns).
 """
 
 from __future__ import annotations
