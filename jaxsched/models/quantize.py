@@ -139,6 +139,18 @@ def quantized_dot(x, w, scale, out_dtype=None, minimum=None):
     return (y * scale).astype(out_dtype or x.dtype)
 
 
+def _grouped_like(w, rows: bool = False):
+    """quantize_grouped of w [.., D_in, N] (with `rows`, of a table [V, D] in groups along its rows:
+    the results transposed back), the scales and minimums split where the weight's inputs and
+    columns are."""
+    q, s, lowest = quantize_grouped(w.T if rows else w)
+    if rows:
+        q, s, lowest = q.T, s.T, lowest.T
+    if isinstance(w, jax.Array):
+        s, lowest = jax.device_put(s, w.sharding), jax.device_put(lowest, w.sharding)
+    return q, s, lowest
+
+
 def grouped(mode: str | None, model_config) -> bool:
     """Whether `mode` keeps the model's layer weights in groups (quantize_grouped): int8 of a GGUF
     file's block-quantized weights."""
@@ -159,9 +171,7 @@ def quantize_model(model, mode: str, embedding: bool = False, groups: bool = Fal
             if name in d and not is_quantized(d[name][...]):
                 w = d[name][...]
                 if groups and w.shape[-2] % GROUP == 0:
-                    q, s, lowest = quantize_grouped(w)
-                    # the groups' scales split where the weight's inputs and columns do
-                    s, lowest = (jax.device_put(a, w.sharding) if isinstance(w, jax.Array) else a for a in (s, lowest))
+                    q, s, lowest = _grouped_like(w)
                     d[name + MINIMUM] = nnx.Param(lowest)
                 else:
                     q, s = quantize_array(w, mode)
@@ -177,10 +187,7 @@ def quantize_model(model, mode: str, embedding: bool = False, groups: bool = Fal
             w = w[...]
             if groups and w.shape[axis] % GROUP == 0:
                 # the table [V, D] in groups along D, the lm_head's input axis (a GGUF file's blocks)
-                q, s, lowest = quantize_grouped(w.T if axis == -1 else w)
-                if axis == -1:
-                    q, s, lowest = q.T, s.T, lowest.T
-                s, lowest = (jax.device_put(a, w.sharding) if isinstance(w, jax.Array) else a for a in (s, lowest))
+                q, s, lowest = _grouped_like(w, rows=axis == -1)
                 setattr(model, name + MINIMUM, nnx.data(nnx.Param(lowest)))
             else:
                 q, s = quantize_array(w, mode, axis)
