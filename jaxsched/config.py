@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,7 +119,9 @@ class EngineArgs:
     # size each step by its predicted cost (a step-cost model fitted online from the engine's own
     # step times: step_cost.py): the most tokens per second, or with target_tpot_ms the largest
     # step predicted within that many milliseconds; None: on only with target_tpot_ms (on the
-    # default offline run it measured slower than the max_paddings rule: docs/PERFORMANCE.md)
+    # default offline run it measured slower than the max_paddings rule: docs/PERFORMANCE.md). With
+    # speculative_config the model also sizes the proposals each step verifies, unless this is False
+    # (then every proposal is verified)
     step_cost_model: bool | None = None
     target_tpot_ms: float | None = None
     # run every compiled program once at warm-up, on a batch of padding: a program's first run pays
@@ -136,8 +139,13 @@ class EngineArgs:
     # `jaxsched` commands, whose process is the engine's, 0 for the library (a reserve pins every
     # Python thread of the process to the host's cores: an imported engine does not do that unasked)
     cpu_reserved_cores: int | Literal["auto"] | None = None
+    # speculative decoding, as vLLM spells it: a dict (or its JSON text, from the command line) with
+    # "method" ("ngram": prompt lookup) and "num_speculative_tokens", and for ngram
+    # "prompt_lookup_max" / "prompt_lookup_min" (SpeculativeConfig); None: off
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size is not None and (
@@ -242,6 +250,9 @@ class EngineArgs:
         if self.distributed_coordinator is not None and self.engine_core_process:
             raise ValueError("engine_core_process=True is not available with several hosts (each host's core runs "
                              "in its own process already); leave it unset")
+        if self.distributed_coordinator is not None and self.speculative_config is not None:
+            raise ValueError("speculative_config is not available with several hosts yet (the other hosts would "
+                             "need the proposals' step times to size them alike); drop one of them")
         if self.distributed_coordinator is not None and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs on one host; across hosts, raise tensor_parallel_size "
                              "(one engine over every host's devices) or start one server per host")
@@ -260,6 +271,66 @@ class EngineArgs:
                 f"unknown engine argument(s): {', '.join(hints)}; valid arguments are {sorted(names)}"
             )
         return cls(**kwargs)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 15  # a verified row is at most 16 positions
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (scheduler.py proposes, the step verifies; core/ngram.py). method
+    "ngram": the tokens that followed the last occurrence in the request's own prompt and output
+    of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min), up to
+    num_speculative_tokens of them. The step-cost model sizes each step's proposals (down to none)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            hint = (" (a draft model is not built yet: use 'ngram')" if self.method in ("draft_model", "eagle",
+                                                                                      "eagle3", "mtp") else "")
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.method!r}{hint}")
+        for name, hi in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", 64),
+                         ("prompt_lookup_min", 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, {hi}], got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @property
+    def width(self) -> int:
+        """Q: the positions a verified row's logits are taken at (its proposals and one more)."""
+        return self.num_speculative_tokens + 1
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """EngineArgs.speculative_config as given: None, a SpeculativeConfig, a dict or its JSON
+        text. Unknown keys are refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be a JSON object, e.g. "
+                                 f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}': {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")  # noqa: TRY004 - every EngineArgs error is a ValueError
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {names}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (one of "
+                             f"{SPECULATIVE_METHODS})")
+        return cls(**value)
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -301,6 +372,7 @@ class SchedulerConfig:
     max_paddings: int = EngineArgs.max_paddings
     long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold  # 0: no cap
     max_num_queued_requests: int | None = EngineArgs.max_num_queued_requests  # the one owner of the limit
+    speculative: SpeculativeConfig | None = None  # proposals per row, verified in the step; None: off
 
 
 @dataclass(frozen=True)
@@ -332,6 +404,9 @@ class EngineConfig:
     cpu_reserved_cores: int = 0  # cores for the host's Python threads (cpu_affinity.py); CPU only
     quantization: str | None = None  # weight-only, at load (models/quantize.py)
     quantize_embedding: bool = False
+    # speculative decoding sizes its proposals by the step-cost model (speculation.py); False: every
+    # proposal is verified (step_cost_model=False)
+    speculation_by_cost: bool = True
 
 
 def quantization_of(args: EngineArgs, model: ModelConfig) -> str | None:
@@ -372,7 +447,14 @@ def reserved_cores(n: int | str | None, platform: str, counted: int | None = Non
 
 
 def decide_async_scheduling(args: EngineArgs, model: ModelConfig, platform: str, reserved: int) -> bool:
-    """EngineArgs.async_scheduling, None decided by the platform's rule (logged with why)."""
+    """EngineArgs.async_scheduling, None decided by the platform's rule (logged with why). Off with
+    speculative decoding: a row's proposals come from its tokens so far, which the host must have
+    read (the step before is read before the next is scheduled)."""
+    if args.speculative_config is not None:
+        if args.async_scheduling:
+            raise ValueError("async_scheduling=True cannot be combined with speculative_config: proposals are made "
+                             "from tokens the host has read, so steps run in turns; leave async_scheduling unset")
+        return False
     if args.async_scheduling is not None:
         return args.async_scheduling
     host = platforms.of(platform).host_runs_model
@@ -458,7 +540,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         swap_min_tokens=swap_min_tokens(model, kv_dtype, plat), num_host_blocks=num_host_blocks,
         swap_threshold=args.swap_threshold, max_paddings=args.max_paddings,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_queued_requests=args.max_num_queued_requests)
+        max_num_queued_requests=args.max_num_queued_requests, speculative=args.speculative_config)
     return EngineConfig(
         model_path=model_path, tokenizer_path=args.tokenizer or model_path, model=model,
         cache=CacheConfig(block_size=P, num_blocks=num_blocks, dtype=kv_dtype, max_blocks_per_seq=M), scheduler=sched,
@@ -470,6 +552,6 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         step_cost_model=args.step_cost_model if args.step_cost_model is not None else args.target_tpot_ms is not None,
         target_tpot_ms=args.target_tpot_ms, warm_up_runs=bool(args.warm_up_runs),
         cpu_reserved_cores=n_reserved, quantization=quantization_of(args, checkpoint),
-        quantize_embedding=args.quantize_embedding,
+        quantize_embedding=args.quantize_embedding, speculation_by_cost=args.step_cost_model is not False,
         layer_weights=plat.layer_weights if args.layer_weights == "auto" else args.layer_weights,
         sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches)

@@ -84,6 +84,17 @@ class EngineMetrics:
             PREFIX + "memory_bytes", "Where one device's memory went at start, by kind: weights, kv_pool, swap (host "
             "memory), workspace (the largest step program's temporaries), budget (gpu_memory_utilization of the "
             "device) and what it leaves.", ("kind",), registry=self.registry)
+        # speculative decoding (vLLM's names): rows that verified proposals, proposals verified,
+        # those kept, and those kept by position (the mean accepted length is 1 + accepted / drafts)
+        self.spec_counters = {name: counter(name, doc) for name, doc in (
+            ("spec_decode_num_drafts", "Rows that verified proposed tokens (speculative decoding)."),
+            ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens kept."))}
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens kept, by their position in the proposal "
+            "(0 first).", ("position",))
+        self._spec_seen: dict[str, int] = dict.fromkeys(self.spec_counters, 0)
+        self._spec_pos_seen: list[int] = []
         self._preemptions_seen = 0
         self._seconds_seen = (0.0, 0.0)
         self._phases_seen = dict.fromkeys(HOST_PHASES, 0.0)
@@ -115,6 +126,17 @@ class EngineMetrics:
             if now > self._phases_seen[phase]:
                 self.engine_host_seconds.labels(phase=phase).inc(now - self._phases_seen[phase])
                 self._phases_seen[phase] = now
+        for name, c in self.spec_counters.items():
+            now = getattr(stats, name)
+            if now > self._spec_seen[name]:
+                c.inc(now - self._spec_seen[name])
+                self._spec_seen[name] = now
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        self._spec_pos_seen += [0] * (len(per_pos) - len(self._spec_pos_seen))
+        for j, now in enumerate(per_pos):
+            if now > self._spec_pos_seen[j]:
+                self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(j)).inc(now - self._spec_pos_seen[j])
+                self._spec_pos_seen[j] = now
         if stats.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions

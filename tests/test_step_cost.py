@@ -189,3 +189,22 @@ def test_bad_input_raises():
         StepCostModel.from_table({"version": 0, "forgetting": 0.98, "pairs": []})
     assert not model.known(64, 7)  # a bad observation left nothing behind
     assert not model.known(64, 8)
+
+
+def test_widths_are_fitted_apart_and_kept_in_the_table():
+    """Speculative steps (width Q: each row's logits at Q positions) cost more than the same (T, S)
+    at width 1; each width has its own lines, and the table keeps them (version 1 tables read as
+    width 1)."""
+    model = StepCostModel(PAIRS, widths=(1, 4))
+    for ctx in (100, 400, 900):
+        model.observe(StepShape(64, 8, ctx), 1e-3 + 1e-6 * ctx)
+        model.observe(StepShape(64, 8, ctx, 4), 2e-3 + 1e-6 * ctx)
+    assert model.predict(StepShape(64, 8, 500)) == pytest.approx(1.5e-3)
+    assert model.predict(StepShape(64, 8, 500, 4)) == pytest.approx(2.5e-3)
+    assert model.known(64, 8, 4) and not model.known(64, 16, 4)
+    with pytest.raises(ValueError, match="at width 3"):
+        model.predict(StepShape(64, 8, 0, 3))
+    again = StepCostModel.from_table(json.loads(json.dumps(model.to_table())))
+    assert again.predict(StepShape(64, 8, 500, 4)) == model.predict(StepShape(64, 8, 500, 4))
+    old = {"version": 1, "forgetting": 0.98, "pairs": [[t, s, 0, 0, 0, 0, 0] for t, s in PAIRS]}
+    assert StepCostModel.from_table(old).widths == [1]

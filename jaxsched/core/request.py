@@ -279,6 +279,10 @@ class Request:
     error_param: str | None = None  # set when its own input caused that: the field to change
     num_preemptions: int = 0
     deferred_step: int = -2  # the last step the step-cost model put this request's decode row off
+    # speculative decoding: decayed counts of its proposals kept and tested (speculation.py)
+    spec_kept: float = 0.0
+    spec_tried: float = 0.0
+    spec_step: int = 0  # the scheduler's step count when its proposals were last verified
     # which tokens it may sample next (grammar.py): follows its accepted tokens; None = any
     constraint: TokenConstraint | None = None
     # arrival order, set by the scheduler: the tie-breaker of every ordering

@@ -38,9 +38,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxsched.config import SchedulerConfig
+from jaxsched.core import speculation
 from jaxsched.core.block_manager import NULL_BLOCK, BlockManager, SwapPool, cdiv
 from jaxsched.core.buckets import round_up, seq_buckets_for
 from jaxsched.core.kv_groups import FULL_ATTENTION, KVGroups
+from jaxsched.core.ngram import NgramProposer
 from jaxsched.core.policy import SchedulerPolicy, make_policy
 from jaxsched.core.request import Request, RequestStatus
 from jaxsched.core.stats import EngineStats
@@ -64,6 +66,10 @@ class ScheduledRequest:
     # its one new token is the one the previous step sampled for it, which the host has not read
     # yet (overlapped scheduling): the step takes it from the device
     from_prev: bool = False
+    # speculative decoding: the tokens proposed to follow its last one, the last of its
+    # num_new_tokens (speculation.py); the step verifies them
+    spec_token_ids: Sequence[int] = ()
+    num_output: int = 0  # tokens update() appended to the request from this row
 
 
 @dataclass
@@ -83,6 +89,10 @@ class SchedulerOutput:
     seq_bucket: int = 0  # S
     context: int = 0  # KV tokens the step's attention reads: its rows' sequence lengths after it, summed
     num_deferred: int = 0  # decode rows the step-cost model put off to the next step
+    # Q: positions each row's logits are taken at: 1, or with proposals to verify the speculative
+    # config's num_speculative_tokens + 1 (the runner's programs of that width)
+    width: int = 1
+    num_draft_tokens: int = 0  # proposals the step verifies (counted in num_tokens)
 
     @property
     def num_seqs(self) -> int:
@@ -105,13 +115,23 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  policy: str | SchedulerPolicy = "fcfs", cost_model: StepCostModel | None = None,
-                 target_step_seconds: float | None = None) -> None:
+                 target_step_seconds: float | None = None, size_steps: bool = True) -> None:
         """cost_model: predicted step times, fed by whoever runs the steps (the engine); None keeps
         the max_paddings rule. target_step_seconds: keep each step's predicted time within this
-        (a TPOT target) instead of maximising tokens per second."""
+        (a TPOT target) instead of maximising tokens per second. size_steps False: the cost model
+        sizes speculative proposals only (speculation.py), steps keep the max_paddings rule."""
         self.config = config
         self.cost_model = cost_model
+        self.size_steps = size_steps
         self.target_step_seconds = target_step_seconds
+        spec = config.speculative
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
+        self.speculating = spec is not None  # proposals are made (set_speculation turns them off and on)
+        self.num_drafts = 0  # rows that verified proposals
+        self.num_draft_tokens = 0  # proposals verified
+        self.num_accepted_tokens = 0  # of those, kept
+        # kept proposals by position (1st, 2nd, ...): vLLM's num_accepted_tokens_per_pos
+        self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.block_manager = block_manager
         self.policy = make_policy(policy)
         self._key = self.policy.sort_key  # static per request: queues stay sorted by insertion
@@ -228,6 +248,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         rid = request.request_id
+        if self.proposer is not None:
+            self.proposer.forget((rid,))
         self.block_manager.free(rid)
         self.swap_pool.release(rid)
         del self.requests[rid]
@@ -246,6 +268,9 @@ class Scheduler:
             num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
             num_requests_swapped=len(self.swapped), kv_cache_usage_perc=bm.usage,
             num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs,
+            spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.accepted_per_pos),
             num_block_copies=self.num_block_copies, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, num_steps=self.step_count, num_scheduled_tokens=self.num_tokens,
             num_padded_tokens=self.num_padding, last_step_padded_tokens=self.last_padding)
@@ -290,7 +315,7 @@ class Scheduler:
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
         if sched:
-            model = self.cost_model
+            model = self.cost_model if self.size_steps else None
             known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
             # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
             if not (known and self.target_step_seconds is not None):
@@ -300,10 +325,12 @@ class Scheduler:
                     known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
             if known:
                 total = self._choose_by_cost(out, total, was_running)
+            if self.speculating:
+                total += self._propose(out, total)
             context = 0
             for row in sched.values():
                 self._commit(row)
-                context += row.request.num_computed_tokens
+                context += row.request.num_computed_tokens + len(row.spec_token_ids)
                 bm.register(row.request)
                 row.block_ids = bm.block_ids(row.request.request_id)
                 row.blocks_trimmed = bm.trimmed(row.request.request_id)
@@ -318,6 +345,64 @@ class Scheduler:
         self.num_padding += self.last_padding
         return out
 
+    def _propose(self, out: SchedulerOutput, total: int) -> int:
+        """Speculative decoding: proposals for the step's decode rows whose tokens the host has all
+        read, as many as the step-cost model finds worth verifying (speculation.choose), in free
+        blocks only (a proposal never preempts). Returns the tokens added."""
+        spec, bm = self.config.speculative, self.block_manager
+        rows = []  # (row, its proposals, its acceptance rate)
+        for row in out.scheduled.values():
+            req = row.request
+            if (row.num_new_tokens != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+                    or not req.output_token_ids):
+                continue
+            sp = req.sampling_params
+            # a history-dependent table (penalties, min_tokens) or a grammar's mask would change with
+            # each proposal: such rows verify none (a fixed mask, allowed_token_ids, and logit_bias do)
+            if sp.uses_penalties or (req.constraint is not None and req.constraint.depends_on_tokens):
+                continue
+            rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
+            k = min(spec.num_speculative_tokens, self._steps_left(req) - 1)
+            if k <= 0 or (rate < speculation.MIN_RATE
+                          and self.step_count - req.spec_step < speculation.RETRY_STEPS):
+                continue
+            drafts = self.proposer.propose(req, k)
+            if drafts:
+                rows.append((row, drafts, rate))
+        if not rows:
+            return 0
+        # every proposal with its chance of being kept (rate ** position), best first; a row's
+        # proposals stay in order, as each chance is below the one before it
+        cands = sorted(((rate ** (j + 1), i) for i, (_, drafts, rate) in enumerate(rows) for j in range(len(drafts))),
+                       key=lambda c: -c[0])
+        model, S = self.cost_model, len(out.scheduled)
+        width = spec.width
+        context = sum(row.request.num_computed_tokens + row.num_new_tokens for row in out.scheduled.values())
+
+        def predict(T: int, n_rows: int, wide: bool) -> float:
+            Tb, Sb = self.bucket_pair(T, n_rows)
+            return model.predict(StepShape(Tb, Sb, context + T - total, width if wide else 1))
+
+        x = speculation.choose(cands, total, S, self.config.max_num_batched_tokens - total,
+                               self.config.token_buckets, predict if model is not None else None,
+                               self.target_step_seconds)
+        per_row = [0] * len(rows)
+        for _, i in cands[:x]:
+            per_row[i] += 1
+        added = 0
+        for (row, drafts, _), k in zip(rows, per_row):
+            # the request's blocks for its proposals too; from the free pool only, else fewer
+            while k and not bm.allocate_slots(row.request, 1 + k):
+                k -= 1
+            if k:
+                row.spec_token_ids = drafts[:k]
+                row.num_new_tokens = 1 + k
+                added += k
+        if added:
+            out.width = width
+            out.num_draft_tokens = added
+        return added
+
     @staticmethod
     def _commit(row: ScheduledRequest) -> None:
         """Count a row's tokens as computed once the step's decisions are final (before the step
@@ -325,9 +410,11 @@ class Scheduler:
         token it samples as pending until update() reads it."""
         req = row.request
         known = req.num_tokens
-        row.from_prev = req.num_computed_tokens + row.num_new_tokens > known  # only a pending token: n == 1
+        # proposals are not counted as computed: update() counts the ones kept
+        n = row.num_new_tokens - len(row.spec_token_ids)
+        row.from_prev = req.num_computed_tokens + n > known  # only a pending token: n == 1
         row.output_index = req.num_output_tokens + req.num_pending
-        req.num_computed_tokens += row.num_new_tokens
+        req.num_computed_tokens += n
         if req.num_computed_tokens == known + req.num_pending:
             row.samples = True
             req.num_pending += 1
@@ -596,52 +683,84 @@ class Scheduler:
         return buckets[k - 1]
 
     def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[int]:
-        """Apply a step's results. Returns the batch indices of requests that got a new token.
+        """Apply a step's results. Returns the batch indices of requests that got new tokens (each
+        row's num_output says how many).
 
-        sampled_token_ids[i] is the token sampled for the i-th row of out.scheduled; it only counts
-        when that row caught up with all the request's tokens (a partial prefill chunk samples a
-        token that is thrown away) and the request has not ended since. With overlapped scheduling
-        the next step was scheduled already: a request preempted by it still gets its token here.
+        sampled_token_ids[i * Q + j] is the token sampled for the i-th row of out.scheduled at its
+        j-th logits position (Q = out.width; 1 without proposals); it only counts when that row
+        caught up with all the request's tokens (a partial prefill chunk samples a token that is
+        thrown away) and the request has not ended since. A row with proposals keeps those its
+        sampler drew the same token for, in order, and the token drawn at the first that differs
+        (or after the last): the tokens the target model alone would have produced, greedy or
+        drawn (speculation.py). With overlapped scheduling the next step was scheduled already: a
+        request preempted by it still gets its token here.
         """
         got_token: list[int] = []
         ended: list[tuple[Request, RequestStatus]] = []
         sampled = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids
+        Q = out.width
         for i, row in enumerate(out.scheduled.values()):
             req = row.request
             if not row.samples or req.is_finished:  # aborted or failed since schedule()
                 continue
             req.num_pending -= 1
-            token = int(sampled[i])
-            req.output_token_ids.append(token)
+            drafts = row.spec_token_ids
+            tokens = sampled[i * Q : i * Q + len(drafts) + 1]
+            kept = kept_proposals(tokens, drafts)
+            if drafts:
+                self._count_drafts(req, len(drafts), kept)
+                req.spec_step = self.step_count
             got_token.append(i)
-            params = req.sampling_params
             status = None
-            if req.constraint is not None:  # the mask allowed it, so the grammar takes it (else: a bug, this request fails)
-                why = req.constraint.accept(token)
-                if why is not None:
-                    req.error, req.error_param = why, req.constraint.param
-                    status = RequestStatus.FINISHED_ERROR
-                elif req.constraint.finished:  # the output is complete: the grammar allows nothing more
-                    status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                pass
-            elif not params.ignore_eos and token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in params.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-            elif self._length_reached(req, 0):
-                status = RequestStatus.FINISHED_LENGTH
+            for token in [*drafts[:kept], tokens[kept]]:
+                req.output_token_ids.append(int(token))
+                row.num_output += 1
+                status = self._finish_status(req, int(token))
+                if status is not None:
+                    break
             if status is not None:
                 was = req.status
                 self._finish(req, status)
                 ended.append((req, was))
+            elif drafts:
+                # the kept proposals' K/V is computed; the slots past them go back (their blocks
+                # stay with the request, which grows into them)
+                req.num_computed_tokens += kept
+                self.block_manager.set_slots(req, req.num_computed_tokens)
         if ended:
             self.running = [r for r in self.running if not r.is_finished]
             if any(was != RequestStatus.RUNNING for _, was in ended):  # preempted by the next step
                 self.waiting = [r for r in self.waiting if not r.is_finished]
                 self.swapped = [r for r in self.swapped if not r.is_finished]
         return got_token
+
+    def _count_drafts(self, req: Request, proposed: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += kept
+        for j in range(kept):
+            self.accepted_per_pos[j] += 1
+        req.spec_kept, req.spec_tried = speculation.record(req.spec_kept, req.spec_tried, proposed, kept)
+
+    def _finish_status(self, req: Request, token: int) -> RequestStatus | None:
+        """Whether the request ends with `token`, just appended to its output: its grammar refused
+        it (an error) or is complete, EOS, a stop token id, or its length."""
+        params = req.sampling_params
+        if req.constraint is not None:  # the mask allowed it, so the grammar takes it (else: a bug, this request fails)
+            why = req.constraint.accept(token)
+            if why is not None:
+                req.error, req.error_param = why, req.constraint.param
+                return RequestStatus.FINISHED_ERROR
+            if req.constraint.finished:  # the output is complete: the grammar allows nothing more
+                return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if self._length_reached(req, 0):
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def check_invariants(self) -> None:
         """Queues are disjoint and consistent with statuses and the pools. For tests."""
@@ -658,6 +777,19 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING
         self.block_manager.check_invariants()
         self.swap_pool.check_invariants()
+
+
+def kept_proposals(sampled: Sequence[int], proposed: Sequence[int]) -> int:
+    """How many of a row's proposals it keeps: those, in order, that its sampler drew the same token
+    for at their positions. Each position's draw is the one the step without proposals would make
+    there (the request's seed and that output index, over the target's logits given the kept
+    tokens before it), so the kept tokens and the one drawn after them are exactly the target's:
+    rejection sampling against proposals that are one token each (ngram's), whose acceptance test
+    min(1, p / q) is "the draw from p is that token", and whose residual draw is p without it."""
+    kept = 0
+    while kept < len(proposed) and sampled[kept] == proposed[kept]:
+        kept += 1
+    return kept
 
 
 def check_fits(n_prompt: int, max_tokens: int | None, cfg: SchedulerConfig, block_size: int,

@@ -48,6 +48,12 @@ class EngineStats:
     launch_seconds: float = 0.0
     update_seconds: float = 0.0
     output_seconds: float = 0.0
+    # speculative decoding, since start (vLLM's spec_decode_* counters): rows that verified
+    # proposals, the proposals verified, those kept, and those kept by position (1st, 2nd, ...)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # KV slots now: in blocks held by requests, and of those the unfilled tails of last blocks
     kv_allocated_slots: int = 0
     kv_internal_waste_slots: int = 0
@@ -55,6 +61,12 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verifying row yields on average: its kept proposals plus the one drawn after them."""
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts \
+            if self.spec_decode_num_drafts else 0.0
 
     @property
     def host_share(self) -> float:

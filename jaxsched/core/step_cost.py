@@ -35,7 +35,7 @@ import numpy as np
 SEED_WEIGHT = 1.0  # a warm-up timing weighs as one observation; forgetting makes real ones dominate
 REL_SPREAD = 1e-4  # contexts closer than this (relative std) cannot separate a from b
 WITHIN = 0.15  # error_report's "close enough" share
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: pairs [T, S, width, ...]; 1 had no width (read as width 1)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class StepShape:
     T: int  # token bucket
     S: int  # sequence bucket
     context: int  # KV tokens attention reads: sum of every row's sequence length after the step
+    width: int = 1  # Q: positions each row's logits are taken at (speculative decoding verifies Q - 1 proposals)
 
 
 def _check_seconds(seconds: float) -> float:
@@ -89,34 +90,42 @@ def _fit_intercepts(points: list[tuple[int, int, float]]) -> tuple[float, float,
 
 
 class StepCostModel:
-    """Per (T, S) pair, the weighted sufficient statistics [sum w, sum w*x, sum w*x^2, sum w*y,
-    sum w*x*y] of x = context (tokens) and y = step time (seconds)."""
+    """Per (T, S) pair and width (the programs of speculative steps, which take each row's logits
+    at `width` positions, are apart: their lm_head and sampler do more), the weighted sufficient
+    statistics [sum w, sum w*x, sum w*x^2, sum w*y, sum w*x*y] of x = context (tokens) and y = step
+    time (seconds). Widths are fitted apart."""
 
-    def __init__(self, pairs: Sequence[tuple[int, int]], forgetting: float = 0.98):
+    def __init__(self, pairs: Sequence[tuple[int, int]], forgetting: float = 0.98, widths: Sequence[int] = (1,)):
         if not 0 < forgetting <= 1:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting!r}")
         if not pairs:
             raise ValueError("StepCostModel needs the compiled (T, S) bucket pairs, got none")
         self.forgetting = float(forgetting)
-        self._stats: dict[tuple[int, int], list[float]] = {(int(t), int(s)): [0.0] * 5 for t, s in pairs}
-        self._ts_by_s: dict[int, list[int]] = {}  # S -> its T buckets, ascending (for the running max)
-        for t, s in sorted(self._stats):
-            self._ts_by_s.setdefault(s, []).append(t)
-        self._lines: dict[tuple[int, int], tuple[float, float]] | None = None  # fitted (a, b), lazily
+        self._stats: dict[tuple[int, int, int], list[float]] = {
+            (int(t), int(s), int(q)): [0.0] * 5 for q in widths for t, s in pairs}
+        self._ts_by_s: dict[tuple[int, int], list[int]] = {}  # (S, width) -> its T buckets, ascending
+        for t, s, q in sorted(self._stats):
+            self._ts_by_s.setdefault((s, q), []).append(t)
+        self._lines: dict[tuple[int, int, int], tuple[float, float]] | None = None  # fitted (a, b), lazily
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
         """The (T, S) bucket pairs this model predicts."""
-        return list(self._stats)
+        return list(dict.fromkeys((t, s) for t, s, _ in self._stats))
 
-    def _pair(self, T: int, S: int) -> list[float]:
-        st = self._stats.get((T, S))
+    @property
+    def widths(self) -> list[int]:
+        return sorted({q for _, _, q in self._stats})
+
+    def _pair(self, T: int, S: int, width: int = 1) -> list[float]:
+        st = self._stats.get((T, S, width))
         if st is None:
-            raise ValueError(f"(T={T}, S={S}) is not a compiled bucket pair of this model")
+            at = f" at width {width}" if width != 1 else ""
+            raise ValueError(f"(T={T}, S={S}) is not a compiled bucket pair of this model{at}")
         return st
 
-    def _add(self, T: int, S: int, x: float, y: float, w: float, forget: float) -> None:
-        st = self._pair(T, S)
+    def _add(self, T: int, S: int, x: float, y: float, w: float, forget: float, width: int = 1) -> None:
+        st = self._pair(T, S, width)
         st[:] = [forget * st[0] + w, forget * st[1] + w * x, forget * st[2] + w * x * x,
                  forget * st[3] + w * y, forget * st[4] + w * x * y]
         self._lines = None
@@ -125,15 +134,15 @@ class StepCostModel:
         """One measured step; older observations of its pair lose weight by `forgetting`."""
         if shape.context < 0:
             raise ValueError(f"context must be >= 0 tokens, got {shape.context}")
-        self._add(shape.T, shape.S, float(shape.context), _check_seconds(seconds), 1.0, self.forgetting)
+        self._add(shape.T, shape.S, float(shape.context), _check_seconds(seconds), 1.0, self.forgetting, shape.width)
 
-    def seed(self, T: int, S: int, seconds: float) -> None:
+    def seed(self, T: int, S: int, seconds: float, width: int = 1) -> None:
         """Cold start: the warm-up timing of a step of (T, S) made of padding only (runner.time_pairs),
         so context = 0. A weak observation that does not age the others."""
-        self._add(T, S, 0.0, _check_seconds(seconds), SEED_WEIGHT, 1.0)
+        self._add(T, S, 0.0, _check_seconds(seconds), SEED_WEIGHT, 1.0, width)
 
-    def known(self, T: int, S: int) -> bool:
-        st = self._stats.get((T, S))
+    def known(self, T: int, S: int, width: int = 1) -> bool:
+        st = self._stats.get((T, S, width))
         return st is not None and st[0] > 0
 
     def _fitted(self) -> dict[tuple[int, int], tuple[float, float]]:
@@ -149,38 +158,41 @@ class StepCostModel:
         for p, st in known.items():
             b = pooled if slopes[p] is None else slopes[p]
             lines[p] = (st[3] / st[0] - b * st[1] / st[0], b)  # a = mean y - b * mean x
-        c0, c1, c2 = _fit_intercepts([(t, s, a) for (t, s), (a, _) in lines.items()])
-        for t, s in self._stats:
-            if (t, s) not in lines:
-                lines[t, s] = (c0 + c1 * t + c2 * s, pooled)
+        for q in self.widths:  # each width's pairs without data, from that width's fitted ones
+            c0, c1, c2 = _fit_intercepts([(t, s, a) for (t, s, w), (a, _) in lines.items() if w == q])
+            for t, s, w in self._stats:
+                if w == q and (t, s, w) not in lines:
+                    lines[t, s, w] = (c0 + c1 * t + c2 * s, pooled)
         self._lines = lines
         return lines
 
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds: the max over this S's pairs of T' <= T (monotone in T), at least 0.
         With no data at all every step predicts 0.0, so no candidate is preferred."""
-        self._pair(shape.T, shape.S)
+        self._pair(shape.T, shape.S, shape.width)
         lines = self._fitted()
         best = 0.0
-        for t in self._ts_by_s[shape.S]:
+        for t in self._ts_by_s[shape.S, shape.width]:
             if t > shape.T:
                 break
-            a, b = lines[t, shape.S]
+            a, b = lines[t, shape.S, shape.width]
             best = max(best, a + b * shape.context)
         return best
 
     def to_table(self) -> dict:
         """JSON-serialisable state; JSON keeps Python floats exactly, so from_table predicts the same."""
         return {"version": TABLE_VERSION, "forgetting": self.forgetting,
-                "pairs": [[t, s, *st] for (t, s), st in self._stats.items()]}
+                "pairs": [[t, s, q, *st] for (t, s, q), st in self._stats.items()]}
 
     @classmethod
     def from_table(cls, table: dict) -> StepCostModel:
-        if table.get("version") != TABLE_VERSION:
-            raise ValueError(f"step-cost table version {table.get('version')!r}, this build reads {TABLE_VERSION}")
-        model = cls([(row[0], row[1]) for row in table["pairs"]], table["forgetting"])
-        for t, s, *st in table["pairs"]:
-            model._stats[t, s] = [float(v) for v in st]
+        version = table.get("version")
+        if version not in (1, TABLE_VERSION):
+            raise ValueError(f"step-cost table version {version!r}, this build reads 1 and {TABLE_VERSION}")
+        rows = [[r[0], r[1], 1, *r[2:]] for r in table["pairs"]] if version == 1 else table["pairs"]
+        model = cls([(r[0], r[1]) for r in rows], table["forgetting"], widths=sorted({r[2] for r in rows}))
+        for t, s, q, *st in rows:
+            model._stats[t, s, q] = [float(v) for v in st]
         return model
 
     def error_report(self, samples: Sequence[tuple[StepShape, float]]) -> dict:

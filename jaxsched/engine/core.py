@@ -147,7 +147,7 @@ class StepFailure(Exception):
 class EngineCore:
     # the methods a UtilityRequest may name (a core in another process runs nothing else)
     UTILITIES = frozenset({"reset_prefix_cache", "set_async_scheduling", "take_cost_errors",
-                           "keep_cost_errors"})
+                           "keep_cost_errors", "set_speculation"})
 
     def __init__(self, args: EngineArgs | None = None, devices: Sequence[Any] | None = None,
                  engine_index: int = 0, **kwargs: Any) -> None:
@@ -180,11 +180,15 @@ class EngineCore:
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching,
                                           groups=kv_groups(cfg.model))
-        self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets)) \
-            if cfg.step_cost_model else None
+        # the step-cost model sizes steps (step_cost_model), and speculative decoding's proposals
+        spec = cfg.scheduler.speculative
+        self.cost_model = StepCostModel(bucket_pairs(cfg.scheduler.token_buckets, cfg.scheduler.seq_buckets),
+                                        widths=(1, spec.width) if spec is not None else (1,)) \
+            if cfg.step_cost_model or (spec is not None and cfg.speculation_by_cost) else None
         target = cfg.target_tpot_ms / 1e3 if cfg.target_tpot_ms is not None else None
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
-                                   cost_model=self.cost_model, target_step_seconds=target)
+                                   cost_model=self.cost_model, target_step_seconds=target,
+                                   size_steps=cfg.step_cost_model)
         self.runner = ModelRunner(model, cfg, mesh)
         del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
         host_malloc.release_freed()
@@ -248,10 +252,17 @@ class EngineCore:
         seeds: list[tuple[int, int, float]] = []
         if self.cost_model is not None:
             sc = cfg.scheduler
-            seeds = self.runner.time_pairs([self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
-                                            for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])])
+            pairs = [self.scheduler.bucket_pair(T, min(T, sc.max_num_seqs))
+                     for T in sc.token_buckets if T <= max(sc.max_num_seqs, sc.token_buckets[0])]
+            seeds = self.runner.time_pairs(pairs)
             for T, S, seconds in seeds:
                 self.cost_model.seed(T, S, seconds)
+            if sc.speculative is not None:
+                # the steps that verify proposals: each decode-sized T with a row per 1 + k tokens
+                Q = sc.speculative.width
+                wide = [self.scheduler.bucket_pair(T, max(1, min(T // Q, sc.max_num_seqs))) for T, _ in pairs]
+                for T, S, seconds in self.runner.time_pairs(list(dict.fromkeys(wide)), Q=Q):
+                    self.cost_model.seed(T, S, seconds, Q)
         if cfg.cpu_reserved_cores:  # again: threads started during warm-up
             reserve(cfg.cpu_reserved_cores)
         return seeds
@@ -434,6 +445,13 @@ class EngineCore:
     def set_async_scheduling(self, on: bool) -> None:
         self.async_scheduling = bool(on)
 
+    def set_speculation(self, on: bool) -> None:
+        """Make speculative proposals or not, on an engine built with speculative_config (the same
+        compiled programs either way: `jaxsched bench --speculation both` compares the two)."""
+        if on and self.scheduler.proposer is None:
+            raise ValueError("this engine was built without speculative_config: nothing to turn on")
+        self.scheduler.speculating = bool(on)
+
     def keep_cost_errors(self) -> None:
         """Start keeping (predicted, measured) seconds of every timed step (take_cost_errors reads them)."""
         if self.cost_model is not None:
@@ -559,16 +577,20 @@ class EngineCore:
         sampled = res.sampled
         outputs = []
         broken: dict[str, str] = {}
+        Q = out.width
         for i in got:
-            req = rows[i].request
+            row = rows[i]
+            req = row.request
             k = req.sampling_params.logprobs
             first = not req.first_token_time
             if first:
                 req.first_token_time = time.monotonic()
-            o = EngineCoreOutput(req.request_id, [req.output_token_ids[-1]])
+            c = row.num_output  # 1, or with proposals verified the kept ones and one more
+            o = EngineCoreOutput(req.request_id, req.output_token_ids[-c:])
             if k is not None:
-                o.logprobs = LogprobArrays(sampled.logprob[i:i + 1], sampled.rank[i:i + 1],
-                                           sampled.top_ids[i:i + 1, :k], sampled.top_logprobs[i:i + 1, :k])
+                j = slice(i * Q, i * Q + c)  # a row's logits positions are Q apart in a wide step
+                o.logprobs = LogprobArrays(sampled.logprob[j], sampled.rank[j], sampled.top_ids[j, :k],
+                                           sampled.top_logprobs[j, :k])
             if first:
                 o.first_scheduled_time = req.first_scheduled_time
             if req.is_finished:
@@ -634,7 +656,7 @@ class EngineCore:
         if step.first_run:
             return
         if self.cost_model is not None and self.measure_costs and not step.idle_after:
-            self._costs.append((StepShape(out.token_bucket, out.seq_bucket, out.context), seconds))
+            self._costs.append((StepShape(out.token_bucket, out.seq_bucket, out.context, out.width), seconds))
 
     def apply_cost_observations(self) -> None:
         """Feed the step times measured since the last step to the cost model (and cost_feed)."""

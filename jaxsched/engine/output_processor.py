@@ -192,9 +192,12 @@ class OutputProcessor:
                         state.unfinished -= 1
                 changed.setdefault(state.request_id, (state, []))[1].extend(range(len(state.samples)))
                 continue
-            if s.detok.stop_string is not None and o.finish_reason is None:
+            if s.detok.stop_string is not None and o.finish_reason in (None, "length"):
+                # (a step may bring several tokens, speculative decoding's: the stop string can
+                # come before the one that reached the length)
                 s.finish_reason, s.stop_reason = "stop", s.detok.stop_string
-                to_abort.append(s.core_id)
+                if o.finish_reason is None:
+                    to_abort.append(s.core_id)
             elif o.finish_reason is not None:
                 s.finish_reason = o.finish_reason
                 s.stop_reason = o.stop_reason

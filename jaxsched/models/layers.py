@@ -115,11 +115,15 @@ class DecoderLayers(nnx.Module):
             return after(ws[-1], h[rows], o[rows]), (k_cache, v_cache)
         before_once, after_once = jax.jit(before), jax.jit(after)
         qkv0 = before_once(ws[0], h)
+        # more wanted rows than tokens (speculative decoding's steps take several rows' logits per
+        # token row): the last layer runs on every token and the rows are gathered after it
+        gather_after = rows.shape[0] >= h.shape[0]
 
         def between(i, ws, h, o):
-            if i + 1 < L:
+            if i + 1 < L or gather_after:
                 h = after_once(ws[i], h, o)
-                return (h, *before_once(ws[i + 1], h))
+                return (h, *before_once(ws[i + 1], h)) if i + 1 < L else (h, *(jnp.zeros(x.shape, x.dtype)
+                                                                                for x in qkv0))
             # the last layer: its second half on the wanted rows only, written to the carry's first
             # S rows (S <= T), the other rows keeping this layer's input, never read. Not scattered
             # back to `rows`: a padding row there names a real token, and where the matmuls skip
@@ -138,7 +142,7 @@ class DecoderLayers(nnx.Module):
 
         (h, *_, k_cache, v_cache, _), _ = jax.lax.scan(
             layer, (h, *qkv0, k_cache, v_cache, jnp.int32(0)), None, length=L)
-        return h[: rows.shape[0]], (k_cache, v_cache)
+        return (h[rows] if gather_after else h[: rows.shape[0]]), (k_cache, v_cache)
 
 
 def paged_attend(batch, backend: str, cfg: ModelConfig, cos, sin, page: int, mesh=None,

@@ -169,10 +169,13 @@ class DataParallelClient(EngineCoreClient):
     def stats(self) -> EngineStats:
         """The cores' EngineStats summed; kv_cache_usage_perc over all cores' blocks."""
         each = [c.stats() for c in self.clients]
+        apart = ("kv_cache_usage_perc", "longest_step_seconds", "spec_decode_num_accepted_tokens_per_pos")
         summed = {f.name: sum(getattr(s, f.name) for s in each) for f in dataclasses.fields(EngineStats)
-                  if f.name not in ("kv_cache_usage_perc", "longest_step_seconds")}
+                  if f.name not in apart}
+        per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in each]
         return EngineStats(**summed, kv_cache_usage_perc=sum(s.kv_cache_usage_perc for s in each) / len(each),
-                           longest_step_seconds=max(s.longest_step_seconds for s in each))
+                           longest_step_seconds=max(s.longest_step_seconds for s in each),
+                           spec_decode_num_accepted_tokens_per_pos=tuple(map(sum, zip(*per_pos))) if per_pos else ())
 
     @property
     def dead(self) -> str | None:

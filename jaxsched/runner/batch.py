@@ -77,6 +77,9 @@ class BatchDescriptor:
     # i32[T]  0: the token id is in token_ids; j + 1: it is the token the previous step sampled for
     # its row j, which only the device has yet (overlapped scheduling)
     from_prev: object = _flat("i32", _tokens)
+    # i32[S]  proposals (speculative decoding) among the row's tokens, its last ones: a program of
+    # width Q takes the row's logits at its last num_spec + 1 tokens (and Q - 1 - num_spec copies of the last)
+    num_spec: object = _flat("i32", _rows)
     temperature: object = _flat("f32", _rows)  # f32[S]  0 = greedy
     top_p: object = _flat("f32", _rows)  # f32[S]
     min_p: object = _flat("f32", _rows)  # f32[S]
@@ -103,6 +106,7 @@ class BatchDescriptor:
     bias_ids: object = None  # i32[S, LB] token ids whose logits get a bias; V (out of range) = no entry
     bias_values: object = None  # f32[S, LB] the bias added to each
     has_mask: bool = False  # host only: whether any row of this step is constrained
+    width: int = 1  # host only: Q, the logits positions per row (SchedulerOutput.width)
     has_bias: bool = False  # host only: whether any row of this step has a logit_bias
     # host only: a constrained row's next mask needs the token this step samples, so the next step
     # must wait for it (penalty tables need not: the device folds the pending token in, pending_src)
@@ -421,11 +425,17 @@ class BatchPacker:
         b.flat_i32[:] = 0
         b.flat_f32[:] = 0
         n = out.num_seqs
+        b.width = out.width
         reqs = [row.request for row in sched]
         lens = np.fromiter((row.num_new_tokens for row in sched), np.int32, n)
         total = int(lens.sum())
-        # where each row starts: the scheduler counted this step's tokens as computed already
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n) - lens
+        # where each row starts: the scheduler counted this step's tokens as computed already, but
+        # for the proposals (which follow them)
+        spec = np.zeros(n, np.int32)
+        if out.width > 1:
+            spec[:] = [len(row.spec_token_ids) for row in sched]
+            b.num_spec[:n] = spec
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n) - lens + spec
 
         qsl = b.query_start_loc
         np.cumsum(lens, out=qsl[1 : n + 1])
@@ -436,7 +446,11 @@ class BatchPacker:
 
         # Token ids: one list slice per request, never a per-token Python loop. A token the host has
         # not read yet (a row's only token, then) is taken on the device from the last step's output.
-        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), lens.tolist())]
+        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), (lens - spec).tolist())]
+        if out.width > 1:
+            for i, row in enumerate(sched):
+                if row.spec_token_ids:
+                    slices[i] = slices[i] + list(row.spec_token_ids)
         prev = [i for i, row in enumerate(sched) if row.from_prev]
         src: list[int] = []
         if prev:
@@ -559,7 +573,7 @@ class _Steady:
         whose tables move with every token (penalties, min_tokens, a logit_bias; a grammar's rows are
         checked at every steady step)."""
         n = len(rows)
-        if not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens:
+        if not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens or out.width > 1:
             return None
         if not all(row.num_new_tokens == 1 and row.samples for row in rows):
             return None

@@ -13,7 +13,9 @@ compilation happens in warm_up(), ahead of time;
 a step only looks its executables up, so it can never compile. The KV pool is donated to every
 call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
-(sampled ids + logprobs, packed).
+(sampled ids + logprobs, packed). With speculative decoding every (T, S) pair also has a program
+of width Q (each row's logits at Q positions: its proposals verified, core/speculation.py), and
+the sampler one of S Q rows; a step with proposals runs those.
 
 dispatch() starts a step and returns at once; collect() waits for it and reads its tokens. Each
 step also leaves its sampled ids on the device (prev_ids), where the next step's decode rows take
@@ -238,6 +240,11 @@ class ModelRunner:
         self.block_table = self._new_block_table()  # i32[R + 1, M], updated by every model program
         self._table_writer = None  # the overflow writes' program (block_table.py), compiled at warm-up
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> the model's program
+        # speculative decoding: Q, the logits positions per row of a step that verifies proposals,
+        # and (T, S) -> the model's program of that width (its sampler's rows are S * Q)
+        spec = sched.speculative
+        self.width = spec.width if spec is not None else 1
+        self._wide: dict[tuple[int, int], object] = {}
         # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
         # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
         self.sampler_variants: tuple[frozenset[str] | None, ...] = tuning.SAMPLER_PROGRAMS[config.sampler_branches]
@@ -311,13 +318,17 @@ class ModelRunner:
         return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
-    def _forward(self, weights, kv, table, prev_ids, flat_i32, *, T: int, S: int):
+    def _forward(self, weights, kv, table, prev_ids, flat_i32, *, T: int, S: int, Q: int = 1):
         """The model's part of a step. weights: the state's leaves (the `state` setter). table: the
         device block table (block_table.py), which the step's writes update. prev_ids:
         i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
         scheduled before the host read them take them from here (batch.from_prev), and so do
         penalised rows' tables (batch.pending_src). Returns the pool, the logits f32[S, V] and the
-        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S]), and the table."""
+        sampler's int32 row fields (batch.SAMPLER_I32, i32[7 S]), and the table. Q > 1 (speculative
+        decoding): each row's logits at Q positions, its last num_spec + 1 tokens (then its last
+        again): logits f32[S Q, V] and the row fields repeated for them, i32[7 S Q], each position
+        sampling as the output index it would have (sample_index + j), so that a verified token is
+        the one the step without proposals would have drawn."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
         _, n_f32 = flat_sizes(T, S)
@@ -330,19 +341,31 @@ class ModelRunner:
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         src = batch.pending_src
         batch.pending_token = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], -1)
-        with self._row_limits(batch, T, S):
+        if Q > 1:
+            last = batch.logits_indices[:, None]
+            batch.logits_indices = jnp.minimum(last - batch.num_spec[:, None] + jnp.arange(Q), last).reshape(-1)
+        with self._row_limits(batch, T, S, Q):
             logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
-        return kv, logits, jnp.concatenate([getattr(batch, name) for name in SAMPLER_I32]), table
+        fields = [getattr(batch, name) for name in SAMPLER_I32]
+        if Q > 1:
+            fields = [jnp.repeat(x, Q) for x in fields]
+            j = SAMPLER_I32.index("sample_index")
+            fields[j] = fields[j] + jnp.tile(jnp.arange(Q, dtype=jnp.int32), S)
+        return kv, logits, jnp.concatenate(fields), table
 
-    def _row_limits(self, batch, T: int, S: int):
+    def _row_limits(self, batch, T: int, S: int, Q: int = 1):
         """With packed matmuls: the step's real tokens and sequences, so that the kernels skip its
         padding rows (numba_matmul.row_limits; padding comes last in both). T == S: the tokens'
-        count, at least the sequences'."""
+        count, at least the sequences'. Q > 1: the S Q logits rows, Q per real sequence."""
         if not self.packed_matmuls:
             return contextlib.nullcontext()
         from pallas_kernels import numba_matmul
 
-        return numba_matmul.row_limits({S: batch.num_seqs[0], T: batch.query_start_loc[-1]})
+        limits = {S: batch.num_seqs[0], T: batch.query_start_loc[-1]}
+        if Q > 1:
+            rows = batch.num_seqs[0] * Q
+            limits[S * Q] = jnp.maximum(limits[S * Q], rows) if S * Q in limits else rows
+        return numba_matmul.row_limits(limits)
 
     def _sample(self, logits, rows_i32, flat_f32, tables, *, S: int, features: frozenset[str] | None):
         """The sampler's part of a step, a program of its own per S and variant (the model's is per
@@ -350,20 +373,22 @@ class ModelRunner:
         prev_ids (i32[Smax]) for the next."""
         rows = SamplerRows.from_flat(rows_i32, flat_f32, S, *tables)
         ints, floats = sample(logits, rows, self.max_logprobs, features)
-        # SamplerOutput: the sampled ids come first
-        next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:S].set(ints[:S])
+        # SamplerOutput: the sampled ids come first (a wide step's S Q rows may outnumber
+        # max_num_seqs; nothing reads its ids on the device: speculation runs steps in turns)
+        n = min(S, self.scheduler_config.max_num_seqs)
+        next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:n].set(ints[:n])
         return ints, floats, next_ids
 
-    def compile(self, T: int, S: int):
-        """The model's program for bucket pair (T, S)."""
+    def compile(self, T: int, S: int, Q: int = 1):
+        """The model's program for bucket pair (T, S), taking each row's logits at Q positions."""
         n_i32, _ = flat_sizes(T, S)
         # with a mesh: the pool stays split on its heads, the logits, rows and block table replicated
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
                                                               self._replicated, self._replicated)}
-        fn = jax.jit(self._forward, static_argnames=("T", "S"), donate_argnums=(1, 2), **out)
+        fn = jax.jit(self._forward, static_argnames=("T", "S", "Q"), donate_argnums=(1, 2), **out)
         return self._compiled(fn.lower(self._state_leaves, self.kv, self.block_table,
                                        self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
-                                       self._input((n_i32,), jnp.int32), T=T, S=S))
+                                       self._input((n_i32,), jnp.int32), T=T, S=S, Q=Q))
 
     def compile_sampler(self, S: int, features: frozenset[str] | None = None):
         """The sampler's program for S rows and one variant (sampler.sample's `features`): shared by
@@ -457,8 +482,9 @@ class ModelRunner:
                                            self._put(v, self._pool_sharding))
 
     def step_programs(self) -> list:
-        """The compiled programs of a step: the model's of every bucket pair and every sampler variant."""
-        return list(self._executables.values()) + [p for programs in self._samplers.values() for p in programs]
+        """The compiled programs of a step: the model's of every bucket pair (and width) and every sampler variant."""
+        return (list(self._executables.values()) + list(self._wide.values())
+                + [p for programs in self._samplers.values() for p in programs])
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
         sc = self.scheduler_config
@@ -470,17 +496,21 @@ class ModelRunner:
         enable_compilation_cache()
         t0 = time.perf_counter()
         pairs = self.bucket_pairs()
+        Q = self.width
         for T, S in pairs:
             if (T, S) not in self._executables:
                 self._executables[(T, S)] = self.compile(T, S)
-            if S not in self._samplers:
-                self._samplers[S] = tuple(self.compile_sampler(S, f) for f in self.sampler_variants)
+            if Q > 1 and (T, S) not in self._wide:
+                self._wide[(T, S)] = self.compile(T, S, Q)
+            for R in (S, S * Q) if Q > 1 else (S,):  # the sampler's rows
+                if R not in self._samplers:
+                    self._samplers[R] = tuple(self.compile_sampler(R, f) for f in self.sampler_variants)
         self._compile_swaps()
         if self._table_writer is None:
             ids = self._input((OVERFLOW_CHUNK,), jnp.int32)
             self._table_writer = jax.jit(apply_writes, donate_argnums=(0,)).lower(self.block_table, ids, ids).compile()
         V = self.model_config.vocab_size
-        for S in self.scheduler_config.seq_buckets:  # placed, not jnp.zeros: nothing to compile
+        for S in self._samplers:  # placed, not jnp.zeros: nothing to compile
             (pi, pc, m, bi, bv) = self._table_shapes(S)
             self._idle_tables[S] = (self._device(np.zeros(*pi)), self._device(np.zeros(*pc)),
                                     self._device(np.full(m[0], -1, m[1])),  # all ones: every token allowed
@@ -491,6 +521,8 @@ class ModelRunner:
         if run:
             for T, S in pairs:
                 self.run_once(T, S)
+                if Q > 1:
+                    self.run_once(T, S, Q)
             self._run_sampler_variants()
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s%s", len(pairs),
@@ -508,10 +540,10 @@ class ModelRunner:
             self._fetch(*(p(*args)[0] for p in programs[1:]))
             self.sampler_ran.update((S, k) for k in range(len(programs)))
 
-    def run_once(self, T: int, S: int) -> None:
-        """Run (T, S)'s program on a batch of padding, waiting for it (attention reads nothing and
-        the pool's real blocks are untouched: padding writes the null page)."""
-        self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))))
+    def run_once(self, T: int, S: int, Q: int = 1) -> None:
+        """Run (T, S)'s program (of width Q) on a batch of padding, waiting for it (attention reads
+        nothing and the pool's real blocks are untouched: padding writes the null page)."""
+        self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S, width=Q))))
 
     def dispatch(self, out: SchedulerOutput) -> InFlight:
         """Start one step: its block moves (even an empty step may have some), then its rows, without
@@ -535,7 +567,9 @@ class ModelRunner:
             step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
             step.launch_seconds = time.perf_counter() - t1
             step.device_start = self.model_dispatched
-            step.S, step.rejected, step.needs_tokens = batch.num_seqs_bucket, batch.rejected, batch.needs_tokens
+            # the sampler's rows: S, or S Q in a step verifying proposals
+            step.S = batch.num_seqs_bucket * batch.width
+            step.rejected, step.needs_tokens = batch.rejected, batch.needs_tokens
             return step
         except Exception:
             self.recover_pool()
@@ -559,21 +593,27 @@ class ModelRunner:
     def run(self, batch: BatchDescriptor):
         """Dispatch the model's and the sampler's programs over one packed batch: its packed sampler output,
         still on the device (an array being computed)."""
-        T, S = batch.num_tokens_bucket, batch.num_seqs_bucket
-        exe = self._executables.get((T, S))
+        T, S, Q = batch.num_tokens_bucket, batch.num_seqs_bucket, batch.width
+        exe = (self._executables if Q == 1 else self._wide).get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
-            raise RuntimeError(f"bucket (T={T}, S={S}) was not compiled at warm-up")
+            raise RuntimeError(f"bucket (T={T}, S={S}, width {Q}) was not compiled at warm-up")
+        R = S * Q  # the sampler's rows: Q per row, its row's values repeated (SamplerRows)
+
+        def rows(x):
+            return self._put(x if Q == 1 else np.repeat(x, Q, axis=0))
+
         # tables no row uses are not sent: their idle copies stay on the device (never read, or neutral)
-        idle = self._idle_tables[S]
-        pen = (self._put(batch.penalty_ids), self._put(batch.penalty_counts)) if batch.has_penalties else idle[:2]
-        mask = (self._put(batch.token_mask),) if batch.has_mask else idle[2:3]
-        bias = (self._put(batch.bias_ids), self._put(batch.bias_values)) if batch.has_bias else idle[3:]
+        idle = self._idle_tables[R]
+        pen = (rows(batch.penalty_ids), rows(batch.penalty_counts)) if batch.has_penalties else idle[:2]
+        mask = (rows(batch.token_mask),) if batch.has_mask else idle[2:3]
+        bias = (rows(batch.bias_ids), rows(batch.bias_values)) if batch.has_bias else idle[3:]
         tables = (*pen, *mask, *bias)
+        flat_f32 = batch.flat_f32 if Q == 1 else np.repeat(batch.flat_f32.reshape(-1, S), Q, axis=1).reshape(-1)
         if batch.table_overflow is not None:
             self._write_overflow(*batch.table_overflow)
-        ints, floats, self._prev_ids = self.launch(exe, S, self._prev_ids, self._put(batch.flat_i32),
-                                                   self._put(batch.flat_f32), tables, self.step_needs(batch))
-        self.ran.add((T, S))
+        ints, floats, self._prev_ids = self.launch(exe, R, self._prev_ids, self._put(batch.flat_i32),
+                                                   self._put(flat_f32), tables, self.step_needs(batch))
+        self.ran.add((T, S) if Q == 1 else (T, S, Q))
         return ints, floats
 
     def step_needs(self, batch: BatchDescriptor) -> frozenset[str] | None:
@@ -600,14 +640,15 @@ class ModelRunner:
         self.sampler_ran.add((S, k))
         return self._samplers[S][k]
 
-    def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2) -> list[tuple[int, int, float]]:
-        """(T, S, seconds) of a step of only padding for each pair, the best of `repeats` runs: the
-        step-cost model's cold start (attention then reads nothing; the weights' work is all there)."""
+    def time_pairs(self, pairs: list[tuple[int, int]], repeats: int = 2, Q: int = 1) -> list[tuple[int, int, float]]:
+        """(T, S, seconds) of a step of only padding (of width Q) for each pair, the best of `repeats`
+        runs: the step-cost model's cold start (attention then reads nothing; the weights' work is
+        all there)."""
         times = []
         for T, S in pairs:
-            if (T, S) not in self.ran:  # a program's first run pays one-time costs: not timed
-                self.run_once(T, S)
-            batch = self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S))
+            if ((T, S) if Q == 1 else (T, S, Q)) not in self.ran:  # a first run pays one-time costs: not timed
+                self.run_once(T, S, Q)
+            batch = self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S, width=Q))
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
