@@ -83,6 +83,29 @@ def test_throughput_stops_at_max_steps(llama_dir, capsys):
         assert 0 < r["scheduling_share"] < 1
 
 
+def test_throughput_copy_workload_with_and_without_speculation(llama_dir, capsys):
+    """--workload copy (chat prompts asking for a passage back, ended by EOS) and --speculation both:
+    one run without proposals, one with, on the same engine; the same greedy tokens come out, the
+    run with them reports its proposals (vLLM's spec_decode names) and the ratio."""
+    flags = ["--max-model-len", "320", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "8",
+             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    [res] = run_bench(["throughput", llama_dir, *flags, "--workload", "copy", "-n", "6", "--min-prompt", "20",
+                       "--max-prompt", "60", "--max-output", "8", "--speculation", "both"], capsys)
+    assert res["workload"]["name"] == "copy"
+    runs = {r["speculation"]: r for r in res["runs"]}
+    assert set(runs) == {"on", "off"}
+    on, off = runs["on"], runs["off"]
+    assert on["total_output_tokens"] == off["total_output_tokens"] > 0  # greedy: the same tokens either way
+    assert off["spec_decode"]["num_drafts"] == 0 and off["spec_decode"]["acceptance_rate"] is None
+    sd = on["spec_decode"]
+    assert sd["num_drafts"] > 0 and 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"]
+    assert sd["mean_accepted_length"] == round(1 + sd["num_accepted_tokens"] / sd["num_drafts"], 3)
+    assert list(res["speculation_speedup"]) == ["continuous/overlap off/0"] and res["speculation"] == "on"
+    assert bench_main(["--log-level", "WARNING", "throughput", llama_dir, *ENGINE_FLAGS, "-n", "2", *SMALL,
+                       "--speculation", "on"]) == 2
+    assert "--speculation needs --speculative-config" in capsys.readouterr().err
+
+
 def test_latency(llama_dir, tmp_path, capsys):
     [res] = run_bench(["latency", llama_dir, *ENGINE_FLAGS, "--batch-size", "4", "--input-len", "40",
                        "--output-len", "6", "--num-iters", "2", "--no-async-scheduling",

@@ -47,6 +47,7 @@ class Run:
     kv_allocated_slot_steps: int = 0
     kv_waste_slot_steps: int = 0
     cost_errors: tuple[tuple[float, float], ...] = ()  # the step-cost model's (predicted, measured) seconds
+    speculation: bool | None = None  # proposals made in the run (None: the engine has no speculative_config)
 
     @property
     def num_steps(self) -> int:

@@ -16,6 +16,7 @@ and host / device time per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import resource
 from typing import Any
@@ -54,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated shares of the requests (0 to 1) constrained by a grammar (JSON objects, "
                         "one per line, without end: each still runs to its max_tokens); one run per share, e.g. "
                         "0,0.5,1 for the cost of structured outputs")
+    g.add_argument("--speculation", choices=("on", "off", "both"), default=None,
+                   help="with --speculative-config: make proposals in the runs ('on'), not ('off'), or a run "
+                        "without then one with ('both', on the same engine and programs: the ratio is "
+                        "speculation_speedup); default: on")
     g.add_argument("--max-steps", type=int, default=None, metavar="N",
                    help="stop each run after N engine steps and abort the requests left: the steps with the "
                         "whole workload queued (e.g. -n 2000 --max-steps 40 for the scheduler's share then); "
@@ -83,24 +88,50 @@ def sampling_params(reqs: list[workloads.BenchRequest], penalized: float, struct
     pen = np.arange(n) < round(penalized * n)
     so = np.floor(np.arange(1, n + 1) * structured) > np.floor(np.arange(n) * structured)
     sampled = {"temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {"temperature": 0.0}
-    return [SamplingParams(**sampled, seed=i if temperature > 0 else None, ignore_eos=True, max_tokens=r.output_len,
+    return [SamplingParams(**sampled, seed=i if temperature > 0 else None, ignore_eos=r.ignore_eos, max_tokens=r.output_len,
                            repetition_penalty=1.1 if p else 1.0, structured_outputs=BENCH_GRAMMAR if c else None,
                            output_kind=RequestOutputKind.FINAL_ONLY)
             for i, (r, p, c) in enumerate(zip(reqs, pen, so))]
 
 
 def measure(engine: Any, reqs: list[workloads.BenchRequest], params: list[SamplingParams],
-            batchings: list[str], overlaps: list[bool | None], max_steps: int | None = None) -> list[Run]:
-    """One run per (batching, overlap), batching outermost; overlap None keeps the engine's."""
+            batchings: list[str], overlaps: list[bool | None], max_steps: int | None = None,
+            speculations: tuple[bool | None, ...] = (None,)) -> list[Run]:
+    """One run per (batching, overlap, speculation), batching outermost; overlap None keeps the
+    engine's, speculation None makes no proposals' switch (an engine without speculative_config)."""
     runs = []
     for b in batchings:
         for o in overlaps:
-            if o is not None:
-                driver.set_overlap(engine, o)
-            logger.info("run: %s batching, overlap %s, %d requests", b, "on" if driver.overlap_of(engine) else "off",
-                        len(reqs))
-            runs.append(driver.run(engine, reqs, params, b, max_steps))
+            for spec in speculations:
+                if o is not None:
+                    driver.set_overlap(engine, o)
+                if spec is not None:
+                    engine.client.call_utility("set_speculation", spec)
+                logger.info("run: %s batching, overlap %s%s, %d requests", b,
+                            "on" if driver.overlap_of(engine) else "off",
+                            "" if spec is None else f", speculation {'on' if spec else 'off'}", len(reqs))
+                r = driver.run(engine, reqs, params, b, max_steps)
+                runs.append(dataclasses.replace(r, speculation=spec))
     return runs
+
+
+def speculation_runs(engine: Any, choice: str | None) -> tuple[bool | None, ...]:
+    """The --speculation runs an engine can make: (None,) without speculative_config."""
+    if engine.config.scheduler.speculative is None:
+        if choice not in (None, "off"):
+            raise ValueError("--speculation needs --speculative-config (e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4}')")
+        return (None,)
+    return {None: (True,), "on": (True,), "off": (False,), "both": (False, True)}[choice]
+
+
+def spec_fields(c: dict[str, float]) -> dict[str, Any]:
+    """A run's speculative decoding figures (vLLM's names): proposals verified and kept."""
+    drafts, proposed, kept = (int(c.get(f"spec_decode_num_{k}", 0)) for k in ("drafts", "draft_tokens",
+                                                                               "accepted_tokens"))
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": kept,
+            "acceptance_rate": round(kept / proposed, 4) if proposed else None,
+            "mean_accepted_length": round(1 + kept / drafts, 3) if drafts else None}
 
 
 def run_fields(r: Run) -> dict[str, Any]:
@@ -150,6 +181,9 @@ def run_fields(r: Run) -> dict[str, Any]:
     if phases:
         d["host_ms_per_step_by_phase"] = phases
         d["scheduling_share"] = round(c.get("schedule_seconds", 0.0) / max(step_s, 1e-9), 5)
+    if r.speculation is not None:
+        d["speculation"] = "on" if r.speculation else "off"
+        d["spec_decode"] = spec_fields(c)
     if r.cost_errors:
         # the step-cost model's one-step-ahead predictions against the measured step times
         pred, meas = np.array(r.cost_errors).T
@@ -158,6 +192,17 @@ def run_fields(r: Run) -> dict[str, Any]:
                                  **{f"p{q}": round(float(np.percentile(rel, q)), 3) for q in (50, 90, 99)},
                                  "within_15_percent": round(float((rel <= WITHIN).mean()), 3)}
     return d
+
+
+def speculation_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Output tokens/s with speculation over without, per batching, overlap and structured share."""
+    by = {(r["batching"], r["overlap"], r["structured_share"], r.get("speculation")): r for r in runs}
+    out = {}
+    for (b, o, share, spec), r in by.items():
+        off = by.get((b, o, share, "off"))
+        if spec == "on" and off is not None and off["output_throughput"]:
+            out[f"{b}/overlap {o}/{share:g}"] = round(r["output_throughput"] / off["output_throughput"], 3)
+    return out
 
 
 def parse_shares(text: str) -> list[float]:
@@ -243,30 +288,41 @@ def benchmark(engine: Any, ns: argparse.Namespace, init_s: float = 0.0) -> dict[
         raise ValueError(f"--max-steps must be >= 1, got {ns.max_steps}")
     if any(shares):  # compiled (and the tokenizer converted for llguidance) before any run is timed
         engine.grammars.compile(BENCH_GRAMMAR)
+    speculations = speculation_runs(engine, getattr(ns, "speculation", None))
     runs, measured = [], []
     for share in shares:
         params = sampling_params(reqs, ns.penalized, share, ns.temperature, ns.top_p, ns.top_k)
-        for r in measure(engine, reqs, params, batchings, overlaps, ns.max_steps):
+        for r in measure(engine, reqs, params, batchings, overlaps, ns.max_steps, speculations):
             measured.append(r)
             runs.append({**run_fields(r), "structured_share": share})
+    spec_ratio = speculation_ratios(runs)
+    if len(speculations) > 1:  # the rest compares runs with speculation on (or as the engine makes it)
+        keep = [r.get("speculation") != "off" for r in runs]
+        runs_on = [r for r, k in zip(runs, keep) if k]
+        measured_on = [m for m, k in zip(measured, keep) if k]
+    else:
+        runs_on, measured_on = runs, measured
     for r in runs:
-        if r["total_output_tokens"] != sum(x.output_len for x in reqs) and ns.max_steps is None:
+        if (r["total_output_tokens"] != sum(x.output_len for x in reqs) and ns.max_steps is None
+                and all(x.ignore_eos for x in reqs)):
             logger.warning("%s batching produced %d output tokens, %d were asked for", r["batching"],
                            r["total_output_tokens"], sum(x.output_len for x in reqs))
     res: dict[str, Any] = {"command": "throughput", "engine": describe_engine(engine),
                            "workload": workloads.describe(ns, reqs), "init_s": round(init_s, 2),
                            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
-    free = [r for r in runs if r["structured_share"] == shares[0]]
+    free = [r for r in runs_on if r["structured_share"] == shares[0]]
     res.update(primary(free))
     res["runs"] = runs
     res.update(compare(free))
+    if spec_ratio:
+        res["speculation_speedup"] = spec_ratio
     if len(shares) > 1:
-        res["structured_over_free"] = structured_ratios(runs, shares[0])
+        res["structured_over_free"] = structured_ratios(runs_on, shares[0])
     if engine.config.step_cost_model:
         res["deferred_decode_rows"] = sum(engine.client.call_utility(lambda core: core.scheduler.num_deferred))
     if ns.flops:  # the matmul peak in the weights' dtype where it is one of these, else float32
         dtype = ns.dtype if ns.dtype in ("float32", "bfloat16") else "float32"
-        res["flops"] = flops_fields(engine, reqs, measured[runs.index(primary(free))].elapsed, dtype)
+        res["flops"] = flops_fields(engine, reqs, measured_on[runs_on.index(primary(free))].elapsed, dtype)
     return res
 
 
@@ -275,10 +331,10 @@ def print_summary(res: dict[str, Any]) -> None:
     print(f"engine     {e['model']}: {e['max_num_seqs']} seats, KV {e['kv_blocks']} blocks x {e['block_size']}, "
           f"{e['attention_backend']}, warm-up {e['warmup_s']} s")
     print(f"workload   {w['name']}: {w['num_requests']} requests, {w['requested_output_tokens']} output tokens asked")
-    print(f"{'batching':<11}{'overlap':<8}{'struct':>7}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'steps':>8}"
+    print(f"{'batching':<11}{'overlap':<8}{'spec':<5}{'struct':>7}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'steps':>8}"
           f"{'pad/step':>10}{'peak KV':>9}{'preempt':>9}{'idle seats':>12}{'ms/step':>9}")
     for r in res["runs"]:
-        print(f"{r['batching']:<11}{r['overlap']:<8}{r['structured_share']:>7.2f}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+        print(f"{r['batching']:<11}{r['overlap']:<8}{r.get('speculation', '-'):<5}{r['structured_share']:>7.2f}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
               f"{r['total_token_throughput']:>11.1f}{r['num_steps']:>8}{r['padded_tokens_per_step']:>10.1f}"
               f"{r['peak_kv_cache_usage_perc'] * 100:>8.1f}%{r['num_preemptions']:>9}"
               f"{r['idle_seat_share'] * 100:>11.1f}%{r['wall_ms_per_step']:>9.2f}")
@@ -288,6 +344,14 @@ def print_summary(res: dict[str, Any]) -> None:
               f"idle seats {c['idle_seat_share'][0] * 100:.1f} % vs {c['idle_seat_share'][1] * 100:.1f} %")
     for k, v in res.get("structured_over_free", {}).items():
         print(f"structured {k} / share {res['runs'][0]['structured_share']:g}: {v}x output tokens/s")
+    for r in res["runs"]:
+        sd = r.get("spec_decode")
+        if sd and sd["num_drafts"]:
+            print(f"speculation {r['speculation']:<4}{r['batching']:<11} acceptance rate {sd['acceptance_rate']:.3f}, "
+                  f"mean accepted length {sd['mean_accepted_length']:.2f} ({sd['num_drafts']} rows verified "
+                  f"{sd['num_draft_tokens']} proposals)")
+    for k, v in res.get("speculation_speedup", {}).items():
+        print(f"speculation on / off ({k}): {v}x output tokens/s")
     if "overlap_speedup" in res:
         print(f"overlap on / off: {res['overlap_speedup']}x; host share of a step with overlap "
               f"{res['host_share_with_overlap'] * 100:.1f} %")

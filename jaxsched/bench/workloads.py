@@ -22,13 +22,15 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("uniform", "long-tail")
+WORKLOADS = ("uniform", "long-tail", "copy")
 # Sizes per synthetic workload when the flags are not given. The long tail's outputs are short (16
 # to 64 tokens) but a tenth of them 10x longer (160 to 640): with prompts of 16 to 128 tokens every
 # request fits max_model_len 1024.
 SIZE_DEFAULTS: dict[str, dict[str, int]] = {
     "uniform": {"min_prompt": 16, "max_prompt": 512, "min_output": 16, "max_output": 256},
     "long-tail": {"min_prompt": 16, "max_prompt": 128, "min_output": 16, "max_output": 64},
+    # copy: the passage's tokens (prompt) and the tokens asked for beyond it (output), passages.py
+    "copy": {"min_prompt": 100, "max_prompt": 400, "min_output": 48, "max_output": 48},
 }
 DEFAULT_NUM_REQUESTS = 128
 # common English words: each is one token (with its leading space) in most BPE vocabularies
@@ -49,6 +51,9 @@ class BenchRequest:
     prompt: str | list[int]
     output_len: int
     prompt_len: int | None = None
+    # False: the request ends at EOS (the copy workload: its answer ends where the passage does);
+    # the synthetic and file workloads produce exactly output_len tokens
+    ignore_eos: bool = True
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +61,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload", choices=WORKLOADS, default="uniform",
                    help="synthetic lengths: 'uniform' (prompt and output lengths uniform in their ranges), "
                         "'long-tail' (outputs uniform in their range, but --long-share of them --long-factor "
-                        "times longer); ignored with --dataset")
+                        "times longer), 'copy' (chat prompts asking to repeat or lightly edit a passage of "
+                        "--min-prompt..--max-prompt tokens, answered up to EOS or the passage's length plus "
+                        "--max-output; speculative decoding's best case); ignored with --dataset")
     g.add_argument("--num-requests", "--num-prompts", "-n", dest="num_requests", type=int, default=None,
                    help=f"requests (default: {DEFAULT_NUM_REQUESTS}, or every request of --dataset)")
     for name in ("min-prompt", "max-prompt", "min-output", "max-output"):
@@ -174,7 +181,25 @@ def build(ns: argparse.Namespace, vocab_size: int | None = None, tokenizer: Any 
     """The workload `ns` asks for: --dataset, else the synthetic one."""
     if ns.dataset:
         return load_dataset(ns.dataset, ns.num_requests, ns.seed, tokenizer, ns.output_len, max_model_len)
+    if ns.workload == "copy":
+        return copy(ns, tokenizer)
     return synthetic(ns, vocab_size)
+
+
+def copy(ns: argparse.Namespace, tokenizer: Any | None) -> list[BenchRequest]:
+    """The copy workload (passages.py): each request ends at EOS, or at its passage's length plus
+    --max-output tokens."""
+    from jaxsched.bench.passages import copy_prompts
+
+    if tokenizer is None:
+        raise ValueError("--workload copy renders chat prompts, which needs the model's tokenizer (the offline "
+                         "benchmark has it; for `bench serve` pass --tokenizer)")
+    if ns.min_output is None and ns.max_output is not None:  # one figure: --max-output
+        ns.min_output = ns.max_output
+    resolve_sizes(ns)
+    n = ns.num_requests or DEFAULT_NUM_REQUESTS
+    return [BenchRequest(ids, size + ns.max_output, len(ids), ignore_eos=False)
+            for ids, size in copy_prompts(tokenizer, n, ns.min_prompt, ns.max_prompt, ns.seed)]
 
 
 def describe(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict[str, Any]:
