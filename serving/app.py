@@ -390,20 +390,23 @@ class _Server:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
                 choices.append(r.choice(i, c))
-        return _json(r.response(choices, r.usage(completion_tokens)))
+        return _json(r.response(choices, r.usage(completion_tokens), [out.prompt_logprobs for out in finals]))
 
     async def stream(self, r: Responder, streams: list[RequestStream]) -> AsyncIterator[bytes]:
         completion_tokens = 0
         try:
             for chunk in r.opening():
                 yield sse(chunk)
+            prompt_logprobs: dict[int, Any] = {}  # prompt -> its prompt logprobs, until a chunk takes them
             async for i, out in merge(streams):  # DELTA outputs: what is new since the last one read
+                if out.prompt_logprobs is not None:  # (in its first delta only)
+                    prompt_logprobs[i] = r.conv.prompt_logprobs(out.prompt_logprobs)
                 for d in sorted(out.outputs, key=lambda c: c.index):
                     completion_tokens += len(d.token_ids)
                     if d.text or d.finish_reason or d.logprobs:
                         choice = r.delta_choice(i, d)
                         if choice is not None:
-                            yield sse(r.chunk([choice]))
+                            yield sse(r.chunk([choice], prompt_logprobs=prompt_logprobs.pop(i, None)))
                             if len(d.token_ids) > _YIELD_TOKENS:
                                 # a delta merged while its client read slowly is a large chunk to
                                 # build: the other streams' turn comes between two of them (a send

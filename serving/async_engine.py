@@ -87,6 +87,8 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     if len(outs) > 1:
         outs.sort(key=lambda c: c.index)
+    if into.prompt_logprobs is None:  # (the first delta carries them)
+        into.prompt_logprobs = new.prompt_logprobs
     into.finished, into.metrics = new.finished, new.metrics
     into.error, into.error_param = new.error, new.error_param
 

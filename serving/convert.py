@@ -32,6 +32,8 @@ from serving.protocol import (
     ChatMessage,
     CompletionLogprobs,
     CompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
     RequestError,
     TopLogprob,
 )
@@ -354,11 +356,15 @@ class Converter:
             except ValueError:
                 raise RequestError("logit_bias keys must be token ids written as strings of digits, e.g. "
                                    '{"1234": -100}', param="logit_bias") from None
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= self.max_logprobs:
+            raise RequestError(f"prompt_logprobs must be between 0 and {self.max_logprobs} (the server's "
+                               f"max_logprobs), got {req.prompt_logprobs}", param="prompt_logprobs")
         if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
             raise RequestError(f"logprobs must be between 0 and {self.max_logprobs} (the server's max_logprobs), "
                                f"got {logprobs}", param="top_logprobs" if param == "messages" else "logprobs")
         kw = {
             "n": req.n, "max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "logprobs": logprobs,
+            "prompt_logprobs": req.prompt_logprobs,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "top_k": 0 if req.top_k is None else req.top_k,
@@ -417,6 +423,14 @@ class Converter:
             out.text_offset.append(offset)
             offset += len(s)
         return out
+
+    @staticmethod
+    def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+        """A RequestOutput's prompt_logprobs as vLLM's responses carry them."""
+        if entries is None:
+            return None
+        return [None if e is None else {t: PromptLogprob(lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()}
+                for e in entries]
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int) -> ChatLogprobs:
         content = []

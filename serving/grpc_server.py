@@ -141,11 +141,18 @@ class _Stream:
         self.interval = 1 if self.final_only else max(1, request.stream_interval)
         self.return_text = request.return_text
         self.top = top  # logprobs asked for (None: none)
+        self.prompt_top = request.sampling_params.prompt_logprobs \
+            if request.sampling_params.HasField("prompt_logprobs") else None
+        self.prompt_logprobs: list | None = None  # the prompt's entries, until a message carries them
         self.waiting: dict[int, CompletionOutput] = {}  # sample index -> its tokens not sent yet
         self.tokens = 0  # tokens of every sample so far
         self.done: set[int] = set()  # samples whose finish_reason is sent
 
     def message(self, out: RequestOutput) -> pb.GenerateResponse | None:
+        if out.prompt_logprobs is not None and self.prompt_top is not None:
+            ids = out.prompt_token_ids
+            self.prompt_logprobs = [_logprob(ids[t], e, self.prompt_top) for t, e in enumerate(out.prompt_logprobs)
+                                    if e is not None]
         outputs = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             if c.index in self.done:  # its last message is sent
@@ -167,6 +174,9 @@ class _Stream:
         if not outputs and not out.finished:
             return None
         msg = pb.GenerateResponse(request_id=self.request_id, outputs=outputs, finished=out.finished)
+        if self.prompt_logprobs:
+            msg.prompt_logprobs.extend(self.prompt_logprobs)
+            self.prompt_logprobs = []
         if out.finished:
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
                                         total_tokens=self.prompt_tokens + self.tokens))

@@ -310,12 +310,25 @@ class CompletionLogprobs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob, as its prompt_logprobs hold it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# prompt_logprobs (vLLM's): per prompt token {token id: its PromptLogprob}, None for the first
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # asked with prompt_logprobs (whole responses)
 
 
 class CompletionResponse(Struct, omit_defaults=True):
@@ -377,6 +390,7 @@ class ChatCompletionResponse(Struct):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # asked with prompt_logprobs: the rendered chat's tokens
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -412,6 +426,7 @@ class ChatCompletionChunk(Struct, omit_defaults=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk, when asked
 
 
 class ModelCard(Struct):

@@ -173,9 +173,9 @@ FIELDS: tuple[RequestField, ...] = (
     _f("session_id", BOTH, "vllm", note=_ID_ONLY),
     _f("return_token_offsets", BOTH, "vllm", note=_RENDER_ONLY),
     _f("return_mm_kwargs", BOTH, "vllm", note=_RENDER_ONLY),
-    _f("prompt_logprobs", BOTH, "vllm", REFUSED,
-       "log-probabilities of prompt tokens need a separate set of compiled programs that this server does "
-       "not warm up"),
+    _f("prompt_logprobs", BOTH, "vllm",
+       note="per choice on completions, at the top on chat, in a stream's first chunk; the first token's entry is "
+       "null; at most the server's max_logprobs; the whole prompt is computed, not taken from the prefix cache"),
     _f("logprob_token_ids", BOTH, "vllm", REFUSED, _LOGPROB_IDS),
     _f("bad_words", BOTH, "vllm", REFUSED, "word bans are not implemented: logit_bias can ban tokens"),
     _f("use_beam_search", BOTH, "vllm", REFUSED, _NO_BEAM),

@@ -63,8 +63,9 @@ class Responder(ABC):
         """A finished sample of a whole response."""
 
     @abstractmethod
-    def response(self, choices: list[Any], usage: UsageInfo) -> Any:
-        """The whole response of a request that does not stream."""
+    def response(self, choices: list[Any], usage: UsageInfo, prompt_logprobs: list[Any] | None = None) -> Any:
+        """The whole response of a request that does not stream; prompt_logprobs: each prompt's
+        RequestOutput.prompt_logprobs (None where not asked)."""
 
     @abstractmethod
     def opening(self) -> list[Any]:
@@ -75,8 +76,9 @@ class Responder(ABC):
         """What is new in one sample, for a stream chunk."""
 
     @abstractmethod
-    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> Any:
-        """One stream chunk (the last one, with the usage, has no choices)."""
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None, prompt_logprobs: Any = None) -> Any:
+        """One stream chunk (the last one, with the usage, has no choices); prompt_logprobs: its
+        prompt's, in the first chunk of that prompt's choices."""
 
 
 class CompletionResponder(Responder):
@@ -87,7 +89,10 @@ class CompletionResponder(Responder):
         lp = self.conv.completion_logprobs(c.token_ids, c.logprobs, len(echo)) if c.logprobs else None
         return CompletionChoice(self.index(prompt, c), echo + c.text, lp, c.finish_reason, c.stop_reason)
 
-    def response(self, choices: list[Any], usage: UsageInfo) -> CompletionResponse:
+    def response(self, choices: list[Any], usage: UsageInfo, prompt_logprobs: list[Any] | None = None) -> CompletionResponse:
+        if prompt_logprobs is not None and self.req.prompt_logprobs is not None:  # each choice its prompt's
+            for c in choices:
+                c.prompt_logprobs = self.conv.prompt_logprobs(prompt_logprobs[c.index // self.req.n])
         return CompletionResponse(self.rid, "text_completion", self.created, self.model, choices, usage)
 
     def opening(self) -> list[CompletionResponse]:
@@ -101,7 +106,9 @@ class CompletionResponder(Responder):
         lp = self.conv.completion_logprobs(d.token_ids, d.logprobs, 0) if d.logprobs else None
         return CompletionChoice(self.index(prompt, d), d.text, lp, d.finish_reason, d.stop_reason)
 
-    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> CompletionResponse:
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None, prompt_logprobs: Any = None) -> CompletionResponse:
+        if prompt_logprobs is not None:
+            choices[0].prompt_logprobs = prompt_logprobs
         return CompletionResponse(self.rid, "text_completion", self.created, self.model, choices, usage)
 
 
@@ -133,8 +140,11 @@ class ChatResponder(Responder):
         return ChatChoice(self.index(prompt, c), message, self._logprobs(c.token_ids, c.logprobs), reason,
                           c.stop_reason)
 
-    def response(self, choices: list[Any], usage: UsageInfo) -> ChatCompletionResponse:
-        return ChatCompletionResponse(self.rid, "chat.completion", self.created, self.model, choices, usage)
+    def response(self, choices: list[Any], usage: UsageInfo,
+                 prompt_logprobs: list[Any] | None = None) -> ChatCompletionResponse:
+        pl = self.conv.prompt_logprobs(prompt_logprobs[0]) if prompt_logprobs and self.req.prompt_logprobs is not None \
+            else None
+        return ChatCompletionResponse(self.rid, "chat.completion", self.created, self.model, choices, usage, pl)
 
     def opening(self) -> list[ChatCompletionChunk]:
         role = DeltaMessage(role="assistant", content="")
@@ -167,5 +177,6 @@ class ChatResponder(Responder):
         reasoning, content = parser.feed(new_text, finished)
         return (reasoning if self.include_reasoning else None), content
 
-    def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
+    def chunk(self, choices: list[Any], usage: UsageInfo | None = None, prompt_logprobs: Any = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage,
+                                   prompt_logprobs)

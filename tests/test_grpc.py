@@ -143,6 +143,22 @@ def test_logprobs_and_stop(served):
     assert tokens(msgs) == want and last.finish_reason == "stop" and last.stop_token_id == stop_id
 
 
+def test_prompt_logprobs_come_in_the_first_message(served):
+    """sampling_params.prompt_logprobs: one TokenLogprob per prompt token from the second on, each
+    the prompt's own token with its logprob and the k most likely, in the first message only (both
+    stream modes); the offline engine's figures."""
+    ids = served.refs["prompt_ids"][0]
+    for mode in (pb.STREAM_MODE_TOKENS, pb.STREAM_MODE_FINAL):
+        msgs = served.generate(text=PROMPTS[0], sampling_params=greedy(prompt_logprobs=2), stream=mode)
+        carried = [m for m in msgs if m.prompt_logprobs]
+        assert len(carried) == 1 and carried[0] is msgs[0]
+        pl = list(carried[0].prompt_logprobs)
+        assert [lp.token_id for lp in pl] == ids[1:]
+        assert all(len(lp.top) <= 2 and [t.rank for t in lp.top] == sorted(t.rank for t in lp.top) for lp in pl)
+        assert all(lp.logprob <= 0 and any(t.logprob >= lp.logprob for t in lp.top) for lp in pl)
+        assert tokens(msgs) == served.refs["ids"][0]
+
+
 BAD = [  # (what, request fields, the field the error must name)
     ("no prompt", {"sampling_params": greedy()}, "prompt"),
     ("empty text", {"text": "", "sampling_params": greedy()}, "text"),
@@ -158,6 +174,8 @@ BAD = [  # (what, request fields, the field the error must name)
      "sampling_params.max_tokens"),
     ("too many logprobs", {"text": "hi", "sampling_params": pb.SamplingParams(logprobs=10**6)},
      "sampling_params.logprobs"),
+    ("too many prompt logprobs", {"text": "hi", "sampling_params": pb.SamplingParams(prompt_logprobs=10**6)},
+     "sampling_params.prompt_logprobs"),
     ("stop token past the vocabulary", {"text": "hi", "sampling_params": pb.SamplingParams(stop_token_ids=[10**6])},
      "sampling_params.stop_token_ids"),
     ("logit_bias out of range", {"text": "hi", "sampling_params": pb.SamplingParams(logit_bias={5: 1000.0})},

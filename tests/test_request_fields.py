@@ -175,7 +175,7 @@ def test_taken_values(route: str, name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(("route", "name", "value"), [
     (CHAT, "store", True), (CHAT, "service_tier", "flex"), (CHAT, "modalities", ["text", "audio"]),
-    (CHAT, "best_of", 2), (CHAT, "echo", True), (COMPLETIONS, "suffix", "end"), (CHAT, "prompt_logprobs", 0),
+    (CHAT, "best_of", 2), (CHAT, "echo", True), (COMPLETIONS, "suffix", "end"),
     (CHAT, "prompt_cache_options", {"mode": "explicit"}), (COMPLETIONS, "use_beam_search", True),
     (COMPLETIONS, "length_penalty", 0.5), (COMPLETIONS, "stream_interval", 4),
     (CHAT, "response_format.type", "structural_tag"), (CHAT, "structured_outputs.structural_tag", "{}"),
@@ -276,7 +276,7 @@ def test_markdown_table() -> None:
     lines = table.splitlines()
     assert lines[0] == "| field | routes | status | note |"
     assert len(lines) == 2 + len(FIELDS)
-    assert "| `prompt_logprobs` | `/v1/completions`, `/v1/chat/completions` | refused |" in table
+    assert "| `prompt_logprobs` | `/v1/completions`, `/v1/chat/completions` | honoured |" in table
     assert "| `suffix` | `/v1/completions` | refused |" in table
 
 

@@ -353,3 +353,24 @@ def test_killed_with_sigkill_then_resumed_or_rerun_has_every_custom_id_once(llam
                        "--served-model-name", "tiny", "--max-model-len", "128", "--resume"])
         ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]  # (run's engine: the fixture's)
         assert rc == 0 and sorted(ids) == sorted(f"req-{i:03d}" for i in range(60)), ids
+
+
+def test_prompt_logprobs_in_a_batch_file(run, llm):
+    """A line asking for prompt_logprobs gets them in its response body, as the HTTP route gives them
+    (per choice on completions, at the top on chat), beside the offline engine's figures."""
+    want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                        use_tqdm=False)[0]
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    lines = [json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                         "body": {**body, "prompt": PROMPTS[0]}}),
+             json.dumps({"custom_id": "h", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {**body, "messages": [{"role": "user", "content": PROMPTS[0]}]}})]
+    rc, out, _, _ = run(lines)
+    assert rc == 0
+    comp = out[0]["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert comp[0] is None and len(comp) == len(want.prompt_token_ids)
+    for t, entry in enumerate(want.prompt_logprobs[1:], 1):
+        tok = want.prompt_token_ids[t]
+        assert abs(comp[t][str(tok)]["logprob"] - entry[tok].logprob) < 1e-5
+    chat = out[1]["response"]["body"]["prompt_logprobs"]
+    assert chat[0] is None and len(chat) == out[1]["response"]["body"]["usage"]["prompt_tokens"]

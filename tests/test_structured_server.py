@@ -533,7 +533,7 @@ def test_tool_choice_none_leaves_the_tools_out(server):
 
 
 # -- 5. nothing silently ignored ---------------------------------------------------------------------
-REFUSED = [("use_beam_search", True), ("prompt_logprobs", 1), ("bad_words", ["cat"]), ("length_penalty", 0.5),
+REFUSED = [("use_beam_search", True), ("bad_words", ["cat"]), ("length_penalty", 0.5),
            ("logits_processors", ["my.module:Processor"])]
 
 

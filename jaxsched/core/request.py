@@ -120,6 +120,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # the prompt tokens' logprobs too, with this many alternatives each (vLLM's): the first token's
+    # entry is None; computed per step chunk (model_runner.py), not from the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Penalties, as vLLM applies them on device (see jaxsched/runner/sampler.py): presence and frequency
@@ -164,6 +167,8 @@ class SamplingParams:
             _int("max_tokens", self.max_tokens, 1, INT32_MAX, "None = up to max_model_len")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, INT32_MAX, "the number of alternatives per token")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, INT32_MAX, "the number of alternatives per prompt token")
         if self.seed is not None:
             _int("seed", self.seed, SEED_MIN, SEED_MAX, "any 64-bit integer, signed or unsigned")
         if len(self.stop) > MAX_STOP:
@@ -283,6 +288,8 @@ class Request:
     spec_kept: float = 0.0
     spec_tried: float = 0.0
     spec_step: int = 0  # the scheduler's step count when its proposals were last verified
+    # prompt_logprobs: the prompt tokens whose logprobs went out (a recompute does not send them again)
+    prompt_logprobs_done: int = 1
     # which tokens it may sample next (grammar.py): follows its accepted tokens; None = any
     constraint: TokenConstraint | None = None
     # arrival order, set by the scheduler: the tie-breaker of every ordering
@@ -329,6 +336,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its next step computes prompt positions whose logprobs it still owes."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.prompt_logprobs_done < self.num_prompt_tokens)
 
     @property
     def finish_reason(self) -> FinishReason | None:

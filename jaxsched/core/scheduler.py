@@ -70,6 +70,7 @@ class ScheduledRequest:
     # num_new_tokens (speculation.py); the step verifies them
     spec_token_ids: Sequence[int] = ()
     num_output: int = 0  # tokens update() appended to the request from this row
+    start: int = 0  # the position of its first new token (set by _commit)
 
 
 @dataclass
@@ -93,6 +94,9 @@ class SchedulerOutput:
     # config's num_speculative_tokens + 1 (the runner's programs of that width)
     width: int = 1
     num_draft_tokens: int = 0  # proposals the step verifies (counted in num_tokens)
+    # a row owes prompt logprobs (SamplingParams.prompt_logprobs): the step runs the programs that
+    # take logprobs at every token, whose one (T, S) is prompt_logprobs_buckets
+    prompt_logprobs: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -127,6 +131,7 @@ class Scheduler:
         spec = config.speculative
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
         self.speculating = spec is not None  # proposals are made (set_speculation turns them off and on)
+        self.prompt_logprobs_tokens = prompt_logprobs_tokens(config)
         self.num_drafts = 0  # rows that verified proposals
         self.num_draft_tokens = 0  # proposals verified
         self.num_accepted_tokens = 0  # of those, kept
@@ -295,6 +300,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget, cap)
+            if req.wants_prompt_logprobs:
+                n = min(n, self._room_for_prompt_logprobs(budget))
+                if n <= 0:  # the step is past the prompt logprobs programs' tokens: next step
+                    i += 1
+                    continue
             while not bm.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -304,6 +314,8 @@ class Scheduler:
             else:
                 sched[req.request_id] = ScheduledRequest(req, n)
                 budget -= n
+                if req.wants_prompt_logprobs:
+                    budget = self._prompt_logprobs_step(out, budget)
                 i += 1
 
         # rows of requests that were running already: the only ones the cost model may defer
@@ -314,7 +326,18 @@ class Scheduler:
 
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
-        if sched:
+        if sched and out.prompt_logprobs:
+            # one (T, S) (prompt_logprobs_buckets), which the budget kept the step within:
+            # neither trimmed to another bucket nor given proposals
+            for row in sched.values():
+                self._commit(row)
+                bm.register(row.request)
+                row.block_ids = bm.block_ids(row.request.request_id)
+                row.blocks_trimmed = bm.trimmed(row.request.request_id)
+            out.num_tokens = total
+            out.token_bucket, out.seq_bucket = prompt_logprobs_buckets(cfg)
+            out.context = sum(row.request.num_computed_tokens for row in sched.values())
+        elif sched:
             model = self.cost_model if self.size_steps else None
             known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
             # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
@@ -414,6 +437,7 @@ class Scheduler:
         n = row.num_new_tokens - len(row.spec_token_ids)
         row.from_prev = req.num_computed_tokens + n > known  # only a pending token: n == 1
         row.output_index = req.num_output_tokens + req.num_pending
+        row.start = req.num_computed_tokens
         req.num_computed_tokens += n
         if req.num_computed_tokens == known + req.num_pending:
             row.samples = True
@@ -504,9 +528,15 @@ class Scheduler:
                 # preemptions a few steps later.
                 fits = False
             else:
-                hits = bm.lookup(req)  # G pages a block
+                # a request owing prompt logprobs computes its whole prompt (vLLM's rule): cached
+                # blocks would skip the positions whose logits give them
+                hits = [] if req.wants_prompt_logprobs else bm.lookup(req)  # G pages a block
                 hit_tokens = len(hits) // bm.G * bm.block_size
                 n = req.num_tokens - hit_tokens
+                if req.wants_prompt_logprobs:
+                    n = min(n, self._room_for_prompt_logprobs(budget))
+                    if n <= 0:
+                        break
                 if n > budget and not cfg.enable_chunked_prefill:
                     fits = False
                 else:
@@ -537,7 +567,20 @@ class Scheduler:
             self._insert(self.running, req)
             out.scheduled[req.request_id] = ScheduledRequest(req, n)
             budget -= n
+            if req.wants_prompt_logprobs:
+                budget = self._prompt_logprobs_step(out, budget)
         return budget
+
+    def _room_for_prompt_logprobs(self, budget: int) -> int:
+        """Tokens a row owing prompt logprobs may take: its step must fit the prompt logprobs
+        programs' token bucket."""
+        return min(budget, self.prompt_logprobs_tokens - (self.config.max_num_batched_tokens - budget))
+
+    def _prompt_logprobs_step(self, out: SchedulerOutput, budget: int) -> int:
+        """The step now has a row owing prompt logprobs: it runs at that token bucket, which caps the
+        rows after it. Returns the budget left."""
+        out.prompt_logprobs = True
+        return min(budget, self.prompt_logprobs_tokens - (self.config.max_num_batched_tokens - budget))
 
     def _preempt_lower(self, cand: Request, out: SchedulerOutput) -> int | None:
         """Preempt the lowest-ranked running request for `cand` if the policy allows it and that
@@ -777,6 +820,26 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING
         self.block_manager.check_invariants()
         self.swap_pool.check_invariants()
+
+
+# the token bucket of steps with a row owing prompt logprobs: at least this, or the step's budget
+PROMPT_LOGPROBS_TOKENS = 256
+
+
+def prompt_logprobs_tokens(cfg: SchedulerConfig) -> int:
+    """The token bucket of steps with a row owing prompt logprobs. Large enough for a full step of
+    decode rows beside such a row's chunk, so that the running rows never keep it out."""
+    want = min(cfg.max_num_batched_tokens, max(PROMPT_LOGPROBS_TOKENS, cfg.max_num_seqs + 1))
+    return round_up(cfg.token_buckets, want)
+
+
+def prompt_logprobs_buckets(cfg: SchedulerConfig) -> tuple[int, int]:
+    """The one (T, S) of steps with a row owing prompt logprobs: their programs take logprobs at every
+    token, and one such program (per engine) costs a warm-up less than one per bucket pair would;
+    the S bucket holds as many rows as any step of T tokens can have (the rows past the step's are
+    padding, which the packed matmuls skip on a CPU)."""
+    T = prompt_logprobs_tokens(cfg)
+    return T, round_up(seq_buckets_for(cfg.seq_buckets, T), min(T, cfg.max_num_seqs))
 
 
 def kept_proposals(sampled: Sequence[int], proposed: Sequence[int]) -> int:

@@ -543,9 +543,10 @@ class EngineCore:
             self._observe(step, res)
         t0 = time.perf_counter()
         failed = self.fail(res.rejected)  # before update: the tokens of their rows do not count
+        prompt = self._prompt_logprobs(step.out, res) if res.prompt is not None else {}
         got = self.scheduler.update(step.out, res.sampled.sampled)
         t1 = time.perf_counter()
-        outputs = failed + self._outputs(step.out, got, res)
+        outputs = failed + self._outputs(step.out, got, res, prompt)
         self._phase_seconds["update"] += t1 - t0
         self._phase_seconds["output"] += time.perf_counter() - t1
         return outputs
@@ -567,7 +568,29 @@ class EngineCore:
             spoiled.update(dict.fromkeys(self.scheduler.recover(out), why))
         return StepFailure(outputs + self.fail(spoiled), e.cause)
 
-    def _outputs(self, out: SchedulerOutput, got: list[int], res: StepResult) -> list[EngineCoreOutput]:
+    def _prompt_logprobs(self, out: SchedulerOutput, res: StepResult) -> dict[str, tuple[int, LogprobArrays]]:
+        """Request id -> (first prompt token, its entries) of the prompt tokens this step scored that
+        its request still owed (a recompute after preemption scores them again: not sent twice)."""
+        pl = res.prompt
+        got: dict[str, tuple[int, LogprobArrays]] = {}
+        at = 0  # the row's first token in T
+        for row in out.scheduled.values():
+            req, n = row.request, row.num_new_tokens
+            k = req.sampling_params.prompt_logprobs
+            if k is not None and not req.is_finished:
+                # position p scores prompt token p + 1; the tokens owed start at prompt_logprobs_done
+                lo = max(row.start + 1, req.prompt_logprobs_done)
+                hi = min(row.start + n, req.num_prompt_tokens - 1) + 1
+                if hi > lo:
+                    j = slice(at + lo - 1 - row.start, at + hi - 1 - row.start)
+                    got[req.request_id] = (lo, LogprobArrays(pl.logprob[j], pl.rank[j], pl.top_ids[j, :k],
+                                                             pl.top_logprobs[j, :k]))
+                    req.prompt_logprobs_done = hi
+            at += n
+        return got
+
+    def _outputs(self, out: SchedulerOutput, got: list[int], res: StepResult,
+                 prompt: dict[str, tuple[int, LogprobArrays]] | None = None) -> list[EngineCoreOutput]:
         """The outputs of the requests that got a token in step `out` (rows `got`). The step's start
         is each row's first scheduling time; a sample that failed ends its siblings."""
         rows = list(out.scheduled.values())
@@ -593,11 +616,15 @@ class EngineCore:
                                            sampled.top_logprobs[j, :k])
             if first:
                 o.first_scheduled_time = req.first_scheduled_time
+            if prompt and req.request_id in prompt:
+                o.prompt_logprobs_start, o.prompt_logprobs = prompt.pop(req.request_id)
             if req.is_finished:
                 self._finished(req, o)
                 if req.error is not None and req.group_id is not None:
                     broken[req.group_id] = req.error
             outputs.append(o)
+        for rid, (start, arrays) in (prompt or {}).items():  # a prefill chunk that sampled no token
+            outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=arrays, prompt_logprobs_start=start))
         for gid, why in broken.items():  # a sample's grammar refused its token: the request fails whole
             outputs += self.fail({s: f"a sample of this request failed: {why}" for s in self._groups.get(gid, ())})
         return outputs

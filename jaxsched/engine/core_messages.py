@@ -92,6 +92,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # set in its first output: when the core first scheduled it (time.monotonic())
     first_scheduled_time: float = 0.0
     num_preemptions: int = 0  # set in its final output
+    # prompt_logprobs: the entries of prompt tokens prompt_logprobs_start.. (1 on: token 0 has none),
+    # sent by the steps that computed them, before (or with) the first token
+    prompt_logprobs: LogprobArrays | None = None
+    prompt_logprobs_start: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -160,6 +160,10 @@ class FrontEnd:
             raise InvalidRequestError(f"priority must be a 64-bit integer (lower runs first), got {priority!r}",
                                       "priority")
         cfg = self.config
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be <= max_logprobs ({cfg.max_logprobs}), got {params.prompt_logprobs}",
+                "prompt_logprobs")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise InvalidRequestError(
                 f"logprobs must be <= max_logprobs ({cfg.max_logprobs}), got {params.logprobs}", "logprobs")

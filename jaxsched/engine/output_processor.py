@@ -65,8 +65,8 @@ class _Sample:
 
 
 class _Request:
-    __slots__ = ("arrival_time", "params", "priority", "prompt", "prompt_token_ids", "request_id", "samples",
-                 "unfinished")
+    __slots__ = ("arrival_time", "params", "priority", "prompt", "prompt_logprobs", "prompt_logprobs_sent",
+                 "prompt_token_ids", "request_id", "samples", "unfinished")
 
     def __init__(self, req: EngineCoreRequest, prompt: str | None, samples: list[_Sample]) -> None:
         self.request_id = req.request_id
@@ -77,6 +77,11 @@ class _Request:
         self.priority = req.priority
         self.samples = samples
         self.unfinished = len(samples)
+        # prompt_logprobs: the prompt tokens' entries so far (the first token's None), as the core's
+        # steps scored them; a DELTA output carries them once
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if self.params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
 
 class OutputProcessor:
@@ -178,6 +183,10 @@ class OutputProcessor:
                 continue
             if o.first_scheduled_time:
                 s.first_scheduled_time = o.first_scheduled_time
+            if o.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, o)
+                if not o.new_token_ids and o.finish_reason is None:
+                    continue  # a prefill chunk: nothing to output yet
             if o.new_token_ids and not s.first_token_time:
                 s.first_token_time = now
             try:
@@ -229,6 +238,18 @@ class OutputProcessor:
             if s.detok.stop_string is not None:
                 break
 
+    def _add_prompt_logprobs(self, state: _Request, o: EngineCoreOutput) -> None:
+        """A step's entries of prompt tokens o.prompt_logprobs_start on (samples of one request
+        score the same prompt: the first entries to arrive for a token are kept)."""
+        pl, k = state.prompt_logprobs, state.params.prompt_logprobs or 0
+        if pl is None:
+            return
+        ids = state.prompt_token_ids
+        for j in range(len(o.prompt_logprobs.logprob)):
+            t = o.prompt_logprobs_start + j
+            if t == len(pl):
+                pl.append(self._logprobs_entry(o.prompt_logprobs, j, ids[t], k))
+
     def _logprobs_entry(self, lp: LogprobArrays, j: int, token: int, k: int) -> dict[int, Logprob]:
         dec = self.tokenizer.convert_ids_to_tokens
         entry = {token: Logprob(float(lp.logprob[j]), int(lp.rank[j]), dec(token))}
@@ -276,6 +297,9 @@ class OutputProcessor:
                                      max(s.finished_time for s in samples) if final else 0.0,
                                      sum(s.num_preemptions for s in samples))
         failed = next((s for s in samples if s.error), None)
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
+            prompt_logprobs, state.prompt_logprobs_sent = (None if state.prompt_logprobs_sent else prompt_logprobs), True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, final, metrics,
-                             priority=state.priority, error=failed.error if failed else None,
-                             error_param=failed.error_param if failed else None)
+                             prompt_logprobs=prompt_logprobs, priority=state.priority,
+                             error=failed.error if failed else None, error_param=failed.error_param if failed else None)

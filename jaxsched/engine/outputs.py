@@ -46,7 +46,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None  # not computed by this engine
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: Logprob} with the prompt's own token and
+    # the top-k alternatives; the first token's entry is None (vLLM's)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     priority: int = 0
     error: str | None = None  # why the request failed (its finish_reason is "error"); None otherwise
     # the request field to blame when its own input made it fail (a client error); None otherwise

@@ -210,7 +210,7 @@ class GemmaForCausalLM(nnx.Module):
         self.norm = param(rngs, (D,), jdt, 0.0)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
-    def __call__(self, kv, batch):
+    def __call__(self, kv, batch, hidden: bool = False):
         """kv: (k_cache, v_cache) as AttentionBackend.pool_shapes gives them for this model's attention
         backend; batch: a BatchDescriptor of jax arrays."""
         cfg = self.cfg
@@ -248,14 +248,20 @@ class GemmaForCausalLM(nnx.Module):
                                       batch.positions)
         attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh, local_rope)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
-        # The lm_head runs only where a token is sampled: S rows, not T. The tied head is the
-        # unscaled embedding.
-        hs = gemma_rms_norm(h, self.norm[...], eps)
+        # The lm_head runs only where a token is sampled: S rows, not T. hidden: the rows' last
+        # hidden states instead, for head() to take in chunks (prompt logprobs: model_runner.py)
+        return (h if hidden else self.head(h)), kv
+
+    def head(self, h):
+        """Logits f32[R, V] of last hidden states h [R, D]: the final norm and the lm_head (the tied
+        head is the unscaled embedding), soft-capped for Gemma 2."""
+        cfg = self.cfg
+        hs = gemma_rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         w, scale = logits_weight(self)
         logits = vocab_logits(hs, w, self.mesh, scale)
         if cfg.final_softcap is not None:  # Gemma 2
             logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-        return logits, kv
+        return logits
 
     @classmethod
     def hf_weights(cls, cfg: ModelConfig, get: Callable[[str], np.ndarray], put: Put, layout: str,

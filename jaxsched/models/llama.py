@@ -181,7 +181,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = param(rngs, (D,), jdt, 1.0)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (D, V), jdt)
 
-    def __call__(self, kv, batch):
+    def __call__(self, kv, batch, hidden: bool = False):
         """kv: (k_cache, v_cache) as AttentionBackend.pool_shapes gives them for this model's attention
         backend (f[L, NB, K, P, H], K pages [H, P] for "xla"); batch: a BatchDescriptor of jax arrays."""
         cfg = self.cfg
@@ -204,10 +204,15 @@ class LlamaForCausalLM(nnx.Module):
         attend = paged_attend(batch, self.attention_backend, cfg, cos, sin, kv[1].shape[3], self.mesh)
         h = token_rows(self, batch.token_ids, self.norm[...].dtype)
         h, kv = self.layers(h, kv, before, after, attend, batch.logits_indices)  # h [S, D]
-        # The lm_head runs only where a token is sampled: S rows, not T.
-        hs = rms_norm(h, self.norm[...], eps)
+        # The lm_head runs only where a token is sampled: S rows, not T. hidden: the rows' last
+        # hidden states instead, for head() to take in chunks (prompt logprobs: model_runner.py)
+        return (h if hidden else self.head(h)), kv
+
+    def head(self, h):
+        """Logits f32[R, V] of last hidden states h [R, D]: the final norm and the lm_head."""
+        hs = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
         w, scale = logits_weight(self)
-        return vocab_logits(hs, w, self.mesh, scale), kv
+        return vocab_logits(hs, w, self.mesh, scale)
 
     def mlp(self, p: dict, x):
         """The layer's MLP on x [T, D] (normed): silu(gate) * up, then down; or its mixture of experts."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxsched/proto/jaxsched.proto\x12\x0bjaxsched.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd7\x02\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.jaxsched.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12*\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12\x1f\n\x12whitespace_pattern\x18\x08 \x01(\tH\x03\x88\x01\x01\x42\x06\n\x04kindB\x19\n\x17_disable_any_whitespaceB \n\x1e_disable_additional_propertiesB\x15\n\x13_whitespace_pattern\"\xf5\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.jaxsched.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12:\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1e.jaxsched.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\x96\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxsched.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.jaxsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\'\n\x06stream\x18\x06 \x01(\x0e\x32\x17.jaxsched.v1.StreamMode\x12\x17\n\x0fstream_interval\x18\x07 \x01(\x05\x12\x13\n\x0breturn_text\x18\x08 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0b \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxsched.v1.TopLogprob\"\xb8\x01\n\x06Output\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxsched.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outputs\x18\x02 \x03(\x0b\x32\x13.jaxsched.v1.Output\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxsched.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\x05\x12\x19\n\x11scheduling_policy\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x0f\n\x07version\x18\t \x01(\t*;\n\nStreamMode\x12\x16\n\x12STREAM_MODE_TOKENS\x10\x00\x12\x15\n\x11STREAM_MODE_FINAL\x10\x01\x32\xf9\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxsched.v1.GenerateRequest\x1a\x1d.jaxsched.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxsched.v1.AbortRequest\x1a\x1a.jaxsched.v1.AbortResponse\x12G\n\x08Tokenize\x12\x1c.jaxsched.v1.TokenizeRequest\x1a\x1d.jaxsched.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxsched.v1.DetokenizeRequest\x1a\x1f.jaxsched.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxsched.v1.GetModelInfoRequest\x1a\x16.jaxsched.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxsched/proto/jaxsched.proto\x12\x0bjaxsched.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd7\x02\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.jaxsched.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12*\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12\x1f\n\x12whitespace_pattern\x18\x08 \x01(\tH\x03\x88\x01\x01\x42\x06\n\x04kindB\x19\n\x17_disable_any_whitespaceB \n\x1e_disable_additional_propertiesB\x15\n\x13_whitespace_pattern\"\xa7\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.jaxsched.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12:\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1e.jaxsched.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x96\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxsched.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.jaxsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\'\n\x06stream\x18\x06 \x01(\x0e\x32\x17.jaxsched.v1.StreamMode\x12\x17\n\x0fstream_interval\x18\x07 \x01(\x05\x12\x13\n\x0breturn_text\x18\x08 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0b \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxsched.v1.TopLogprob\"\xb8\x01\n\x06Output\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxsched.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outputs\x18\x02 \x03(\x0b\x32\x13.jaxsched.v1.Output\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxsched.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.jaxsched.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\x05\x12\x19\n\x11scheduling_policy\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x0f\n\x07version\x18\t \x01(\t*;\n\nStreamMode\x12\x16\n\x12STREAM_MODE_TOKENS\x10\x00\x12\x15\n\x11STREAM_MODE_FINAL\x10\x01\x32\xf9\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxsched.v1.GenerateRequest\x1a\x1d.jaxsched.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxsched.v1.AbortRequest\x1a\x1a.jaxsched.v1.AbortResponse\x12G\n\x08Tokenize\x12\x1c.jaxsched.v1.TokenizeRequest\x1a\x1d.jaxsched.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxsched.v1.DetokenizeRequest\x1a\x1f.jaxsched.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxsched.v1.GetModelInfoRequest\x1a\x16.jaxsched.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STREAMMODE']._serialized_start=2845
-  _globals['_STREAMMODE']._serialized_end=2904
+  _globals['_STREAMMODE']._serialized_start=2947
+  _globals['_STREAMMODE']._serialized_end=3006
   _globals['_TOKENIDS']._serialized_start=46
   _globals['_TOKENIDS']._serialized_end=69
   _globals['_CHOICELIST']._serialized_start=71
@@ -42,37 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUTS']._serialized_start=103
   _globals['_STRUCTUREDOUTPUTS']._serialized_end=446
   _globals['_SAMPLINGPARAMS']._serialized_start=449
-  _globals['_SAMPLINGPARAMS']._serialized_end=1334
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1046
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1094
-  _globals['_GENERATEREQUEST']._serialized_start=1337
-  _globals['_GENERATEREQUEST']._serialized_end=1743
-  _globals['_TOPLOGPROB']._serialized_start=1745
-  _globals['_TOPLOGPROB']._serialized_end=1806
-  _globals['_TOKENLOGPROB']._serialized_start=1808
-  _globals['_TOKENLOGPROB']._serialized_end=1895
-  _globals['_OUTPUT']._serialized_start=1898
-  _globals['_OUTPUT']._serialized_end=2082
-  _globals['_USAGE']._serialized_start=2084
-  _globals['_USAGE']._serialized_end=2163
-  _globals['_GENERATERESPONSE']._serialized_start=2166
-  _globals['_GENERATERESPONSE']._serialized_end=2295
-  _globals['_ABORTREQUEST']._serialized_start=2297
-  _globals['_ABORTREQUEST']._serialized_end=2331
-  _globals['_ABORTRESPONSE']._serialized_start=2333
-  _globals['_ABORTRESPONSE']._serialized_end=2363
-  _globals['_TOKENIZEREQUEST']._serialized_start=2365
-  _globals['_TOKENIZEREQUEST']._serialized_end=2452
-  _globals['_TOKENIZERESPONSE']._serialized_start=2454
-  _globals['_TOKENIZERESPONSE']._serialized_end=2529
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2531
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2569
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2571
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2605
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2607
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2628
-  _globals['_MODELINFO']._serialized_start=2631
-  _globals['_MODELINFO']._serialized_end=2843
-  _globals['_GENERATION']._serialized_start=2907
-  _globals['_GENERATION']._serialized_end=3284
+  _globals['_SAMPLINGPARAMS']._serialized_end=1384
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1076
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1124
+  _globals['_GENERATEREQUEST']._serialized_start=1387
+  _globals['_GENERATEREQUEST']._serialized_end=1793
+  _globals['_TOPLOGPROB']._serialized_start=1795
+  _globals['_TOPLOGPROB']._serialized_end=1856
+  _globals['_TOKENLOGPROB']._serialized_start=1858
+  _globals['_TOKENLOGPROB']._serialized_end=1945
+  _globals['_OUTPUT']._serialized_start=1948
+  _globals['_OUTPUT']._serialized_end=2132
+  _globals['_USAGE']._serialized_start=2134
+  _globals['_USAGE']._serialized_end=2213
+  _globals['_GENERATERESPONSE']._serialized_start=2216
+  _globals['_GENERATERESPONSE']._serialized_end=2397
+  _globals['_ABORTREQUEST']._serialized_start=2399
+  _globals['_ABORTREQUEST']._serialized_end=2433
+  _globals['_ABORTRESPONSE']._serialized_start=2435
+  _globals['_ABORTRESPONSE']._serialized_end=2465
+  _globals['_TOKENIZEREQUEST']._serialized_start=2467
+  _globals['_TOKENIZEREQUEST']._serialized_end=2554
+  _globals['_TOKENIZERESPONSE']._serialized_start=2556
+  _globals['_TOKENIZERESPONSE']._serialized_end=2631
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2633
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2671
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2673
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2707
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2709
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2730
+  _globals['_MODELINFO']._serialized_start=2733
+  _globals['_MODELINFO']._serialized_end=2945
+  _globals['_GENERATION']._serialized_start=3009
+  _globals['_GENERATION']._serialized_end=3386
 # @@protoc_insertion_point(module_scope)

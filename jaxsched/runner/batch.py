@@ -80,6 +80,9 @@ class BatchDescriptor:
     # i32[S]  proposals (speculative decoding) among the row's tokens, its last ones: a program of
     # width Q takes the row's logits at its last num_spec + 1 tokens (and Q - 1 - num_spec copies of the last)
     num_spec: object = _flat("i32", _rows)
+    # i32[T]  in a step with a row owing prompt logprobs: the prompt token each token's logits
+    # score (the next one), -1 where none is owed; read by the prompt logprobs programs only
+    prompt_targets: object = _flat("i32", _tokens)
     temperature: object = _flat("f32", _rows)  # f32[S]  0 = greedy
     top_p: object = _flat("f32", _rows)  # f32[S]
     min_p: object = _flat("f32", _rows)  # f32[S]
@@ -107,6 +110,7 @@ class BatchDescriptor:
     bias_values: object = None  # f32[S, LB] the bias added to each
     has_mask: bool = False  # host only: whether any row of this step is constrained
     width: int = 1  # host only: Q, the logits positions per row (SchedulerOutput.width)
+    prompt_logprobs: bool = False  # host only: the step runs the prompt logprobs programs
     has_bias: bool = False  # host only: whether any row of this step has a logit_bias
     # host only: a constrained row's next mask needs the token this step samples, so the next step
     # must wait for it (penalty tables need not: the device folds the pending token in, pending_src)
@@ -468,6 +472,19 @@ class BatchPacker:
         pos = b.positions
         pos[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - qsl[:n], lens)
 
+        if out.prompt_logprobs:
+            b.prompt_logprobs = True
+            b.prompt_targets[:] = -1
+            for i, row in enumerate(sched):
+                r = row.request
+                if r.sampling_params.prompt_logprobs is None:
+                    continue
+                # positions p in [start, hi) score prompt token p + 1
+                hi = min(row.start + row.num_new_tokens, r.num_prompt_tokens - 1)
+                if hi > row.start:
+                    at = int(qsl[i])
+                    b.prompt_targets[at : at + hi - row.start] = r.prompt_token_ids[row.start + 1 : hi + 1]
+
         # Block tables: each row's slot on the device, and the entries that changed (block_table.py)
         slots = b.row_slots[:n]
         slots[:] = self.tables.place(sched)
@@ -573,7 +590,8 @@ class _Steady:
         whose tables move with every token (penalties, min_tokens, a logit_bias; a grammar's rows are
         checked at every steady step)."""
         n = len(rows)
-        if not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens or out.width > 1:
+        if (not n or b.rejected or b.has_penalties or b.has_mask or b.has_bias or b.needs_tokens or out.width > 1
+                or out.prompt_logprobs):
             return None
         if not all(row.num_new_tokens == 1 and row.samples for row in rows):
             return None

@@ -70,6 +70,7 @@ class StepResult:
     # block moves (a swap-out copy waits for the step in flight, as its pages must be final)
     device_seconds: float = 0.0
     done: float = 0.0  # time.perf_counter() when its results were read (0: no rows)
+    prompt: PromptLogprobs | None = None  # a prompt logprobs step's, every token of T
 
 
 @dataclass
@@ -82,6 +83,7 @@ class InFlight:
     S: int = 0  # its sequence bucket; 0: no rows (block moves only, or nothing)
     ints: object = None  # the step's device outputs (SamplerOutput packed), read by collect()
     floats: object = None
+    prompt: object = None  # a prompt logprobs step's (ints, floats) of every token (_prompt_logprobs)
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
     pack_seconds: float = 0.0  # host time packing its batch
@@ -93,6 +95,22 @@ class InFlight:
     needs_tokens: bool = False
     idle_after: bool = False  # the engine had no requests left after dispatching it (an abort)
     first_run: bool = False  # its model or sampler program ran for the first time (one-time costs)
+
+
+@dataclass
+class PromptLogprobs:
+    """Host copy of a prompt logprobs step's figures, per token of T (batch.prompt_targets says
+    which token each scores)."""
+
+    logprob: np.ndarray  # f32[T] of the target token
+    rank: np.ndarray  # i32[T]
+    top_ids: np.ndarray  # i32[T, k], k = max_logprobs
+    top_logprobs: np.ndarray  # f32[T, k]
+
+    @classmethod
+    def unpack(cls, ints: np.ndarray, floats: np.ndarray, k: int) -> PromptLogprobs:
+        T = ints.size // (1 + k)
+        return cls(floats[:T], ints[:T], ints[T:].reshape(T, k), floats[T:].reshape(T, k))
 
 
 def _chunked(pairs: list[tuple[int, int]]):
@@ -245,6 +263,13 @@ class ModelRunner:
         spec = sched.speculative
         self.width = spec.width if spec is not None else 1
         self._wide: dict[tuple[int, int], object] = {}
+        # prompt logprobs: S -> the model's program that also takes logprobs at every token, of the
+        # one (T, S) such steps have (scheduler.prompt_logprobs_buckets)
+        from jaxsched.core.scheduler import prompt_logprobs_buckets
+
+        self.prompt_logprobs_buckets = prompt_logprobs_buckets(sched)
+        self._prompt: dict[int, object] = {}
+        self._prompt_out = None  # the last prompt logprobs program's outputs (run())
         # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
         # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
         self.sampler_variants: tuple[frozenset[str] | None, ...] = tuning.SAMPLER_PROGRAMS[config.sampler_branches]
@@ -318,7 +343,7 @@ class ModelRunner:
         return [((S, W), np.int32), ((S, W), np.float32), ((S, mask_words(V)), np.int32),
                 ((S, MAX_LOGIT_BIAS), np.int32), ((S, MAX_LOGIT_BIAS), np.float32)]
 
-    def _forward(self, weights, kv, table, prev_ids, flat_i32, *, T: int, S: int, Q: int = 1):
+    def _forward(self, weights, kv, table, prev_ids, flat_i32, *, T: int, S: int, Q: int = 1, P: bool = False):
         """The model's part of a step. weights: the state's leaves (the `state` setter). table: the
         device block table (block_table.py), which the step's writes update. prev_ids:
         i32[Smax], the tokens the last step sampled per row (padded to max_num_seqs): decode rows
@@ -328,7 +353,9 @@ class ModelRunner:
         decoding): each row's logits at Q positions, its last num_spec + 1 tokens (then its last
         again): logits f32[S Q, V] and the row fields repeated for them, i32[7 S Q], each position
         sampling as the output index it would have (sample_index + j), so that a verified token is
-        the one the step without proposals would have drawn."""
+        the one the step without proposals would have drawn. P (prompt logprobs): also, at every
+        token, the logprob and rank of batch.prompt_targets' token and the max_logprobs most likely
+        (_prompt_logprobs): two more outputs."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
         _, n_f32 = flat_sizes(T, S)
@@ -344,14 +371,48 @@ class ModelRunner:
         if Q > 1:
             last = batch.logits_indices[:, None]
             batch.logits_indices = jnp.minimum(last - batch.num_spec[:, None] + jnp.arange(Q), last).reshape(-1)
-        with self._row_limits(batch, T, S, Q):
-            logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
+        extra = ()
+        if P:  # the rows' last hidden states, then every token's, whose logits are taken in chunks
+            batch.logits_indices = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])
+            with self._row_limits(batch, T, S):
+                h, kv = model(kv, batch, hidden=True)
+            logits = model.head(h[:S])
+            extra = self._prompt_logprobs(model, h[S:], batch.prompt_targets)
+        else:
+            with self._row_limits(batch, T, S, Q):
+                logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
         fields = [getattr(batch, name) for name in SAMPLER_I32]
         if Q > 1:
             fields = [jnp.repeat(x, Q) for x in fields]
             j = SAMPLER_I32.index("sample_index")
             fields[j] = fields[j] + jnp.tile(jnp.arange(Q, dtype=jnp.int32), S)
-        return kv, logits, jnp.concatenate(fields), table
+        return (kv, logits, jnp.concatenate(fields), table, *extra)
+
+    def _prompt_logprobs(self, model, h, targets):
+        """Per token of h [T, D]: the logprob of its target (the prompt's next token; -1: none, any
+        value), its rank, and the max_logprobs most likely tokens with their logprobs, as
+        (ints i32[T + T k]: ranks then ids, floats f32[T + T k]: logprobs then the top ones). The
+        logits are taken a chunk of rows at a time (lax.map), so no [T, V] array is ever held."""
+        T, D = h.shape
+        C = next(c for c in (64, 32, 16, 8, 4, 2, 1) if T % c == 0)
+        k = self.max_logprobs
+
+        def chunk(args):
+            hc, tc = args
+            lg = model.head(hc).astype(jnp.float32)  # [C, V]
+            lp = jax.nn.log_softmax(lg, axis=-1)
+            t = jnp.maximum(tc, 0)[:, None]
+            mine = jnp.take_along_axis(lp, t, axis=-1)[:, 0]
+            rank = (jnp.sum(lg > jnp.take_along_axis(lg, t, axis=-1), axis=-1) + 1).astype(jnp.int32)
+            if k:
+                top_lp, top_ids = jax.lax.top_k(lp, k)
+            else:
+                top_lp, top_ids = jnp.zeros((C, 0), jnp.float32), jnp.zeros((C, 0), jnp.int32)
+            return mine, rank, top_ids.astype(jnp.int32), top_lp
+
+        mine, rank, ids, top = jax.lax.map(chunk, (h.reshape(T // C, C, D), targets.reshape(T // C, C)))
+        return (jnp.concatenate([rank.reshape(-1), ids.reshape(-1)]),
+                jnp.concatenate([mine.reshape(-1), top.reshape(-1)]))
 
     def _row_limits(self, batch, T: int, S: int, Q: int = 1):
         """With packed matmuls: the step's real tokens and sequences, so that the kernels skip its
@@ -379,16 +440,18 @@ class ModelRunner:
         next_ids = jnp.zeros(self.scheduler_config.max_num_seqs, jnp.int32).at[:n].set(ints[:n])
         return ints, floats, next_ids
 
-    def compile(self, T: int, S: int, Q: int = 1):
-        """The model's program for bucket pair (T, S), taking each row's logits at Q positions."""
+    def compile(self, T: int, S: int, Q: int = 1, P: bool = False):
+        """The model's program for bucket pair (T, S), taking each row's logits at Q positions (and
+        with P every token's prompt logprobs)."""
         n_i32, _ = flat_sizes(T, S)
         # with a mesh: the pool stays split on its heads, the logits, rows and block table replicated
         out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
-                                                              self._replicated, self._replicated)}
-        fn = jax.jit(self._forward, static_argnames=("T", "S", "Q"), donate_argnums=(1, 2), **out)
+                                                              self._replicated, self._replicated,
+                                                              *((self._replicated,) * 2 if P else ()))}
+        fn = jax.jit(self._forward, static_argnames=("T", "S", "Q", "P"), donate_argnums=(1, 2), **out)
         return self._compiled(fn.lower(self._state_leaves, self.kv, self.block_table,
                                        self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
-                                       self._input((n_i32,), jnp.int32), T=T, S=S, Q=Q))
+                                       self._input((n_i32,), jnp.int32), T=T, S=S, Q=Q, P=P))
 
     def compile_sampler(self, S: int, features: frozenset[str] | None = None):
         """The sampler's program for S rows and one variant (sampler.sample's `features`): shared by
@@ -483,7 +546,7 @@ class ModelRunner:
 
     def step_programs(self) -> list:
         """The compiled programs of a step: the model's of every bucket pair (and width) and every sampler variant."""
-        return (list(self._executables.values()) + list(self._wide.values())
+        return (list(self._executables.values()) + list(self._wide.values()) + list(self._prompt.values())
                 + [p for programs in self._samplers.values() for p in programs])
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -505,6 +568,8 @@ class ModelRunner:
             for R in (S, S * Q) if Q > 1 else (S,):  # the sampler's rows
                 if R not in self._samplers:
                     self._samplers[R] = tuple(self.compile_sampler(R, f) for f in self.sampler_variants)
+            if (T, S) == self.prompt_logprobs_buckets and S not in self._prompt:
+                self._prompt[S] = self.compile(T, S, P=True)
         self._compile_swaps()
         if self._table_writer is None:
             ids = self._input((OVERFLOW_CHUNK,), jnp.int32)
@@ -523,6 +588,9 @@ class ModelRunner:
                 self.run_once(T, S)
                 if Q > 1:
                     self.run_once(T, S, Q)
+                if (T, S) == self.prompt_logprobs_buckets:
+                    self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S,
+                                                                           prompt_logprobs=True))))
             self._run_sampler_variants()
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s%s", len(pairs),
@@ -564,6 +632,7 @@ class ModelRunner:
             step.pack_seconds = t1 - t0
             seen = len(self.ran) + len(self.sampler_ran)
             step.ints, step.floats = self.run(batch)
+            step.prompt = self._prompt_out if batch.prompt_logprobs else None
             step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
             step.launch_seconds = time.perf_counter() - t1
             step.device_start = self.model_dispatched
@@ -582,19 +651,23 @@ class ModelRunner:
                                                    self.max_logprobs), step.started, device_seconds=step.device_seconds)
         t0 = time.perf_counter()
         try:
-            ints, floats = self._fetch(step.ints, step.floats)
+            ints, floats, *prompt = self._fetch(step.ints, step.floats, *(step.prompt or ()))
         except Exception:
             self.recover_pool()
             raise
         done = time.perf_counter()
         return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
-                          step.rejected, step.device_seconds + done - t0, done)
+                          step.rejected, step.device_seconds + done - t0, done,
+                          PromptLogprobs.unpack(*prompt, self.max_logprobs) if prompt else None)
 
     def run(self, batch: BatchDescriptor):
         """Dispatch the model's and the sampler's programs over one packed batch: its packed sampler output,
         still on the device (an array being computed)."""
         T, S, Q = batch.num_tokens_bucket, batch.num_seqs_bucket, batch.width
-        exe = (self._executables if Q == 1 else self._wide).get((T, S))
+        if batch.prompt_logprobs:
+            exe = self._prompt.get(S) if (T, S) == self.prompt_logprobs_buckets else None
+        else:
+            exe = (self._executables if Q == 1 else self._wide).get((T, S))
         if exe is None:  # pragma: no cover - the scheduler only produces warmed-up buckets
             raise RuntimeError(f"bucket (T={T}, S={S}, width {Q}) was not compiled at warm-up")
         R = S * Q  # the sampler's rows: Q per row, its row's values repeated (SamplerRows)
@@ -613,7 +686,7 @@ class ModelRunner:
             self._write_overflow(*batch.table_overflow)
         ints, floats, self._prev_ids = self.launch(exe, R, self._prev_ids, self._put(batch.flat_i32),
                                                    self._put(flat_f32), tables, self.step_needs(batch))
-        self.ran.add((T, S) if Q == 1 else (T, S, Q))
+        self.ran.add((T, S, "prompt") if batch.prompt_logprobs else (T, S) if Q == 1 else (T, S, Q))
         return ints, floats
 
     def step_needs(self, batch: BatchDescriptor) -> frozenset[str] | None:
@@ -627,8 +700,8 @@ class ModelRunner:
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
         then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
         Updates the pool; returns (ints, floats, next prev_ids), on the device."""
-        self.kv, logits, rows_i32, self.block_table = exe(self._state_leaves, self.kv, self.block_table, prev_ids,
-                                                          flat_i32)
+        self.kv, logits, rows_i32, self.block_table, *self._prompt_out = exe(
+            self._state_leaves, self.kv, self.block_table, prev_ids, flat_i32)
         self.model_dispatched = time.perf_counter()
         return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
 
