@@ -47,7 +47,7 @@ def check(out, ref: np.ndarray, k: int) -> None:
             assert abs(lp - want[tok]) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_prompt_logprobs_equal_transformers(kind, model_dirs):
     folder = model_dirs[kind]
     ref_model = hf_model(folder)

@@ -2,7 +2,7 @@
 request's own history (core/ngram.py), the step verifies them (a program of width Q takes each
 row's logits at every proposed position), update() keeps those its sampler drew the same token
 for (scheduler.kept_proposals). Outputs must be exactly the engine's without speculation, greedy or
-seeded, whatever ends a request, with n > 1, logprobs, preemption and aborts; the sampled tokens'
+seeded, whatever ends a request, with n > 1, logprobs, penalties, preemption and aborts; the sampled tokens'
 distribution must be the target's (chi-square), which accepting every proposal breaks; the cost
 model sizes proposals (speculation.choose); bad configuration is refused naming the field."""
 
@@ -186,14 +186,14 @@ def _spec_workload(llm):
 
 @pytest.mark.parametrize("extra", [
     {},
-    {"num_gpu_blocks_override": 9, "preemption_mode": "recompute"},
-    {"num_gpu_blocks_override": 9, "preemption_mode": "swap"},
+    pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "recompute"}, marks=pytest.mark.slow),
+    pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "swap"}, marks=pytest.mark.slow),
 ], ids=["ample", "recompute", "swap"])
 def test_outputs_equal_the_engine_without_speculation(llama_dir, extra):
     """Greedy and seeded requests give exactly the tokens (and logprobs, to rounding) of the engine
     without speculation: stop strings and stop tokens mid-proposal, n > 1, a penalised and a
-    min_tokens request (which verify none), a fixed mask and a logit_bias (which do), preemption,
-    aborts. No compilation after warm-up."""
+    min_tokens request, a fixed mask and a logit_bias, preemption, aborts. No compilation after
+    warm-up."""
     runs, engines = {}, {}
     for spec in (None, NGRAM):
         llm = LLM(llama_dir, **BASE, **extra, speculative_config=spec, async_scheduling=False)
@@ -217,6 +217,28 @@ def test_outputs_equal_the_engine_without_speculation(llama_dir, extra):
     assert st.spec_decode_mean_accepted_length > 1.0
     assert engines[False].spec_decode_num_drafts == 0
     assert st.num_steps < engines[False].num_steps, "kept proposals save steps"
+
+
+def test_penalties_and_min_tokens_apply_at_every_verified_position(llama_dir):
+    """Penalised requests verify proposals too: each verified position's table counts the proposals
+    before it as outputs (and min_tokens counts them), so the tokens are the engine's without
+    speculation, greedy or seeded."""
+    outs, stats = {}, {}
+    for spec in (None, NGRAM):
+        llm = LLM(llama_dir, **BASE, speculative_config=spec)
+        tok = llm.get_tokenizer()
+        prompt = tok.encode("the cat sat on the mat and the cat sat on the hat and the cat sat on the")
+        params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.3,
+                                 repetition_penalty=1.1),
+                  SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=-0.5),
+                  SamplingParams(temperature=0.9, seed=7, max_tokens=30, min_tokens=12, presence_penalty=0.2,
+                                 logprobs=2)]
+        with no_compilation():
+            res = llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False)
+        outs[spec is not None] = [summary(o) for o in res]
+        stats[spec is not None] = llm.llm_engine.stats()
+    assert outs[True] == outs[False]
+    assert stats[True].spec_decode_num_drafts > 0 and stats[True].spec_decode_num_accepted_tokens > 0
 
 
 def test_only_kept_tokens_are_cached(llama_dir):
@@ -252,6 +274,7 @@ def _chi_square(counts: np.ndarray, expected_p: np.ndarray) -> float:
     return float(scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
+@pytest.mark.slow  # ~25 s: two thousand requests and the target's full distributions
 def test_sampled_tokens_follow_the_target_distribution(llama_dir, monkeypatch):
     """Temperature 1, seeds 0..N-1: the prompt holds every token once, so whatever t1 is drawn,
     prompt lookup (n = 1) proposes the token after t1 in the prompt, verified at t2. t2's counts

@@ -379,10 +379,9 @@ class Scheduler:
             if (row.num_new_tokens != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
                     or not req.output_token_ids):
                 continue
-            sp = req.sampling_params
-            # a history-dependent table (penalties, min_tokens) or a grammar's mask would change with
-            # each proposal: such rows verify none (a fixed mask, allowed_token_ids, and logit_bias do)
-            if sp.uses_penalties or (req.constraint is not None and req.constraint.depends_on_tokens):
+            # a grammar's mask would change with each proposal: such rows verify none (a fixed mask,
+            # allowed_token_ids, and logit_bias do; penalty tables are built per position: batch.py)
+            if req.constraint is not None and req.constraint.depends_on_tokens:
                 continue
             rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
             k = min(spec.num_speculative_tokens, self._steps_left(req) - 1)

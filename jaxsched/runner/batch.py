@@ -241,6 +241,8 @@ class BatchPacker:
         # one slot per row a step can have
         self.tables = BlockTables(max_seqs, max_blocks_per_seq * self.G, self.G, groups.sliding)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
+        # (buffer set, Q) -> penalty tables of a step verifying proposals, S Q rows (_pack_wide_penalties)
+        self._wide_penalties: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         # the last packed step, when a next step of the same rows each one token further can be
         # packed from its buffers (_pack_steady); None otherwise
         self._steady: _Steady | None = None
@@ -509,7 +511,11 @@ class BatchPacker:
         b.num_logprobs[n:] = -1
 
         pending = dict(zip(prev, src))
-        for i, sp in enumerate(params):
+        narrow = params
+        if out.width > 1 and any(sp.uses_penalties and row.samples for sp, row in zip(params, sched)):
+            self._pack_wide_penalties(b, sched, params, out.width)
+            narrow = ()  # done
+        for i, sp in enumerate(narrow):
             # a prefill chunk that samples nothing needs no table (its logits are dropped)
             if sp.uses_penalties and sched[i].samples:
                 r = reqs[i]
@@ -529,6 +535,36 @@ class BatchPacker:
         if self.V:
             self._pack_constraints(b, sched, reqs, params, bad)
         return b
+
+    def _pack_wide_penalties(self, b: BatchDescriptor, sched: list[ScheduledRequest], params: list[SamplingParams],
+                             Q: int) -> None:
+        """A step that verifies proposals: penalty tables of its S Q sampler rows, as the sampler of
+        width Q reads them (row i Q + j: row i's table with its first j proposals counted as outputs,
+        and min_tokens counting them too), so that each position samples as the step without
+        proposals would there. penalty_num holds each row's largest count; a position's entries
+        past its own are no entry (id V)."""
+        S, W = b.num_seqs_bucket, b.penalty_ids.shape[1]
+        key = (self._turn, Q)
+        if key not in self._wide_penalties:
+            self._wide_penalties[key] = (np.zeros((self.max_seqs * Q, W), np.int32),
+                                         np.zeros((self.max_seqs * Q, W), np.float32))
+        ids, counts = (x[: S * Q] for x in self._wide_penalties[key])
+        for i, (row, sp) in enumerate(zip(sched, params)):
+            if not (sp.uses_penalties and row.samples):
+                continue
+            b.presence_penalty[i] = sp.presence_penalty
+            b.frequency_penalty[i] = sp.frequency_penalty
+            b.repetition_penalty[i] = sp.repetition_penalty
+            drafts = list(row.spec_token_ids)
+            nums = [self.penalties.fill_row(row.request, ids[i * Q + j], counts[i * Q + j],
+                                            row.output_index + min(j, len(drafts)), drafts[:j])
+                    for j in range(Q)]
+            most = max(nums)
+            for j, n in enumerate(nums):
+                ids[i * Q + j, n:most] = self.V
+            b.penalty_num[i] = most
+            b.has_penalties |= bool(most)
+        b.penalty_ids, b.penalty_counts = ids, counts
 
     def _pack_constraints(self, b: BatchDescriptor, sched: list[ScheduledRequest], reqs: list[Request],
                           params: list[SamplingParams], bad: dict[int, str]) -> None:

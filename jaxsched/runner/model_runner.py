@@ -672,8 +672,8 @@ class ModelRunner:
             raise RuntimeError(f"bucket (T={T}, S={S}, width {Q}) was not compiled at warm-up")
         R = S * Q  # the sampler's rows: Q per row, its row's values repeated (SamplerRows)
 
-        def rows(x):
-            return self._put(x if Q == 1 else np.repeat(x, Q, axis=0))
+        def rows(x):  # (the packer builds a wide step's penalty tables per position itself)
+            return self._put(x if Q == 1 or x.shape[0] == R else np.repeat(x, Q, axis=0))
 
         # tables no row uses are not sent: their idle copies stay on the device (never read, or neutral)
         idle = self._idle_tables[R]

@@ -149,10 +149,12 @@ class PenaltyTables:
         for rid in request_ids:
             self._hist.pop(rid, None)
 
-    def fill_row(self, req: Request, ids_row: np.ndarray, counts_row: np.ndarray, num_outputs: int | None = None) -> int:
+    def fill_row(self, req: Request, ids_row: np.ndarray, counts_row: np.ndarray, num_outputs: int | None = None,
+                 extra: Sequence[int] = ()) -> int:
         """Write req's table of the outputs read so far into one batch row (already zeroed); returns its
         number of entries. num_outputs: the outputs min_tokens counts, pending ones included (the
-        row's output_index); by default those read."""
+        row's output_index); by default those read. extra: outputs to count besides (speculative
+        decoding: the proposals before the position this row samples at)."""
         params = req.sampling_params
         n_entries = 0
         _, track_outputs = _tracks(params)
@@ -170,15 +172,26 @@ class PenaltyTables:
             index = h.index
         else:
             index = {}
+        added: dict[int, int] = {}  # the extra outputs' new entries (the request's own index stays as it is)
+        for t in extra if track_outputs else ():
+            j = index.get(t, added.get(t))
+            if j is None:
+                if n_entries >= len(ids_row):
+                    raise ValueError(f"request {req.request_id!r} needs more than {len(ids_row)} penalty entries")
+                j = added[t] = n_entries
+                n_entries += 1
+                ids_row[j], counts_row[j] = t, 0.0
+            counts_row[j] += 1.0
         if (req.num_output_tokens if num_outputs is None else num_outputs) < params.min_tokens:
             for t in masked_token_ids(params, req.eos_token_ids):
-                j = index.get(t)
+                j = index.get(t, added.get(t))
                 if j is None:
                     if n_entries >= len(ids_row):
                         raise ValueError(f"request {req.request_id!r} needs more than {len(ids_row)} penalty "
                                          "entries; it should have been refused by check_penalty_capacity")
                     j, n_entries = n_entries, n_entries + 1
                     ids_row[j] = t
+                    added[t] = j
                 counts_row[j] = MASKED
         return n_entries
 
