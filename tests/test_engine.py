@@ -463,7 +463,7 @@ def test_warm_up_runs_run_every_program_once_and_change_no_output(llm, llama_dir
     with every sampler variant (sampler_branches="host") as with one."""
     warm = LLM(llama_dir, **ENGINE, warm_up_runs=True, sampler_branches=branches)
     runner = warm.llm_engine.core.runner
-    assert runner.ran == set(runner.bucket_pairs()) | {(*runner.prompt_logprobs_buckets, "prompt")}
+    assert runner.ran == set(runner.bucket_pairs())
     assert runner.sampler_ran == {(S, k) for S, programs in runner._samplers.items() for k in range(len(programs))}
     assert len(runner._samplers[runner.bucket_pairs()[0][1]]) == len(tuning.SAMPLER_PROGRAMS[branches])
     assert llm.llm_engine.config.warm_up_runs is False  # off by default in the library

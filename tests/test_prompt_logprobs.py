@@ -56,6 +56,10 @@ def test_prompt_logprobs_equal_transformers(kind, model_dirs):
     prompts = [tok.encode(" ".join(SENTENCES[i:] + SENTENCES[:i]))[: 20 + 25 * i] for i in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3 if i % 2 == 0 else 0)
               for i in range(3)] + [SamplingParams(temperature=0, max_tokens=6)]  # one without, beside them
+    # the first request asking for them compiles their program, before it is scheduled; then no more
+    assert not llm.llm_engine.core.runner._prompt
+    llm.generate([{"prompt_token_ids": prompts[0][:3]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                 use_tqdm=False)
     with no_compilation():
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert max(len(p) for p in prompts) > BASE["max_num_batched_tokens"], "a prompt longer than a step"

@@ -579,7 +579,7 @@ class Scheduler:
         """The step now has a row owing prompt logprobs: it runs at that token bucket, which caps the
         rows after it. Returns the budget left."""
         out.prompt_logprobs = True
-        return min(budget, self.prompt_logprobs_tokens - (self.config.max_num_batched_tokens - budget))
+        return self._room_for_prompt_logprobs(budget)
 
     def _preempt_lower(self, cand: Request, out: SchedulerOutput) -> int | None:
         """Preempt the lowest-ranked running request for `cand` if the policy allows it and that

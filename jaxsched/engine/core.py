@@ -357,6 +357,8 @@ class EngineCore:
         when max_num_queued_requests wait already."""
         params = req.sampling_params
         rid, n = req.request_id, params.n
+        if params.prompt_logprobs is not None:  # its program, before any step needs it (once per engine)
+            self.runner.ensure_prompt_logprobs(run=self.config.warm_up_runs)
         ids = sample_ids(rid, n)
         taken = next((i for i in ([rid, *ids] if n > 1 else ids)
                       if i in self.scheduler.requests or i in self._groups), None)

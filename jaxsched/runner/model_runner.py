@@ -43,7 +43,7 @@ from jaxsched.config import EngineConfig, ModelConfig
 from jaxsched.core.buckets import bucket_pairs
 from jaxsched.core.kv_groups import kv_groups
 from jaxsched.core.limits import MAX_LOGIT_BIAS
-from jaxsched.core.scheduler import SchedulerOutput
+from jaxsched.core.scheduler import SchedulerOutput, prompt_logprobs_buckets
 from jaxsched.envs import cache_dir
 from jaxsched.models.layers import pack_linear_weights, untie_lm_head
 from jaxsched.parallel.mesh import place
@@ -265,8 +265,6 @@ class ModelRunner:
         self._wide: dict[tuple[int, int], object] = {}
         # prompt logprobs: S -> the model's program that also takes logprobs at every token, of the
         # one (T, S) such steps have (scheduler.prompt_logprobs_buckets)
-        from jaxsched.core.scheduler import prompt_logprobs_buckets
-
         self.prompt_logprobs_buckets = prompt_logprobs_buckets(sched)
         self._prompt: dict[int, object] = {}
         self._prompt_out = None  # the last prompt logprobs program's outputs (run())
@@ -568,8 +566,6 @@ class ModelRunner:
             for R in (S, S * Q) if Q > 1 else (S,):  # the sampler's rows
                 if R not in self._samplers:
                     self._samplers[R] = tuple(self.compile_sampler(R, f) for f in self.sampler_variants)
-            if (T, S) == self.prompt_logprobs_buckets and S not in self._prompt:
-                self._prompt[S] = self.compile(T, S, P=True)
         self._compile_swaps()
         if self._table_writer is None:
             ids = self._input((OVERFLOW_CHUNK,), jnp.int32)
@@ -588,15 +584,30 @@ class ModelRunner:
                 self.run_once(T, S)
                 if Q > 1:
                     self.run_once(T, S, Q)
-                if (T, S) == self.prompt_logprobs_buckets:
-                    self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S,
-                                                                           prompt_logprobs=True))))
             self._run_sampler_variants()
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warm-up: compiled %d bucket pairs (T in %s, S in %s) in %.1f s%s", len(pairs),
                     list(self.scheduler_config.token_buckets), list(self.scheduler_config.seq_buckets), compiled,
                     f", ran each once in {self.warmup_seconds - compiled:.1f} s" if run else "")
         return self.warmup_seconds
+
+    def ensure_prompt_logprobs(self, run: bool = False) -> float:
+        """Compile the prompt logprobs program (scheduler.prompt_logprobs_buckets) if it is not yet,
+        and with `run` run it once on padding. The engine calls it when a request first asks for
+        prompt logprobs, before that request is scheduled (no step compiles): compiled at every
+        warm-up, it was a fifth of a small engine's start for a feature few requests use
+        (docs/PERFORMANCE.md, "Decisions in the code"). Returns the seconds it took."""
+        T, S = self.prompt_logprobs_buckets
+        if S in self._prompt:
+            return 0.0
+        t0 = time.perf_counter()
+        self._prompt[S] = self.compile(T, S, P=True)
+        if run:
+            self._fetch(*self.run(self.packer.pack(SchedulerOutput(token_bucket=T, seq_bucket=S, prompt_logprobs=True))))
+        seconds = time.perf_counter() - t0
+        logger.info("compiled the prompt logprobs program (T=%d, S=%d) for the first request that asks for them in "
+                    "%.1f s", T, S, seconds)
+        return seconds
 
     def _run_sampler_variants(self) -> None:
         """Run every sampler variant run_once did not (it runs the cheapest) once, on zeros."""
