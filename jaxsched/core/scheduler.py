@@ -326,30 +326,14 @@ class Scheduler:
 
         # 3. Fit the bucket, then register the blocks this step fills.
         total = cfg.max_num_batched_tokens - budget
-        if sched and out.prompt_logprobs:
-            # one (T, S) (prompt_logprobs_buckets), which the budget kept the step within:
-            # neither trimmed to another bucket nor given proposals
-            for row in sched.values():
-                self._commit(row)
-                bm.register(row.request)
-                row.block_ids = bm.block_ids(row.request.request_id)
-                row.blocks_trimmed = bm.trimmed(row.request.request_id)
-            out.num_tokens = total
-            out.token_bucket, out.seq_bucket = prompt_logprobs_buckets(cfg)
-            out.context = sum(row.request.num_computed_tokens for row in sched.values())
-        elif sched:
-            model = self.cost_model if self.size_steps else None
-            known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
-            # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
-            if not (known and self.target_step_seconds is not None):
-                fitted = self._fit_bucket(list(sched.values()), total)
-                if fitted != total:
-                    total = fitted
-                    known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
-            if known:
-                total = self._choose_by_cost(out, total, was_running)
-            if self.speculating:
-                total += self._propose(out, total)
+        if sched:
+            if out.prompt_logprobs:
+                # one (T, S) (prompt_logprobs_buckets), which the budget kept the step within:
+                # neither trimmed to another bucket nor given proposals
+                out.token_bucket, out.seq_bucket = prompt_logprobs_buckets(cfg)
+            else:
+                total = self._size(out, total, was_running)
+                out.token_bucket, out.seq_bucket = self.bucket_pair(total, len(sched))
             context = 0
             for row in sched.values():
                 self._commit(row)
@@ -358,7 +342,6 @@ class Scheduler:
                 row.block_ids = bm.block_ids(row.request.request_id)
                 row.blocks_trimmed = bm.trimmed(row.request.request_id)
             out.num_tokens = total
-            out.token_bucket, out.seq_bucket = self.bucket_pair(total, len(sched))
             out.context = context
         out.finished_ids = self._finished_ids
         self._finished_ids = []
@@ -367,6 +350,24 @@ class Scheduler:
         self.last_padding = out.num_padding
         self.num_padding += self.last_padding
         return out
+
+    def _size(self, out: SchedulerOutput, total: int, was_running: set[str]) -> int:
+        """The step's tokens once fitted to a bucket (max_paddings, or the step-cost model) and given
+        speculative proposals; out.scheduled is trimmed to match."""
+        sched = out.scheduled
+        model = self.cost_model if self.size_steps else None
+        known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
+        # a TPOT target sizes prefill chunks itself (by predicted cost), where the table knows the step
+        if not (known and self.target_step_seconds is not None):
+            fitted = self._fit_bucket(list(sched.values()), total)
+            if fitted != total:
+                total = fitted
+                known = model is not None and model.known(*self.bucket_pair(total, len(sched)))
+        if known:
+            total = self._choose_by_cost(out, total, was_running)
+        if self.speculating:
+            total += self._propose(out, total)
+        return total
 
     def _propose(self, out: SchedulerOutput, total: int) -> int:
         """Speculative decoding: proposals for the step's decode rows whose tokens the host has all

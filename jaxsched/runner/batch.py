@@ -437,11 +437,13 @@ class BatchPacker:
         total = int(lens.sum())
         # where each row starts: the scheduler counted this step's tokens as computed already, but
         # for the proposals (which follow them)
-        spec = np.zeros(n, np.int32)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n) - lens
+        known = lens  # the tokens the request holds (proposals are the row's last ones)
         if out.width > 1:
-            spec[:] = [len(row.spec_token_ids) for row in sched]
+            spec = np.fromiter((len(row.spec_token_ids) for row in sched), np.int32, n)
             b.num_spec[:n] = spec
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n) - lens + spec
+            starts += spec
+            known = lens - spec
 
         qsl = b.query_start_loc
         np.cumsum(lens, out=qsl[1 : n + 1])
@@ -452,7 +454,7 @@ class BatchPacker:
 
         # Token ids: one list slice per request, never a per-token Python loop. A token the host has
         # not read yet (a row's only token, then) is taken on the device from the last step's output.
-        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), (lens - spec).tolist())]
+        slices = [r.token_slice(s, s + k) for r, s, k in zip(reqs, starts.tolist(), known.tolist())]
         if out.width > 1:
             for i, row in enumerate(sched):
                 if row.spec_token_ids:
