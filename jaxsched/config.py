@@ -140,8 +140,9 @@ class EngineArgs:
     # Python thread of the process to the host's cores: an imported engine does not do that unasked)
     cpu_reserved_cores: int | Literal["auto"] | None = None
     # speculative decoding, as vLLM spells it: a dict (or its JSON text, from the command line) with
-    # "method" ("ngram": prompt lookup) and "num_speculative_tokens", and for ngram
-    # "prompt_lookup_max" / "prompt_lookup_min" (SpeculativeConfig); None: off
+    # "method" ("ngram": prompt lookup; "draft_model": a small model, "model" its path) and
+    # "num_speculative_tokens", and for ngram "prompt_lookup_max" / "prompt_lookup_min"
+    # (SpeculativeConfig); None: off
     speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -273,26 +274,30 @@ class EngineArgs:
         return cls(**kwargs)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 15  # a verified row is at most 16 positions
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (scheduler.py proposes, the step verifies; core/ngram.py). method
-    "ngram": the tokens that followed the last occurrence in the request's own prompt and output
-    of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min), up to
-    num_speculative_tokens of them. The step-cost model sizes each step's proposals (down to none)."""
+    """Speculative decoding (scheduler.py sizes the proposals, the step verifies them). method
+    "ngram" (core/ngram.py): the tokens that followed the last occurrence in the request's own prompt
+    and output of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min), up to
+    num_speculative_tokens of them. method "draft_model": `model`, a smaller model with the target's
+    vocabulary, run inside each step on the device with its own KV under the same block tables
+    (model_runner.py), proposes them greedily. The step-cost model sizes each step's proposals (down
+    to none)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: the draft's path (a folder, a GGUF file or a hub id)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            hint = (" (a draft model is not built yet: use 'ngram')" if self.method in ("draft_model", "eagle",
-                                                                                      "eagle3", "mtp") else "")
+            hint = (" (EAGLE heads are not built yet: use 'ngram' or 'draft_model')"
+                    if self.method in ("eagle", "eagle3", "mtp") else "")
             raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got "
                              f"{self.method!r}{hint}")
         for name, hi in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", 64),
@@ -303,6 +308,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip() or len(self.model) > 4096:
+                raise ValueError("speculative_config.model must name the draft model (a folder, a GGUF file or a hub "
+                                 f"id, at most 4096 characters) for method 'draft_model', got {self.model!r}")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is for method 'draft_model' only; drop it for "
+                             f"{self.method!r}")
 
     @property
     def width(self) -> int:
@@ -407,6 +419,9 @@ class EngineConfig:
     # speculative decoding sizes its proposals by the step-cost model (speculation.py); False: every
     # proposal is verified (step_cost_model=False)
     speculation_by_cost: bool = True
+    # speculative_config's draft_model: the draft's config as it runs (its KV pool has the target's
+    # blocks, in its own shapes: model_runner.py); None without one
+    draft_model: ModelConfig | None = None
 
 
 def quantization_of(args: EngineArgs, model: ModelConfig) -> str | None:
@@ -466,7 +481,7 @@ def decide_async_scheduling(args: EngineArgs, model: ModelConfig, platform: str,
 
 def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str,
             weights_bytes: Callable[[ModelConfig, str], int], memory: Callable[[], tuple[int, int]],
-            reserved: int | None = None) -> EngineConfig:
+            reserved: int | None = None, draft: ModelConfig | None = None) -> EngineConfig:
     """Decide every "auto" and None of `args` for `model` on `platform` ("cpu" / "gpu"), once.
 
     weights_bytes(model, dtype) is the weights' size per device for the (run) model config in
@@ -507,6 +522,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     for why in skipped:
         logger.warning("attention_backend auto: %s", why)
     P = args.block_size or backend.default_block_size
+    if draft is not None:
+        draft = check_draft(draft, model, max_len, backend.name, platform, P, dtype, kv_dtype, tp)
 
     budget = token_budget(args, max_len)
     if not args.enable_chunked_prefill and budget < max_len:
@@ -519,9 +536,12 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
     M = -(-max_len // P)
     # every sequence at full length in every layer group (core/kv_groups.py), plus the null page
     max_useful = max_seqs * M * kv_groups(model).num_groups + 1
+    # a draft model's weights and its KV (the same blocks, its own layers and heads) share the memory
+    draft_weights = weights_bytes(draft, dtype) if draft is not None else 0
+    draft_block = kv_bytes_per_block(draft, P, kv_dtype) if draft is not None else 0
     num_blocks = args.num_gpu_blocks_override or num_blocks_for_memory(
-        model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(model, dtype), budget, max_seqs,
-        max_useful, tp)
+        model, P, dtype, kv_dtype, args.gpu_memory_utilization, memory(), weights_bytes(model, dtype) + draft_weights,
+        budget, max_seqs, max_useful, tp, extra_block_bytes=draft_block)
     num_host_blocks = 0
     preemption_mode = args.preemption_mode
     if args.distributed_coordinator is not None:
@@ -532,7 +552,8 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         preemption_mode = "recompute"
     # the swap pool is host memory of this process, holding every shard (one host)
     elif args.preemption_mode != "recompute" and args.swap_space > 0:
-        num_host_blocks = min(int(args.swap_space * 2**30 // kv_bytes_per_block(model, P, kv_dtype)), 2 * max_useful)
+        num_host_blocks = min(int(args.swap_space * 2**30 // (kv_bytes_per_block(model, P, kv_dtype) + draft_block)),
+                              2 * max_useful)
     sched = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
         enable_chunked_prefill=args.enable_chunked_prefill, token_buckets=token_buckets(budget, max_seqs),
@@ -554,4 +575,40 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         cpu_reserved_cores=n_reserved, quantization=quantization_of(args, checkpoint),
         quantize_embedding=args.quantize_embedding, speculation_by_cost=args.step_cost_model is not False,
         layer_weights=plat.layer_weights if args.layer_weights == "auto" else args.layer_weights,
-        sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches)
+        sampler_branches=plat.sampler_branches if args.sampler_branches == "auto" else args.sampler_branches,
+        draft_model=draft)
+
+
+def check_draft(draft: ModelConfig, model: ModelConfig, max_len: int, backend: str, platform: str, P: int,
+                dtype: str, kv_dtype: str, tp: int) -> ModelConfig:
+    """speculative_config's draft model, checked against the target it proposes for: the same
+    vocabulary size (the tokenizers themselves are compared where they are loaded: engine/core.py),
+    room for max_model_len, one layer group each (its KV shares the target's block tables, whose
+    pages a sliding window would free), one device, and the target's attention backend. Returns
+    the draft's config as it runs. Raises ValueError naming the field."""
+    from jaxsched.core.kv_groups import kv_groups
+    from pallas_kernels.backends import choose
+
+    where = "speculative_config.model"
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(f"{where}: the draft's vocabulary has {draft.vocab_size} tokens and the target's "
+                         f"{model.vocab_size}; a draft must share the target's tokenizer and vocabulary (pick a "
+                         "smaller model of the same family)")
+    if tp > 1:
+        raise ValueError(f"{where}: a draft model with tensor_parallel_size > 1 is not built yet; use "
+                         "tensor_parallel_size=1 or method 'ngram'")
+    if max_len > draft.max_position_embeddings:
+        raise ValueError(f"{where}: the draft's max_position_embeddings ({draft.max_position_embeddings}) is shorter "
+                         f"than max_model_len ({max_len}); lower max_model_len or pick a draft with a longer context")
+    if draft.sliding_window is not None and max_len <= draft.sliding_window:
+        draft = dataclasses.replace(draft, sliding_window=None)
+    for name, cfg in (("the target", model), ("the draft", draft)):
+        if kv_groups(cfg).num_groups > 1:
+            raise ValueError(f"{where}: {name} has sliding-window layers beside full-attention ones, whose pages the "
+                             "shared block tables free apart; a draft model does not support that yet: use method "
+                             "'ngram', or a max_model_len no longer than the window")
+    try:
+        choose(backend, platform, draft.head_dim, P, dtype, kv_dtype, 1, draft.attn_softcap is not None)
+    except ValueError as e:
+        raise ValueError(f"{where}: the draft cannot run on the target's attention backend {backend!r}: {e}") from None
+    return draft

@@ -34,15 +34,16 @@ def activation_bytes(cfg: ModelConfig, max_tokens: int, max_seqs: int, dtype: st
 
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: str, kv_dtype: str, utilization: float,
                           memory: tuple[int, int], weights_bytes: int, max_tokens: int, max_seqs: int,
-                          max_useful: int, shards: int = 1) -> int:
+                          max_useful: int, shards: int = 1, extra_block_bytes: int = 0) -> int:
     """vLLM's rule, per device: the pool gets utilization * total memory minus the weights and the
     peak activations; `memory` is one device's (total, free) bytes (host memory on a CPU, where
     free memory also caps it), weights_bytes that device's share, and a block costs each device
-    its K / shards heads. Never more than `max_useful` blocks (null page included)."""
+    its K / shards heads (and `extra_block_bytes`: a draft model's KV in the same blocks). Never
+    more than `max_useful` blocks (null page included)."""
     total, free = memory
     activations = activation_bytes(cfg, max_tokens, max_seqs, dtype, shards)
     budget = min(utilization * total, free) - weights_bytes - activations
-    block = kv_bytes_per_block(cfg, block_size, kv_dtype, shards)
+    block = kv_bytes_per_block(cfg, block_size, kv_dtype, shards) + extra_block_bytes
     n = int(budget // block)
     if n < 2:
         mib = 2**20

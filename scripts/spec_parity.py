@@ -1,4 +1,4 @@
-"""Greedy outputs of the demo model with speculative decoding (ngram) on and off, on one engine.
+"""Greedy outputs of the demo model with speculative decoding (ngram, or any speculative_config) on and off, on one engine.
 
 Each prompt's tokens must be the same both ways; where they differ, the first difference is
 reported with the gap between the two most likely tokens there (the run without speculation's
@@ -6,6 +6,7 @@ top-2 logprobs): a step that verifies proposals computes a row at other batch sh
 tie (gap below 1e-4) may fall the other way by float rounding. One JSON line.
 
   python scripts/spec_parity.py [--requests 16] [--max-num-seqs 8] [--max-tokens 256]
+      [--speculative-config '{"method": "draft_model", "model": "<folder or .gguf>"}']
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON; default: ngram with --num-speculative-tokens")
     ns = p.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": ns.num_speculative_tokens}
+    spec = json.loads(ns.speculative_config) if ns.speculative_config else \
+        {"method": "ngram", "num_speculative_tokens": ns.num_speculative_tokens}
     llm = LLM(max_num_seqs=ns.max_num_seqs, max_model_len=1024, speculative_config=spec)
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": ids} for ids, _ in copy_prompts(tok, ns.requests, 100, 400, seed=0)]

@@ -339,7 +339,7 @@ def test_sampled_tokens_follow_the_target_distribution(llama_dir, monkeypatch):
 
 
 def test_configuration_errors_name_the_field():
-    for bad, field in [({"method": "medusa"}, "method"), ({"method": "draft_model"}, "draft model is not built"),
+    for bad, field in [({"method": "medusa"}, "method"), ({"method": "eagle"}, "EAGLE heads are not built yet"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
                        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),

@@ -18,6 +18,8 @@ from jaxsched.core.request import Request
 
 
 class NgramProposer:
+    on_device = False  # the proposals are known when the step is scheduled (draft_slots.py: not so)
+
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max

@@ -41,6 +41,7 @@ from jaxsched.config import SchedulerConfig
 from jaxsched.core import speculation
 from jaxsched.core.block_manager import NULL_BLOCK, BlockManager, SwapPool, cdiv
 from jaxsched.core.buckets import round_up, seq_buckets_for
+from jaxsched.core.draft_slots import DraftSlots
 from jaxsched.core.kv_groups import FULL_ATTENTION, KVGroups
 from jaxsched.core.ngram import NgramProposer
 from jaxsched.core.policy import SchedulerPolicy, make_policy
@@ -129,7 +130,8 @@ class Scheduler:
         self.size_steps = size_steps
         self.target_step_seconds = target_step_seconds
         spec = config.speculative
-        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
+        self.proposer = None if spec is None else DraftSlots() if spec.method == "draft_model" else \
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.speculating = spec is not None  # proposals are made (set_speculation turns them off and on)
         self.prompt_logprobs_tokens = prompt_logprobs_tokens(config)
         self.num_drafts = 0  # rows that verified proposals
@@ -383,6 +385,10 @@ class Scheduler:
             # a grammar's mask would change with each proposal: such rows verify none (a fixed mask,
             # allowed_token_ids, and logit_bias do; penalty tables are built per position: batch.py)
             if req.constraint is not None and req.constraint.depends_on_tokens:
+                continue
+            # a draft model's proposals are made on the device, after the packer built the tables
+            # that would count them: penalised (and min_tokens) rows verify none
+            if self.proposer.on_device and req.sampling_params.uses_penalties:
                 continue
             rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
             k = min(spec.num_speculative_tokens, self._steps_left(req) - 1)

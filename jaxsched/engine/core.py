@@ -78,7 +78,7 @@ from jaxsched.models.hub import local_args
 from jaxsched.models.loader import build_model, forget_gguf_readers, load_model_source
 from jaxsched.models.quantize import GROUP, grouped, quantize_model
 from jaxsched.parallel.hosts import same_pool_on_every_host
-from jaxsched.parallel.mesh import engine_devices, make_mesh
+from jaxsched.parallel.mesh import engine_devices, head_layout, make_mesh
 from jaxsched.platforms import expected, host_malloc
 from jaxsched.platforms import of as platform_of
 from jaxsched.platforms.cpu_affinity import auto_reserved_cores, reserve, reserved_now, size_xla_pools
@@ -159,10 +159,13 @@ class EngineCore:
         t0 = time.perf_counter()
         path = args.model or str(demo_model_path())
         model_cfg, getter, _kind = load_model_source(path)
+        spec = args.speculative_config
+        draft_source = load_model_source(spec.model) if spec is not None and spec.model is not None else None
         reserved = self._start_process(args, model_cfg, devices)  # before anything starts jax
         devices = engine_devices(args.tensor_parallel_size, devices)
         mesh = make_mesh(devices) if len(devices) > 1 or devices[0] != jax.devices()[0] else None
-        self.config = cfg = self._resolve(args, model_cfg, path, devices, reserved)
+        self.config = cfg = self._resolve(args, model_cfg, path, devices, reserved,
+                                          draft_source[0] if draft_source else None)
         self.devices = tuple(devices)
         # the core's tokenizer serves grammars only (llguidance reads its vocabulary): no text here
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
@@ -177,6 +180,7 @@ class EngineCore:
                         f"in groups of {GROUP} inputs, as the GGUF file's blocks" if groups else "per output channel",
                         ", embedding and lm_head included" if cfg.quantize_embedding else "")
         logger.info("loaded %s (%s, %s) in %.1f s", path, model_cfg.architecture, cfg.dtype, time.perf_counter() - t0)
+        draft = self._load_draft(args, draft_source, mesh) if draft_source else None
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size,
                                           enable_prefix_caching=cfg.enable_prefix_caching,
                                           groups=kv_groups(cfg.model))
@@ -189,8 +193,8 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager, policy=cfg.scheduling_policy,
                                    cost_model=self.cost_model, target_step_seconds=target,
                                    size_steps=cfg.step_cost_model)
-        self.runner = ModelRunner(model, cfg, mesh)
-        del model  # the runner holds the weights (packed, on a CPU): the module's copies may go
+        self.runner = ModelRunner(model, cfg, mesh, draft=draft)
+        del model, draft  # the runner holds the weights (packed, on a CPU): the module's copies may go
         host_malloc.release_freed()
         before_warm_up = resident_bytes()
         self.cost_seeds = self._warm_up()
@@ -222,16 +226,39 @@ class EngineCore:
         size_xla_pools(reserved)
         return reserved
 
+    def _load_draft(self, args: EngineArgs, source, mesh) -> Any:
+        """speculative_config's draft model, built in the engine's dtype and attention backend (and
+        quantized as the target is), once its tokenizer is found to be the target's."""
+        cfg, path = self.config, args.speculative_config.model
+        draft_cfg, getter, _kind = source
+        ours, theirs = self.tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
+        if ours != theirs:
+            differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+            raise ValueError(f"speculative_config.model {path!r}: the draft's tokenizer differs from the target's "
+                             f"({len(theirs)} against {len(ours)} tokens; e.g. {differ}); a draft must share the "
+                             "target's tokenizer (pick a smaller model of the same family)")
+        t0 = time.perf_counter()
+        draft = build_model(cfg.draft_model, cfg.dtype, getter, attention_backend=cfg.attention_backend,
+                            seed=cfg.seed + 1, layer_weights=cfg.layer_weights, mesh=mesh,
+                            heads=head_layout(cfg.draft_model, 1) if mesh else None)
+        forget_gguf_readers()
+        quantization = quantization_of(args, draft_cfg)
+        if quantization:
+            quantize_model(draft, quantization, cfg.quantize_embedding, grouped(quantization, draft_cfg))
+        logger.info("loaded the draft model %s (%s, %d layers) in %.1f s", path, draft_cfg.architecture,
+                    draft_cfg.num_layers, time.perf_counter() - t0)
+        return draft
+
     def _resolve(self, args: EngineArgs, model_cfg: ModelConfig, path: str, devices: Sequence[Any],
-                 reserved: int) -> EngineConfig:
+                 reserved: int, draft: ModelConfig | None = None) -> EngineConfig:
         """config.resolve on these devices: memory sized from this process's devices of the engine;
         with several hosts, every host takes the smallest pool any of them has room for."""
         tp = len(devices)
         local = [d for d in devices if d.process_index == jax.process_index()]
         cfg = resolve(args, model_cfg, path, devices[0].platform, reserved=reserved,
                       weights_bytes=lambda run_cfg, dtype: weights_bytes(
-                          run_cfg, dtype, tp, quantization_of(args, model_cfg), args.quantize_embedding),
-                      memory=lambda: device_memory(local[0], len(local)))
+                          run_cfg, dtype, tp, quantization_of(args, run_cfg), args.quantize_embedding),
+                      memory=lambda: device_memory(local[0], len(local)), draft=draft)
         if jax.process_count() > 1:
             cfg = same_pool_on_every_host(cfg)
         if tp > 1:
@@ -317,7 +344,7 @@ class EngineCore:
         r, cfg = self.runner, self.config
         local = sum(1 for d in self.devices if d.process_index == device.process_index)
         total, _ = device_memory(device, local)
-        weights, kv = device_bytes(r._state_leaves), device_bytes(r.kv)
+        weights, kv = device_bytes(r.weights), device_bytes(r.kv)
         programs = r.step_programs()
         workspace = largest_temporary_bytes(programs)
         # a GPU reports its programs' code; a CPU does not, and its programs live in host memory,
@@ -329,7 +356,8 @@ class EngineCore:
                             kv_tokens=usable * cfg.cache.block_size // r.kv_groups.num_groups,
                             swap=sum(x.nbytes for x in r.host_kv) if r.host_kv is not None else 0,
                             workspace=workspace, budget=budget, left=budget - weights - kv - workspace - code,
-                            programs=code)
+                            programs=code, draft_weights=device_bytes(r._draft_leaves),
+                            draft_kv_pool=device_bytes(r.kv[2:]))
 
     # -- what the front end reads once ---------------------------------------------------------
     @property
@@ -342,8 +370,10 @@ class EngineCore:
         from jaxsched.sizing import kv_bytes_per_block
 
         c = self.config
-        return c.cache.num_blocks * kv_bytes_per_block(c.model, c.cache.block_size, c.cache.dtype,
-                                                       c.tensor_parallel_size)
+        per_block = kv_bytes_per_block(c.model, c.cache.block_size, c.cache.dtype, c.tensor_parallel_size)
+        if c.draft_model is not None:  # the draft model's KV, in the same blocks
+            per_block += kv_bytes_per_block(c.draft_model, c.cache.block_size, c.cache.dtype)
+        return c.cache.num_blocks * per_block
 
     def info(self) -> CoreInfo:
         return CoreInfo(list(self.eos_token_ids), self.runner.warmup_seconds, self.kv_bytes_per_device(), self.memory,
@@ -546,6 +576,10 @@ class EngineCore:
         t0 = time.perf_counter()
         failed = self.fail(res.rejected)  # before update: the tokens of their rows do not count
         prompt = self._prompt_logprobs(step.out, res) if res.prompt is not None else {}
+        if res.drafts is not None:  # a draft model's proposals, made in the step (draft_slots.py)
+            for row, drafts in zip(step.out.scheduled.values(), res.drafts.tolist()):
+                if row.spec_token_ids:
+                    row.spec_token_ids = drafts[: len(row.spec_token_ids)]
         got = self.scheduler.update(step.out, res.sampled.sampled)
         t1 = time.perf_counter()
         outputs = failed + self._outputs(step.out, got, res, prompt)

@@ -74,8 +74,14 @@ def resolve(model: str, revision: str | None = None, download_dir: str | None = 
 
 
 def local_args(args: EngineArgs) -> EngineArgs:
-    """`args` with its model and tokenizer as local paths (Hub ids resolved; the demo model, None,
-    stays None) and the revisions they were resolved at spent, so that resolving again is a no-op."""
+    """`args` with its model, tokenizer and draft model (speculative_config) as local paths (Hub ids
+    resolved; the demo model, None, stays None) and the revisions they were resolved at spent, so
+    that resolving again is a no-op."""
+    spec = args.speculative_config
+    if spec is not None and spec.model is not None:
+        draft = resolve(spec.model, None, args.download_dir, field="speculative_config.model")
+        if draft != spec.model:
+            args = dataclasses.replace(args, speculative_config=dataclasses.replace(spec, model=draft))
     if args.model is None and args.tokenizer is None:
         return args
     model = resolve(args.model, args.revision, args.download_dir) if args.model is not None else None

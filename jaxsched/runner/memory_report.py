@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 # the report's figures in bytes, as /metrics labels them (kind=...)
-KINDS = ("weights", "kv_pool", "swap", "workspace", "programs", "budget", "left")
+KINDS = ("weights", "kv_pool", "swap", "workspace", "programs", "budget", "left", "draft_weights", "draft_kv_pool")
 
 
 class MemoryReport(msgspec.Struct, array_like=True, gc=False):
@@ -19,8 +19,8 @@ class MemoryReport(msgspec.Struct, array_like=True, gc=False):
     weights, the KV pool, the workspace and the programs (the swap pool is host memory, apart on a
     GPU)."""
 
-    weights: int  # the model's arrays on the device (packed copies included)
-    kv_pool: int  # the K and V pools, every block (the null page included)
+    weights: int  # the model's arrays on the device (packed copies included), a draft model's too
+    kv_pool: int  # the K and V pools, every block (the null page included), a draft model's too
     kv_blocks: int  # usable blocks
     kv_tokens: int  # the tokens they hold when every layer group keeps a page of each block
     swap: int  # the host arrays swapped-out blocks go to
@@ -33,6 +33,9 @@ class MemoryReport(msgspec.Struct, array_like=True, gc=False):
     # as much as a 2048-token context's KV pool (each program holds a copy of every layer's code
     # with per-layer weights: the platform record's layer_weights)
     programs: int = 0
+    # of weights and kv_pool: a draft model's (speculative_config method "draft_model")
+    draft_weights: int = 0
+    draft_kv_pool: int = 0
 
     def bytes_by_kind(self) -> dict[str, int]:
         return {kind: getattr(self, kind) for kind in KINDS}
@@ -44,7 +47,9 @@ class MemoryReport(msgspec.Struct, array_like=True, gc=False):
                 f"({self.kv_blocks} blocks, {self.kv_tokens} tokens), workspace {self.workspace / mib:.1f} MiB, "
                 f"compiled programs {self.programs / mib:.1f} MiB; "
                 f"swap pool (host) {self.swap / mib:.1f} MiB; budget {self.budget / mib:.1f} MiB, "
-                f"left {self.left / mib:.1f} MiB")
+                f"left {self.left / mib:.1f} MiB"
+                + (f"; of the weights and the KV pool, the draft model's {self.draft_weights / mib:.1f} MiB and "
+                   f"{self.draft_kv_pool / mib:.1f} MiB" if self.draft_weights else ""))
 
 
 def resident_bytes() -> int:

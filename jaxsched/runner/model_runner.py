@@ -15,7 +15,9 @@ call and updated in place.
 Per step: two host-to-device copies (the batch's flat buffers) and two device-to-host copies
 (sampled ids + logprobs, packed). With speculative decoding every (T, S) pair also has a program
 of width Q (each row's logits at Q positions: its proposals verified, core/speculation.py), and
-the sampler one of S Q rows; a step with proposals runs those.
+the sampler one of S Q rows; a step with proposals runs those. A draft model (speculative_config
+method "draft_model") runs inside every model program, on the same batch, into its own KV pool under
+the same block tables; in a program of width Q it then proposes each row's tokens itself (_draft).
 
 dispatch() starts a step and returns at once; collect() waits for it and reads its tokens. Each
 step also leaves its sampled ids on the device (prev_ids), where the next step's decode rows take
@@ -26,6 +28,7 @@ tokens (overlapped scheduling, engine.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -71,6 +74,7 @@ class StepResult:
     device_seconds: float = 0.0
     done: float = 0.0  # time.perf_counter() when its results were read (0: no rows)
     prompt: PromptLogprobs | None = None  # a prompt logprobs step's, every token of T
+    drafts: np.ndarray | None = None  # i32[S, Q - 1] a draft model's proposals, in a step verifying them
 
 
 @dataclass
@@ -84,6 +88,7 @@ class InFlight:
     ints: object = None  # the step's device outputs (SamplerOutput packed), read by collect()
     floats: object = None
     prompt: object = None  # a prompt logprobs step's (ints, floats) of every token (_prompt_logprobs)
+    drafts: object = None  # a draft model's proposals i32[S, Q - 1], in a step verifying them
     rejected: dict[str, str] = field(default_factory=dict)
     device_seconds: float = 0.0  # block moves waited for at dispatch
     pack_seconds: float = 0.0  # host time packing its batch
@@ -219,9 +224,10 @@ def enable_compilation_cache() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None) -> None:
+    def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None, draft: nnx.Module | None = None) -> None:
         """mesh: the engine's ("data", "model") mesh (parallel.make_mesh), which the model's weights
-        were placed on; None: one default device."""
+        were placed on; None: one default device. draft: speculative_config's draft model
+        (config.draft_model its config), placed like the model."""
         self.config = config
         self.mesh = mesh
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
@@ -237,12 +243,13 @@ class ModelRunner:
         n_devices = 1 if mesh is None else mesh.devices.size
         self.packed_matmuls = self.platform.packed_matmuls(config.attention_backend, n_devices)
         # a tied lm_head becomes the table's packed home (layers.untie_lm_head, vocab_logits, token_rows)
-        if self.packed_matmuls:
-            untie_lm_head(model)
-        self.graphdef, state = nnx.split(model)
-        if self.packed_matmuls:  # the layers' matmuls in numba_matmul's kernel (layers.linear)
-            state = pack_linear_weights(state)
-        self.state = state
+        self.graphdef, self.state = self._split(model)
+        # a draft model: its weights follow the model's in every program's weights argument
+        self.draft_graphdef, self._draft_leaves, self._draft_def = None, (), None
+        if draft is not None:
+            self.draft_graphdef, draft_state = self._split(draft)
+            leaves, self._draft_def = jax.tree_util.tree_flatten(draft_state)
+            self._draft_leaves = tuple(leaves)
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         # the layer groups sliding windows free pages in (core/kv_groups.py); one group without them
         self.kv_groups = groups = kv_groups(cfg)
@@ -253,6 +260,10 @@ class ModelRunner:
         # backends; a bfloat16 pool is uint16 bits for them (pool_storage.py)
         self._pool_shapes = backend.pool_shapes(groups.size, cache.num_blocks, cfg.num_kv_heads,
                                                 cache.block_size, cfg.head_dim)
+        if draft is not None:  # the draft's own two, the same blocks (the same block tables) of its layers
+            d = config.draft_model
+            self._pool_shapes = (*self._pool_shapes, *backend.pool_shapes(d.num_layers, cache.num_blocks,
+                                                                          d.num_kv_heads, cache.block_size, d.head_dim))
         dt = backend.pool_dtype(cache.dtype)
         self.kv = self._new_pool(dt)
         self.block_table = self._new_block_table()  # i32[R + 1, M], updated by every model program
@@ -267,7 +278,7 @@ class ModelRunner:
         # one (T, S) such steps have (scheduler.prompt_logprobs_buckets)
         self.prompt_logprobs_buckets = prompt_logprobs_buckets(sched)
         self._prompt: dict[int, object] = {}
-        self._prompt_out = None  # the last prompt logprobs program's outputs (run())
+        self._extra_out = None  # the last model program's outputs past the first four (launch()): prompt logprobs, or proposals
         # S -> the sampler's programs, one per variant, cheapest first: a feature set (a program
         # without lax.cond, sampler.py), or None for the program with conds (tuning.SAMPLER_PROGRAMS)
         self.sampler_variants: tuple[frozenset[str] | None, ...] = tuning.SAMPLER_PROGRAMS[config.sampler_branches]
@@ -286,6 +297,20 @@ class ModelRunner:
         self.penalty_capacity = config.penalty_capacity  # W of the penalty tables
         # per S: the penalty and constraint tables of a step where no row uses them, kept on the device
         self._idle_tables: dict[int, tuple] = {}
+
+    def _split(self, model: nnx.Module):
+        """(graphdef, state) of a model as the programs take it: a tied lm_head becomes the table's
+        packed home (layers.untie_lm_head, vocab_logits, token_rows) and the layers' matmuls run in
+        numba_matmul's kernel (layers.linear) where the platform packs them."""
+        if self.packed_matmuls:
+            untie_lm_head(model)
+        graphdef, state = nnx.split(model)
+        return graphdef, pack_linear_weights(state) if self.packed_matmuls else state
+
+    @property
+    def weights(self) -> tuple:
+        """Every program's first argument: the model's weights' leaves, then the draft's."""
+        return self._state_leaves + self._draft_leaves
 
     @property
     def state(self):
@@ -307,7 +332,7 @@ class ModelRunner:
         if self.mesh is None:
             return zeros()
         # allocated by a jit with out_shardings: each device allocates only its own shard
-        return jax.jit(zeros, out_shardings=(self._pool_sharding,) * 2)()
+        return jax.jit(zeros, out_shardings=(self._pool_sharding,) * len(self._pool_shapes))()
 
     def _input(self, shape: tuple[int, ...], dtype, sharding=None) -> jax.ShapeDtypeStruct:
         """The abstract input of a compiled call: replicated on the mesh unless `sharding` says."""
@@ -354,7 +379,8 @@ class ModelRunner:
         the one the step without proposals would have drawn. P (prompt logprobs): also, at every
         token, the logprob and rank of batch.prompt_targets' token and the max_logprobs most likely
         (_prompt_logprobs): two more outputs."""
-        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights))
+        n = len(self._state_leaves)
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._state_def, weights[:n]))
         # the model reads no float32 field (they are all the sampler's): a stand-in of zeros, unused
         _, n_f32 = flat_sizes(T, S)
         batch = BatchDescriptor.from_flat(flat_i32, jnp.zeros(n_f32, jnp.float32), T, S)
@@ -366,6 +392,11 @@ class ModelRunner:
         batch.token_ids = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], batch.token_ids)
         src = batch.pending_src
         batch.pending_token = jnp.where(src > 0, prev_ids[jnp.maximum(src - 1, 0)], -1)
+        drafts = ()
+        if self.draft_graphdef is not None:
+            draft = nnx.merge(self.draft_graphdef, jax.tree_util.tree_unflatten(self._draft_def, weights[n:]))
+            kv, dkv = kv[:2], kv[2:]
+            dkv, drafts = self._draft(draft, dkv, batch, T=T, S=S, Q=Q)
         if Q > 1:
             last = batch.logits_indices[:, None]
             batch.logits_indices = jnp.minimum(last - batch.num_spec[:, None] + jnp.arange(Q), last).reshape(-1)
@@ -379,12 +410,58 @@ class ModelRunner:
         else:
             with self._row_limits(batch, T, S, Q):
                 logits, kv = model(kv, batch)  # replicated: gathered over the vocabulary (layers.vocab_logits)
+        if self.draft_graphdef is not None:
+            kv, extra = (*kv, *dkv), (*extra, *drafts)
         fields = [getattr(batch, name) for name in SAMPLER_I32]
         if Q > 1:
             fields = [jnp.repeat(x, Q) for x in fields]
             j = SAMPLER_I32.index("sample_index")
             fields[j] = fields[j] + jnp.tile(jnp.arange(Q, dtype=jnp.int32), S)
         return (kv, logits, jnp.concatenate(fields), table, *extra)
+
+    def _draft(self, draft, dkv, batch, *, T: int, S: int, Q: int):
+        """The draft model's part of a step, before the model's: it runs on the step's batch (its KV
+        follows the model's token for token, under the same block tables); in a step of width Q
+        (verifying proposals) each row's last token before its num_spec proposals gives the first
+        proposal, and Q - 1 decode passes over the S rows (a scan) each take the one before and
+        give the next, writing its K/V at its position (the step's lookahead slots; the last
+        pass only writes). The proposals are greedy (a point mass: the step's verification rule,
+        scheduler.kept_proposals, is exact for them) and are written into batch.token_ids in
+        place of the packer's placeholders. Returns (the draft's pool, (i32[S, Q - 1],)), or its
+        pool and () in a step without proposals."""
+        first = batch.logits_indices - batch.num_spec if Q > 1 else batch.logits_indices
+        with self._row_limits(batch, T, S):
+            out, dkv = draft(dkv, dataclasses.replace(batch, logits_indices=first), hidden=Q == 1)
+        if Q == 1:
+            return dkv, ()
+        P = self.cache_config.block_size
+        rows = jnp.arange(S, dtype=jnp.int32)
+        real = rows < batch.num_seqs[0]
+        base = batch.positions[first]  # each row's last token before its proposals
+        # padding rows (past num_seqs) have no token, as in any batch; a row with fewer proposals
+        # than a pass's writes the null page's slot 0 and reads one token
+        qsl = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), batch.num_seqs[0])
+
+        def one(carry, j):
+            dkv, tok = carry
+            active = real & (j <= batch.num_spec)
+            pos = jnp.where(active, base + j, 0)
+            block = jnp.take_along_axis(batch.block_tables, (pos // P)[:, None], axis=1)[:, 0]
+            step = dataclasses.replace(batch, token_ids=jnp.where(real, tok, 0), positions=pos,
+                                       slot_mapping=jnp.where(active, block * P + pos % P, 0), query_start_loc=qsl,
+                                       seq_lens=jnp.where(active, pos + 1, real.astype(jnp.int32)),
+                                       logits_indices=rows)
+            with self._row_limits(step, S, S):
+                logits, dkv = draft(dkv, step)
+            return (dkv, jnp.argmax(logits, axis=-1).astype(jnp.int32)), tok
+
+        e1 = jnp.argmax(out, axis=-1).astype(jnp.int32)
+        (dkv, _), toks = jax.lax.scan(one, (dkv, e1), jnp.arange(1, Q, dtype=jnp.int32))
+        drafts = toks.T  # [S, Q - 1]
+        j = jnp.arange(1, Q, dtype=jnp.int32)[None, :]
+        at = jnp.where(j <= batch.num_spec[:, None], first[:, None] + j, T)  # T: out of range, dropped
+        batch.token_ids = batch.token_ids.at[at].set(drafts, mode="drop")
+        return dkv, (drafts,)
 
     def _prompt_logprobs(self, model, h, targets):
         """Per token of h [T, D]: the logprob of its target (the prompt's next token; -1: none, any
@@ -443,11 +520,12 @@ class ModelRunner:
         with P every token's prompt logprobs)."""
         n_i32, _ = flat_sizes(T, S)
         # with a mesh: the pool stays split on its heads, the logits, rows and block table replicated
-        out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * 2, self._replicated,
+        extra = (2 if P else 0) + (1 if Q > 1 and self.draft_graphdef is not None else 0)
+        out = {} if self.mesh is None else {"out_shardings": ((self._pool_sharding,) * len(self.kv), self._replicated,
                                                               self._replicated, self._replicated,
-                                                              *((self._replicated,) * 2 if P else ()))}
+                                                              *((self._replicated,) * extra))}
         fn = jax.jit(self._forward, static_argnames=("T", "S", "Q", "P"), donate_argnums=(1, 2), **out)
-        return self._compiled(fn.lower(self._state_leaves, self.kv, self.block_table,
+        return self._compiled(fn.lower(self.weights, self.kv, self.block_table,
                                        self._input((self.scheduler_config.max_num_seqs,), jnp.int32),
                                        self._input((n_i32,), jnp.int32), T=T, S=S, Q=Q, P=P))
 
@@ -483,13 +561,14 @@ class ModelRunner:
     # -- swapping ------------------------------------------------------------------------------
     # Block copies run in chunks of a few fixed sizes (compiled at warm-up like the step), each
     # chunk one device call for all layers: no host round trip per block.
+    # (Every array of the pool: K and V, and a draft model's K and V.)
     @staticmethod
-    def _gather_blocks(kv, ids):  # ids i32[C] -> both pools' blocks ids, any page layout: [L, C, ...]
-        return kv[0][:, ids], kv[1][:, ids]
+    def _gather_blocks(kv, ids):  # ids i32[C] -> every pool's blocks ids, any page layout: [L, C, ...]
+        return tuple(x[:, ids] for x in kv)
 
     @staticmethod
-    def _scatter_blocks(kv, ids, k, v):  # padding ids point at the null page, which takes zeros
-        return kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)
+    def _scatter_blocks(kv, ids, *blocks):  # padding ids point at the null page, which takes zeros
+        return tuple(x.at[:, ids].set(b) for x, b in zip(kv, blocks, strict=True))
 
     def _swap_chunks(self) -> tuple[int, ...]:
         return SWAP_CHUNKS if self.host_kv is not None else ()
@@ -504,14 +583,14 @@ class ModelRunner:
             if C in self._swap_out_exe:
                 continue
             ids = self._input((C,), jnp.int32)
-            k, v = (self._input(_with_blocks(x.shape, C), x.dtype, self._pool_sharding) for x in self.kv)
+            blocks = (self._input(_with_blocks(x.shape, C), x.dtype, self._pool_sharding) for x in self.kv)
             self._swap_out_exe[C] = jax.jit(self._gather_blocks).lower(self.kv, ids).compile()
             self._swap_in_exe[C] = jax.jit(self._scatter_blocks, donate_argnums=(0,)).lower(
-                self.kv, ids, k, v).compile()
+                self.kv, ids, *blocks).compile()
 
     @staticmethod
     def _copy_blocks(kv, src, dst):  # device to device; padding copies the null page onto itself
-        return kv[0].at[:, dst].set(kv[0][:, src]), kv[1].at[:, dst].set(kv[1][:, src])
+        return tuple(x.at[:, dst].set(x[:, src]) for x in kv)
 
     def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
              blocks_to_copy: list[tuple[int, int]] = ()) -> None:
@@ -522,10 +601,10 @@ class ModelRunner:
         for pairs_chunk, C in _chunked(blocks_to_swap_out):
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for d, _ in pairs_chunk]
-            k, v = jax.device_get(self._swap_out_exe[C](self.kv, self._put(dev)))
+            blocks = jax.device_get(self._swap_out_exe[C](self.kv, self._put(dev)))
             host = [h for _, h in pairs_chunk]
-            self.host_kv[0][:, host] = k[:, : len(host)]
-            self.host_kv[1][:, host] = v[:, : len(host)]
+            for pool, b in zip(self.host_kv, blocks, strict=True):
+                pool[:, host] = b[:, : len(host)]
         for pairs_chunk, C in _chunked(list(blocks_to_copy)):
             src = np.zeros(C, np.int32)
             dst = np.zeros(C, np.int32)
@@ -536,11 +615,12 @@ class ModelRunner:
             dev = np.zeros(C, np.int32)
             dev[: len(pairs_chunk)] = [d for _, d in pairs_chunk]
             host = [h for h, _ in pairs_chunk]
-            k, v = (np.zeros(_with_blocks(x.shape, C), x.dtype) for x in self.host_kv)
-            k[:, : len(host)] = self.host_kv[0][:, host]
-            v[:, : len(host)] = self.host_kv[1][:, host]
-            self.kv = self._swap_in_exe[C](self.kv, self._put(dev), self._put(k, self._pool_sharding),
-                                           self._put(v, self._pool_sharding))
+            blocks = []
+            for pool in self.host_kv:
+                b = np.zeros(_with_blocks(pool.shape, C), pool.dtype)
+                b[:, : len(host)] = pool[:, host]
+                blocks.append(self._put(b, self._pool_sharding))
+            self.kv = self._swap_in_exe[C](self.kv, self._put(dev), *blocks)
 
     def step_programs(self) -> list:
         """The compiled programs of a step: the model's of every bucket pair (and width) and every sampler variant."""
@@ -643,7 +723,8 @@ class ModelRunner:
             step.pack_seconds = t1 - t0
             seen = len(self.ran) + len(self.sampler_ran)
             step.ints, step.floats = self.run(batch)
-            step.prompt = self._prompt_out if batch.prompt_logprobs else None
+            step.prompt = self._extra_out if batch.prompt_logprobs else None
+            step.drafts = self._extra_out[0] if batch.width > 1 and self.draft_graphdef is not None else None
             step.first_run = len(self.ran) + len(self.sampler_ran) > seen  # a program new to either set
             step.launch_seconds = time.perf_counter() - t1
             step.device_start = self.model_dispatched
@@ -662,14 +743,16 @@ class ModelRunner:
                                                    self.max_logprobs), step.started, device_seconds=step.device_seconds)
         t0 = time.perf_counter()
         try:
-            ints, floats, *prompt = self._fetch(step.ints, step.floats, *(step.prompt or ()))
+            drafts = () if step.drafts is None else (step.drafts,)
+            ints, floats, *prompt = self._fetch(step.ints, step.floats, *(step.prompt or ()), *drafts)
+            drafts = prompt.pop() if drafts else None
         except Exception:
             self.recover_pool()
             raise
         done = time.perf_counter()
         return StepResult(SamplerOutput.unpack(ints, floats, step.S, self.max_logprobs), step.started,
                           step.rejected, step.device_seconds + done - t0, done,
-                          PromptLogprobs.unpack(*prompt, self.max_logprobs) if prompt else None)
+                          PromptLogprobs.unpack(*prompt, self.max_logprobs) if prompt else None, drafts)
 
     def run(self, batch: BatchDescriptor):
         """Dispatch the model's and the sampler's programs over one packed batch: its packed sampler output,
@@ -711,8 +794,8 @@ class ModelRunner:
         """One step's two programs, dispatched back to back: `exe` (the model's, for the step's (T, S))
         then S's sampler, the first variant that holds `needs` (sampler.needs; None: every feature).
         Updates the pool; returns (ints, floats, next prev_ids), on the device."""
-        self.kv, logits, rows_i32, self.block_table, *self._prompt_out = exe(
-            self._state_leaves, self.kv, self.block_table, prev_ids, flat_i32)
+        self.kv, logits, rows_i32, self.block_table, *self._extra_out = exe(
+            self.weights, self.kv, self.block_table, prev_ids, flat_i32)
         self.model_dispatched = time.perf_counter()
         return self.sampler_for(S, needs)(logits, rows_i32, flat_f32, tables)
 
