@@ -241,6 +241,65 @@ def test_penalties_and_min_tokens_apply_at_every_verified_position(llama_dir):
     assert stats[True].spec_decode_num_drafts > 0 and stats[True].spec_decode_num_accepted_tokens > 0
 
 
+class _Prefix:
+    """A stand-in grammar (depends on tokens) that takes only the first `n` proposals."""
+
+    depends_on_tokens = True
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    finished = False
+
+    def valid_prefix(self, tokens) -> int:
+        return min(self.n, len(tokens))
+
+    def accept(self, token: int) -> None:
+        return None
+
+
+def test_proposals_a_grammar_refuses_are_cut_before_verification():
+    s = _scheduler()
+    r = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
+    s.add_request(r)
+    s.update(s.schedule(), [3] * 8)  # the first token, 3: "1 2 3" recurs, three proposals come
+    r.constraint = _Prefix(1)
+    out = s.schedule()
+    assert list(out.scheduled["a"].spec_token_ids) == [1] and out.num_draft_tokens == 1
+    s.update(out, [0] * (out.width * out.seq_bucket))
+    r.constraint = _Prefix(0)
+    out = s.schedule()
+    assert not out.scheduled["a"].spec_token_ids and out.width == 1
+
+
+def test_grammar_rows_verify_the_proposals_their_grammar_takes(llama_dir):
+    """Rows with a grammar verify n-gram proposals: each verified position's mask is the grammar's
+    after the proposals before it (the matcher walks through them and back), and update() has the
+    matcher take only the kept ones, so the tokens are the engine's without speculation, greedy and
+    seeded, n > 1 included."""
+    from jaxsched.structured.params import StructuredOutputsParams as SO
+
+    outs, stats = {}, {}
+    for spec in (None, NGRAM):
+        llm = LLM(llama_dir, **BASE, speculative_config=spec)
+        prompt = llm.get_tokenizer().encode("the cat sat on the mat and the cat sat on the hat and the cat sat on the")
+        regex = SO(regex=r"(the (cat|hat|mat) (sat|ran) on ){3,6}the (cat|hat|mat)")
+        schema = SO(json={"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["cat", "hat"]},
+                                                                  "maxItems": 6}}, "required": ["a"],
+                          "additionalProperties": False}, disable_any_whitespace=True)
+        params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex),
+                  SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=60, structured_outputs=regex, logprobs=2),
+                  SamplingParams(temperature=0, max_tokens=60, structured_outputs=schema)]
+        with no_compilation():
+            res = llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False)
+        assert all(c.finish_reason == "stop" for o in res for c in o.outputs), [summary(o) for o in res]
+        outs[spec is not None] = [summary(o) for o in res]
+        stats[spec is not None] = llm.llm_engine.stats()
+    assert outs[True] == outs[False]
+    st = stats[True]
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_accepted_tokens > 0
+
+
 def test_only_kept_tokens_are_cached(llama_dir):
     """A request that continues another's output takes its blocks from the prefix cache: they must
     hold the kept tokens' K/V, never a refused proposal's, so its tokens equal the engine's

@@ -382,13 +382,12 @@ class Scheduler:
             if (row.num_new_tokens != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
                     or not req.output_token_ids):
                 continue
-            # a grammar's mask would change with each proposal: such rows verify none (a fixed mask,
-            # allowed_token_ids, and logit_bias do; penalty tables are built per position: batch.py)
-            if req.constraint is not None and req.constraint.depends_on_tokens:
-                continue
-            # a draft model's proposals are made on the device, after the packer built the tables
-            # that would count them: penalised (and min_tokens) rows verify none
-            if self.proposer.on_device and req.sampling_params.uses_penalties:
+            # A draft model's proposals are made on the device, after the packer built the tables that
+            # would count them (penalties, min_tokens) and the grammar masks that would follow them:
+            # such rows verify none. A fixed mask, allowed_token_ids and logit_bias apply alike at
+            # every position.
+            grammar = req.constraint is not None and req.constraint.depends_on_tokens
+            if self.proposer.on_device and (grammar or req.sampling_params.uses_penalties):
                 continue
             rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
             k = min(spec.num_speculative_tokens, self._steps_left(req) - 1)
@@ -396,6 +395,8 @@ class Scheduler:
                           and self.step_count - req.spec_step < speculation.RETRY_STEPS):
                 continue
             drafts = self.proposer.propose(req, k)
+            if grammar and drafts:  # the proposals the grammar refuses are cut before verification
+                drafts = drafts[: req.constraint.valid_prefix(drafts)]
             if drafts:
                 rows.append((row, drafts, rate))
         if not rows:

@@ -24,7 +24,7 @@ from jaxsched.core.request import INT32_MAX, Request, SamplingParams
 from jaxsched.core.scheduler import ScheduledRequest, SchedulerOutput
 from jaxsched.runner.block_table import BlockTables, write_capacity
 from jaxsched.runner.penalties import PENALTY_CAPACITY, PenaltyTables, masked_token_ids, tracks_outputs
-from jaxsched.structured.grammar import fill_rows, mask_words
+from jaxsched.structured.grammar import TokenConstraint, fill_rows, mask_words
 
 
 def _flat(kind: str, shape):
@@ -243,6 +243,8 @@ class BatchPacker:
         self._prev_rows: dict[str, int] = {}  # request id -> its row in the last packed step, if it sampled
         # (buffer set, Q) -> penalty tables of a step verifying proposals, S Q rows (_pack_wide_penalties)
         self._wide_penalties: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # (buffer set, Q) -> token masks of a step verifying a grammar row's proposals, S Q rows
+        self._wide_masks: dict[tuple[int, int], np.ndarray] = {}
         # the last packed step, when a next step of the same rows each one token further can be
         # packed from its buffers (_pack_steady); None otherwise
         self._steady: _Steady | None = None
@@ -568,6 +570,22 @@ class BatchPacker:
             b.has_penalties |= bool(most)
         b.penalty_ids, b.penalty_counts = ids, counts
 
+    def _pack_wide_masks(self, b: BatchDescriptor, sched: list[ScheduledRequest],
+                         constrained: list[tuple[TokenConstraint, int]], Q: int) -> None:
+        """A step that verifies a grammar row's proposals: token masks of its S Q sampler rows (row
+        i Q + j: row i's mask after its first j proposals, the matcher walked through them and
+        back: TokenConstraint.fill_ahead), so that each position samples as the step without
+        proposals would there."""
+        S, VW = b.num_seqs_bucket, b.token_mask.shape[1]
+        key = (self._turn, Q)
+        if key not in self._wide_masks:
+            self._wide_masks[key] = np.empty((self.max_seqs * Q, VW), np.int32)
+        mask = self._wide_masks[key][: S * Q]
+        mask[:] = -1  # all ones: the rows without a constraint may take any token
+        for c, i in constrained:
+            c.fill_ahead(mask[i * Q : (i + 1) * Q], sched[i].spec_token_ids)
+        b.token_mask = mask
+
     def _pack_constraints(self, b: BatchDescriptor, sched: list[ScheduledRequest], reqs: list[Request],
                           params: list[SamplingParams], bad: dict[int, str]) -> None:
         """The token masks and logit_bias tables of the rows that sample this step."""
@@ -580,9 +598,13 @@ class BatchPacker:
                 b.needs_tokens = b.needs_tokens or r.constraint.depends_on_tokens
             if sp.logit_bias:
                 biased.append((i, sp.logit_bias))
-        if constrained:
+        Q = b.width
+        if constrained and Q > 1 and any(sched[i].spec_token_ids and c.depends_on_tokens for c, i in constrained):
+            self._pack_wide_masks(b, sched, constrained, Q)
+        elif constrained:
             b.token_mask[:] = -1  # all ones: the rows without a constraint may take any token
             fill_rows(constrained, b.token_mask, self.grammar_executor() if self.grammar_executor else None)
+        if constrained:
             b.masked[[i for _, i in constrained]] = 1
             b.has_mask = True
         if biased:

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -70,6 +71,18 @@ class TokenConstraint:
     def fork(self) -> TokenConstraint:
         """A copy for a sibling sample (n > 1) that follows its own tokens from here."""
         return self
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (speculative proposals) the constraint would take in order, its
+        state left as it is: the proposals past them are cut before verification."""
+        return len(tokens)
+
+    def fill_ahead(self, rows: np.ndarray, tokens: Sequence[int]) -> None:
+        """Speculative decoding: rows[j] (i32[VW] each) the mask after the first j of `tokens`
+        (proposals it takes, valid_prefix), j = 0 .. len(rows) - 1, the last repeated past
+        len(tokens); the state is left as it was (the step keeps only some of them)."""
+        self.fill(rows[0])
+        rows[1:] = rows[0]
 
 
 class AllowedTokens(TokenConstraint):
@@ -137,6 +150,23 @@ class GrammarConstraint(TokenConstraint):
 
     def fork(self) -> GrammarConstraint:
         return GrammarConstraint(self.matcher.deep_copy(), self.banned)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        return int(self.matcher.validate_tokens(list(tokens))) if tokens else 0
+
+    def fill_ahead(self, rows: np.ndarray, tokens: Sequence[int]) -> None:
+        # the matcher walks through the proposals and back (llguidance's rollback): update() then
+        # consumes only the tokens kept
+        self.fill(rows[0])
+        taken = 0
+        for j, t in enumerate(tokens[: len(rows) - 1]):
+            if not self.matcher.consume_token(t):  # valid_prefix cut what it refuses: not expected
+                break
+            taken += 1
+            self.fill(rows[j + 1])
+        rows[taken + 1 :] = rows[taken]
+        if taken:
+            self.matcher.rollback(taken)
 
 
 def fill_rows(rows: list[tuple[TokenConstraint, int]], mask: np.ndarray, executor: Any = None) -> None:
