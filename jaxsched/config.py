@@ -462,13 +462,12 @@ def reserved_cores(n: int | str | None, platform: str, counted: int | None = Non
 
 
 def decide_async_scheduling(args: EngineArgs, model: ModelConfig, platform: str, reserved: int) -> bool:
-    """EngineArgs.async_scheduling, None decided by the platform's rule (logged with why). Off with
-    speculative decoding: a row's proposals come from its tokens so far, which the host must have
-    read (the step before is read before the next is scheduled)."""
-    if args.speculative_config is not None:
-        if args.async_scheduling:
-            raise ValueError("async_scheduling=True cannot be combined with speculative_config: proposals are made "
-                             "from tokens the host has read, so steps run in turns; leave async_scheduling unset")
+    """EngineArgs.async_scheduling, None decided by the platform's rule (logged with why). With
+    speculative decoding None is off: a row's proposals come from its tokens so far, which the host
+    must have read, so the overlap pauses before every step that may verify proposals
+    (scheduler.may_propose) and gains only where proposals are turned down (docs/PERFORMANCE.md,
+    "Speculative decoding"); True keeps it for the other steps."""
+    if args.speculative_config is not None and args.async_scheduling is None:
         return False
     if args.async_scheduling is not None:
         return args.async_scheduling

@@ -52,19 +52,20 @@ def draft_dir(llama_dir, tmp_path_factory) -> str:
     {},
     pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "recompute"}, marks=pytest.mark.slow),
     pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "swap"}, marks=pytest.mark.slow),
-], ids=["ample", "recompute", "swap"])
+    pytest.param({"async_scheduling": True}, marks=pytest.mark.slow),
+], ids=["ample", "recompute", "swap", "overlap"])
 def test_outputs_equal_the_engine_without_speculation(llama_dir, draft_dir, extra):
     """The async-scheduling workload plus a fixed mask and a logit_bias: the same tokens (and
     logprobs) as without speculation, some proposals kept and some refused, fewer steps, no
     compilation after warm-up; the target as its own draft keeps every greedy proposal."""
     runs, stats, greedy = {}, {}, {}
     for name, spec in (("plain", None), ("draft", _spec(draft_dir)), ("self", _spec(llama_dir))):
-        llm = LLM(llama_dir, **BASE, **extra, speculative_config=spec, async_scheduling=False)
+        llm = LLM(llama_dir, **BASE, **{"async_scheduling": False, **extra}, speculative_config=spec)
         reqs = _spec_workload(llm)
         with no_compilation():
             runs[name] = drive(llm, reqs)
         stats[name] = llm.llm_engine.stats()
-        if extra:
+        if "num_gpu_blocks_override" in extra:
             assert stats[name].num_preemptions > 0, "the small pool must force preemptions"
         # greedy requests alone: a draft equal to the target proposes the target's own tokens
         greedy[name] = [o.outputs[0].token_ids for o in llm.generate(
@@ -100,6 +101,15 @@ def test_memory_figures_carry_the_draft(llama_dir, draft_dir):
     assert report.draft_kv_pool == r.kv[2].nbytes + r.kv[3].nbytes > 0
     assert report.kv_pool == sum(x.nbytes for x in r.kv) == core.kv_bytes_per_device()
     assert "the draft model's" in report.lines()
+    # a prompt logprobs step runs the draft too (its KV follows every computed token): the same figures
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("the cat sat on the mat and the cat")}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    figures = []
+    for engine in (llm, LLM(llama_dir, **BASE)):
+        out = engine.generate([prompt], params, use_tqdm=False)[0]
+        figures.append((out.outputs[0].token_ids, [None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()}
+                                                   for d in out.prompt_logprobs]))
+    assert figures[0] == figures[1] and figures[0][1][0] is None and len(figures[0][1]) > 5
 
 
 def test_a_draft_that_differs_from_the_target_is_refused(llama_dir, tmp_path):

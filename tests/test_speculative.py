@@ -188,7 +188,8 @@ def _spec_workload(llm):
     {},
     pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "recompute"}, marks=pytest.mark.slow),
     pytest.param({"num_gpu_blocks_override": 9, "preemption_mode": "swap"}, marks=pytest.mark.slow),
-], ids=["ample", "recompute", "swap"])
+    {"async_scheduling": True},
+], ids=["ample", "recompute", "swap", "overlap"])
 def test_outputs_equal_the_engine_without_speculation(llama_dir, extra):
     """Greedy and seeded requests give exactly the tokens (and logprobs, to rounding) of the engine
     without speculation: stop strings and stop tokens mid-proposal, n > 1, a penalised and a
@@ -196,12 +197,12 @@ def test_outputs_equal_the_engine_without_speculation(llama_dir, extra):
     warm-up."""
     runs, engines = {}, {}
     for spec in (None, NGRAM):
-        llm = LLM(llama_dir, **BASE, **extra, speculative_config=spec, async_scheduling=False)
+        llm = LLM(llama_dir, **BASE, **{"async_scheduling": False, **extra}, speculative_config=spec)
         reqs = _spec_workload(llm)
         with no_compilation():
             runs[spec is not None] = drive(llm, reqs)
         engines[spec is not None] = llm.llm_engine.stats()
-        if extra:
+        if "num_gpu_blocks_override" in extra:
             assert engines[spec is not None].num_preemptions > 0, "the small pool must force preemptions"
     plain, spec = runs[False], runs[True]
     assert set(plain) == set(spec) == {f"r{i}" for i in range(14)}
@@ -239,6 +240,34 @@ def test_penalties_and_min_tokens_apply_at_every_verified_position(llama_dir):
         stats[spec is not None] = llm.llm_engine.stats()
     assert outs[True] == outs[False]
     assert stats[True].spec_decode_num_drafts > 0 and stats[True].spec_decode_num_accepted_tokens > 0
+
+
+def test_overlap_pauses_only_where_a_row_may_be_given_proposals():
+    """With overlapped scheduling the engine reads a step before scheduling the next where
+    may_propose says so: the step verified proposals (how many were kept moves the next row), or
+    a row of it may be given some next; a row the proposer had nothing for lets the overlap run on
+    for EMPTY_RETRY_STEPS steps."""
+    s = _scheduler()
+    r = Request("a", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
+    s.add_request(r)
+    out = s.schedule()
+    assert s.may_propose(out), "a new request may be given proposals: the prior acceptance rate"
+    s.update(out, [9] * 8)  # nothing recurs in 1..9: no proposal
+    out = s.schedule()
+    assert not out.scheduled["a"].spec_token_ids and not s.may_propose(out)
+    for _ in range(speculation.EMPTY_RETRY_STEPS):  # overlapped: each step scheduled before the last is read
+        nxt = s.schedule()
+        assert not nxt.num_draft_tokens, "a row whose token is pending is given no proposals"
+        s.update(out, [10 + s.step_count] * (out.width * out.seq_bucket))
+        out = nxt
+    assert s.may_propose(out), "asked again after EMPTY_RETRY_STEPS"
+    s.update(out, [3] * (out.width * out.seq_bucket))  # "3" recurs: proposals come
+    out = s.schedule()
+    assert out.num_draft_tokens and s.may_propose(out)
+    s.speculating = False
+    s.update(out, [0] * (out.width * out.seq_bucket))
+    out = s.schedule()
+    assert not out.num_draft_tokens and not s.may_propose(out), "speculation off: never"
 
 
 class _Prefix:
@@ -407,9 +436,9 @@ def test_configuration_errors_name_the_field():
                        (3, "must be a dict")]:
         with pytest.raises(ValueError, match=field):
             EngineArgs(speculative_config=bad)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        decide_async_scheduling(EngineArgs(speculative_config={"method": "ngram"}, async_scheduling=True), None,
-                                "cpu", 0)
+    # overlapped scheduling: off unless asked for (it then pauses before steps that may verify proposals)
+    assert decide_async_scheduling(EngineArgs(speculative_config={"method": "ngram"}, async_scheduling=True), None,
+                                   "cpu", 0) is True
     assert decide_async_scheduling(EngineArgs(speculative_config={"method": "ngram"}), None, "gpu", 0) is False
     with pytest.raises(ValueError, match="several hosts"):
         EngineArgs(speculative_config={"method": "ngram"}, distributed_coordinator="10.0.0.1:1234", num_processes=2,

@@ -288,6 +288,7 @@ class Request:
     spec_kept: float = 0.0
     spec_tried: float = 0.0
     spec_step: int = 0  # the scheduler's step count when its proposals were last verified
+    spec_empty_step: int = -(2**31)  # ... when the proposer last had nothing for it (no n-gram recurred)
     # prompt_logprobs: the prompt tokens whose logprobs went out (a recompute does not send them again)
     prompt_logprobs_done: int = 1
     # which tokens it may sample next (grammar.py): follows its accepted tokens; None = any

@@ -382,19 +382,14 @@ class Scheduler:
             if (row.num_new_tokens != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
                     or not req.output_token_ids):
                 continue
-            # A draft model's proposals are made on the device, after the packer built the tables that
-            # would count them (penalties, min_tokens) and the grammar masks that would follow them:
-            # such rows verify none. A fixed mask, allowed_token_ids and logit_bias apply alike at
-            # every position.
-            grammar = req.constraint is not None and req.constraint.depends_on_tokens
-            if self.proposer.on_device and (grammar or req.sampling_params.uses_penalties):
+            k = self._proposal_room(req)
+            if not k:
                 continue
             rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
-            k = min(spec.num_speculative_tokens, self._steps_left(req) - 1)
-            if k <= 0 or (rate < speculation.MIN_RATE
-                          and self.step_count - req.spec_step < speculation.RETRY_STEPS):
-                continue
             drafts = self.proposer.propose(req, k)
+            if not drafts:
+                req.spec_empty_step = self.step_count
+            grammar = req.constraint is not None and req.constraint.depends_on_tokens
             if grammar and drafts:  # the proposals the grammar refuses are cut before verification
                 drafts = drafts[: req.constraint.valid_prefix(drafts)]
             if drafts:
@@ -457,6 +452,34 @@ class Scheduler:
         max_tokens = req.sampling_params.max_tokens
         return ((max_tokens is not None and req.num_output_tokens + pending >= max_tokens)
                 or req.num_tokens + pending >= self.config.max_model_len)
+
+    def _proposal_room(self, req: Request) -> int:
+        """How many proposals the request may be given when its next decode step is scheduled (its
+        tokens read): 0 where it verifies none."""
+        # A draft model's proposals are made on the device, after the packer built the tables that
+        # would count them (penalties, min_tokens) and the grammar masks that would follow them:
+        # such rows verify none. A fixed mask, allowed_token_ids and logit_bias apply alike at
+        # every position.
+        if self.proposer.on_device and (req.sampling_params.uses_penalties or (
+                req.constraint is not None and req.constraint.depends_on_tokens)):
+            return 0
+        rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
+        if rate < speculation.MIN_RATE and self.step_count - req.spec_step < speculation.RETRY_STEPS:
+            return 0
+        return max(0, min(self.config.speculative.num_speculative_tokens, self._steps_left(req) - 1))
+
+    def may_propose(self, out: SchedulerOutput) -> bool:
+        """With overlapped scheduling: whether a row of step `out` (dispatched, its tokens unread)
+        may be given proposals in the next step, which must then be scheduled after its tokens are
+        read (proposals follow a request's read tokens; engine/core.py pauses the overlap). A step
+        that verified proposals must be read first anyway: how many it kept moves the next row."""
+        if out.num_draft_tokens:
+            return True
+        if not self.speculating:
+            return False
+        return any(row.samples and not row.request.is_finished and self._proposal_room(row.request)
+                   and self.step_count - row.request.spec_empty_step >= speculation.EMPTY_RETRY_STEPS
+                   for row in out.scheduled.values())
 
     def _steps_left(self, req: Request) -> int:
         """Decode steps a running request has at most to go: tokens left to sample before

@@ -30,6 +30,9 @@ PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # a = 0.5 before any proposal was verified
 DECAY = 0.9  # older verifications weigh less: a request's text changes character
 MIN_RATE = 0.1  # 0.083 after a long run of refusals (the decayed counts' limit, with the prior)
 RETRY_STEPS = 32
+# With overlapped scheduling the step before one with proposals is read first (the overlap pauses):
+# a request the proposer had nothing for (no n-gram recurred) pauses it again only this many steps later
+EMPTY_RETRY_STEPS = 8
 
 
 def acceptance_rate(kept: float, tried: float) -> float:

@@ -510,7 +510,10 @@ class EngineCore:
         outputs = self._start_step()
         prev = self._in_flight  # dispatched by the last call, its tokens unread
         try:
-            if prev is not None and prev.needs_tokens:  # its tokens feed this step's token masks
+            # its tokens feed this step's token masks, or its rows' proposals (speculative decoding:
+            # the overlap pauses where a row may be given some, scheduler.may_propose)
+            if prev is not None and (prev.needs_tokens or (self.scheduler.proposer is not None
+                                                           and self.scheduler.may_propose(prev.out))):
                 outputs += self._apply(prev, [prev])
                 prev = None
             alone = prev is None  # nothing in flight: the device starts on this step at once
