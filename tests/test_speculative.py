@@ -218,6 +218,8 @@ def test_outputs_equal_the_engine_without_speculation(llama_dir, extra):
     assert st.spec_decode_mean_accepted_length > 1.0
     assert engines[False].spec_decode_num_drafts == 0
     assert st.num_steps < engines[False].num_steps, "kept proposals save steps"
+    if extra.get("async_scheduling"):  # paused where proposals might come, overlapped elsewhere
+        assert 0 < st.spec_decode_overlap_pauses < st.num_steps - 1, (st.spec_decode_overlap_pauses, st.num_steps)
 
 
 def test_penalties_and_min_tokens_apply_at_every_verified_position(llama_dir):

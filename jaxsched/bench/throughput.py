@@ -130,6 +130,7 @@ def spec_fields(c: dict[str, float]) -> dict[str, Any]:
     drafts, proposed, kept = (int(c.get(f"spec_decode_num_{k}", 0)) for k in ("drafts", "draft_tokens",
                                                                                "accepted_tokens"))
     return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": kept,
+            "overlap_pauses": int(c.get("spec_decode_overlap_pauses", 0)),
             "acceptance_rate": round(kept / proposed, 4) if proposed else None,
             "mean_accepted_length": round(1 + kept / drafts, 3) if drafts else None}
 
@@ -349,7 +350,9 @@ def print_summary(res: dict[str, Any]) -> None:
         if sd and sd["num_drafts"]:
             print(f"speculation {r['speculation']:<4}{r['batching']:<11} acceptance rate {sd['acceptance_rate']:.3f}, "
                   f"mean accepted length {sd['mean_accepted_length']:.2f} ({sd['num_drafts']} rows verified "
-                  f"{sd['num_draft_tokens']} proposals)")
+                  f"{sd['num_draft_tokens']} proposals" + (f"; overlap paused before {sd['overlap_pauses']} of "
+                                                            f"{r['num_steps']} steps" if r["overlap"] == "on" else "")
+                  + ")")
     for k, v in res.get("speculation_speedup", {}).items():
         print(f"speculation on / off ({k}): {v}x output tokens/s")
     if "overlap_speedup" in res:

@@ -54,6 +54,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # with overlapped scheduling: steps read before the next was scheduled because a row of them
+    # might be given proposals (scheduler.may_propose); the other steps overlapped
+    spec_decode_overlap_pauses: int = 0
     # KV slots now: in blocks held by requests, and of those the unfilled tails of last blocks
     kv_allocated_slots: int = 0
     kv_internal_waste_slots: int = 0

@@ -331,6 +331,7 @@ class EngineCore:
         self._phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)  # host work by phase
         self.async_scheduling = self.config.async_scheduling
         self._in_flight: InFlight | None = None  # the step dispatched last, whose tokens are not read yet
+        self._overlap_pauses = 0  # steps read before the next was scheduled, for its proposals (step())
 
     def _log_pool(self) -> None:
         cfg, tp = self.config, len(self.devices)
@@ -467,7 +468,7 @@ class EngineCore:
         return dataclasses.replace(self.scheduler.stats(), step_seconds=self._step_seconds,
                                    longest_step_seconds=self._longest_step,
                                    device_seconds=self._device_seconds, device_busy_seconds=self._busy_seconds,
-                                   device_busy_steps=self._busy_steps,
+                                   device_busy_steps=self._busy_steps, spec_decode_overlap_pauses=self._overlap_pauses,
                                    **{f"{k}_seconds": v for k, v in self._phase_seconds.items()})
 
     # -- utilities (UtilityRequest names these) ------------------------------------------------
@@ -514,6 +515,7 @@ class EngineCore:
             # the overlap pauses where a row may be given some, scheduler.may_propose)
             if prev is not None and (prev.needs_tokens or (self.scheduler.proposer is not None
                                                            and self.scheduler.may_propose(prev.out))):
+                self._overlap_pauses += not prev.needs_tokens
                 outputs += self._apply(prev, [prev])
                 prev = None
             alone = prev is None  # nothing in flight: the device starts on this step at once
