@@ -98,6 +98,7 @@ def _engine_probe(llama_dir: str, choice: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow  # ~49 s: two engines, each in a fresh process
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="mallopt's switches are glibc's")
 def test_an_engine_with_small_programs_gives_threads_their_own_arenas(llama_dir):

@@ -311,6 +311,7 @@ def test_resume_skips_complete_lines_and_redoes_a_torn_one(run, tmp_path):
     assert all(texts[r["custom_id"]] == r["response"]["body"]["choices"][0] for r in full)
 
 
+@pytest.mark.slow  # ~38 s: three run-batch processes, one killed mid-file
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
 def test_killed_with_sigkill_then_resumed_or_rerun_has_every_custom_id_once(llama_dir, tmp_path, run):
     """A run killed at a random point: rerun without --resume, the output holds what it held before
