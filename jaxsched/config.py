@@ -466,7 +466,7 @@ def decide_async_scheduling(args: EngineArgs, model: ModelConfig, platform: str,
     speculative decoding None is off: a row's proposals come from its tokens so far, which the host
     must have read, so the overlap pauses before every step that may verify proposals
     (scheduler.may_propose) and gains only where proposals are turned down (docs/PERFORMANCE.md,
-    "Speculative decoding"); True keeps it for the other steps."""
+    "Speculative decoding, demo model"); True keeps it for the other steps."""
     if args.speculative_config is not None and args.async_scheduling is None:
         return False
     if args.async_scheduling is not None:

@@ -376,6 +376,12 @@ class Scheduler:
         read, as many as the step-cost model finds worth verifying (speculation.choose), in free
         blocks only (a proposal never preempts). Returns the tokens added."""
         spec, bm = self.config.speculative, self.block_manager
+        # Overlapped scheduling: a step with a row whose last token is still on the device (the step
+        # before is unread) verifies none, so that a wide step's tables (penalties: the pending
+        # token folded in) and the next step's inputs (prev_ids) keep the synchronous engine's
+        # layout; the engine pauses the overlap where proposals may come (may_propose).
+        if any(row.request.num_pending for row in out.scheduled.values()):
+            return 0
         rows = []  # (row, its proposals, its acceptance rate)
         for row in out.scheduled.values():
             req = row.request
