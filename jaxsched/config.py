@@ -511,9 +511,7 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
             f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
             f"({model.max_position_embeddings}); lower max_model_len"
         )
-    # a window no shorter than the context changes nothing: the model runs without its masks
-    if model.sliding_window is not None and max_len <= model.sliding_window:
-        model = dataclasses.replace(model, sliding_window=None)
+    model = without_idle_window(model, max_len)
     checkpoint, heads = model, head_layout(model, tp)
     model = heads.apply(checkpoint)  # from here on: the heads as they run, K / tp of them per device
     backend, skipped = choose(args.attention_backend, platform, model.head_dim, args.block_size, dtype, kv_dtype, tp,
@@ -578,6 +576,13 @@ def resolve(args: EngineArgs, model: ModelConfig, model_path: str, platform: str
         draft_model=draft)
 
 
+def without_idle_window(cfg: ModelConfig, max_len: int) -> ModelConfig:
+    """A window no shorter than the context changes nothing: the model runs without its masks."""
+    if cfg.sliding_window is not None and max_len <= cfg.sliding_window:
+        return dataclasses.replace(cfg, sliding_window=None)
+    return cfg
+
+
 def check_draft(draft: ModelConfig, model: ModelConfig, max_len: int, backend: str, platform: str, P: int,
                 dtype: str, kv_dtype: str, tp: int) -> ModelConfig:
     """speculative_config's draft model, checked against the target it proposes for: the same
@@ -599,8 +604,7 @@ def check_draft(draft: ModelConfig, model: ModelConfig, max_len: int, backend: s
     if max_len > draft.max_position_embeddings:
         raise ValueError(f"{where}: the draft's max_position_embeddings ({draft.max_position_embeddings}) is shorter "
                          f"than max_model_len ({max_len}); lower max_model_len or pick a draft with a longer context")
-    if draft.sliding_window is not None and max_len <= draft.sliding_window:
-        draft = dataclasses.replace(draft, sliding_window=None)
+    draft = without_idle_window(draft, max_len)
     for name, cfg in (("the target", model), ("the draft", draft)):
         if kv_groups(cfg).num_groups > 1:
             raise ValueError(f"{where}: {name} has sliding-window layers beside full-attention ones, whose pages the "

@@ -388,10 +388,9 @@ class Scheduler:
             if (row.num_new_tokens != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
                     or not req.output_token_ids):
                 continue
-            k = self._proposal_room(req)
+            k, rate = self._proposal_room(req)
             if not k:
                 continue
-            rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
             drafts = self.proposer.propose(req, k)
             if not drafts:
                 req.spec_empty_step = self.step_count
@@ -459,20 +458,20 @@ class Scheduler:
         return ((max_tokens is not None and req.num_output_tokens + pending >= max_tokens)
                 or req.num_tokens + pending >= self.config.max_model_len)
 
-    def _proposal_room(self, req: Request) -> int:
+    def _proposal_room(self, req: Request) -> tuple[int, float]:
         """How many proposals the request may be given when its next decode step is scheduled (its
-        tokens read): 0 where it verifies none."""
+        tokens read), 0 where it verifies none, and its acceptance rate."""
         # A draft model's proposals are made on the device, after the packer built the tables that
         # would count them (penalties, min_tokens) and the grammar masks that would follow them:
         # such rows verify none. A fixed mask, allowed_token_ids and logit_bias apply alike at
         # every position.
+        rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
         if self.proposer.on_device and (req.sampling_params.uses_penalties or (
                 req.constraint is not None and req.constraint.depends_on_tokens)):
-            return 0
-        rate = speculation.acceptance_rate(req.spec_kept, req.spec_tried)
+            return 0, rate
         if rate < speculation.MIN_RATE and self.step_count - req.spec_step < speculation.RETRY_STEPS:
-            return 0
-        return max(0, min(self.config.speculative.num_speculative_tokens, self._steps_left(req) - 1))
+            return 0, rate
+        return max(0, min(self.config.speculative.num_speculative_tokens, self._steps_left(req) - 1)), rate
 
     def may_propose(self, out: SchedulerOutput) -> bool:
         """With overlapped scheduling: whether a row of step `out` (dispatched, its tokens unread)
@@ -483,7 +482,7 @@ class Scheduler:
             return True
         if not self.speculating:
             return False
-        return any(row.samples and not row.request.is_finished and self._proposal_room(row.request)
+        return any(row.samples and not row.request.is_finished and self._proposal_room(row.request)[0]
                    and self.step_count - row.request.spec_empty_step >= speculation.EMPTY_RETRY_STEPS
                    for row in out.scheduled.values())
 
@@ -761,7 +760,8 @@ class Scheduler:
         self._trim(rows, excess)
         return buckets[k - 1]
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[int]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int],
+               drafts: Sequence[Sequence[int]] | None = None) -> list[int]:
         """Apply a step's results. Returns the batch indices of requests that got new tokens (each
         row's num_output says how many).
 
@@ -772,8 +772,13 @@ class Scheduler:
         sampler drew the same token for, in order, and the token drawn at the first that differs
         (or after the last): the tokens the target model alone would have produced, greedy or
         drawn (speculation.py). With overlapped scheduling the next step was scheduled already: a
-        request preempted by it still gets its token here.
+        request preempted by it still gets its token here. drafts[i]: a draft model's proposals for
+        the i-th row, made in the step (draft_slots.py), in place of its placeholders.
         """
+        if drafts is not None:
+            for row, made in zip(out.scheduled.values(), drafts):
+                if row.spec_token_ids:
+                    row.spec_token_ids = list(made[: len(row.spec_token_ids)])
         got_token: list[int] = []
         ended: list[tuple[Request, RequestStatus]] = []
         sampled = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids

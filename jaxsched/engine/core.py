@@ -581,11 +581,8 @@ class EngineCore:
         t0 = time.perf_counter()
         failed = self.fail(res.rejected)  # before update: the tokens of their rows do not count
         prompt = self._prompt_logprobs(step.out, res) if res.prompt is not None else {}
-        if res.drafts is not None:  # a draft model's proposals, made in the step (draft_slots.py)
-            for row, drafts in zip(step.out.scheduled.values(), res.drafts.tolist()):
-                if row.spec_token_ids:
-                    row.spec_token_ids = drafts[: len(row.spec_token_ids)]
-        got = self.scheduler.update(step.out, res.sampled.sampled)
+        got = self.scheduler.update(step.out, res.sampled.sampled,
+                                    None if res.drafts is None else res.drafts.tolist())
         t1 = time.perf_counter()
         outputs = failed + self._outputs(step.out, got, res, prompt)
         self._phase_seconds["update"] += t1 - t0

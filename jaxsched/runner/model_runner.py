@@ -243,13 +243,13 @@ class ModelRunner:
         n_devices = 1 if mesh is None else mesh.devices.size
         self.packed_matmuls = self.platform.packed_matmuls(config.attention_backend, n_devices)
         # a tied lm_head becomes the table's packed home (layers.untie_lm_head, vocab_logits, token_rows)
-        self.graphdef, self.state = self._split(model)
         # a draft model: its weights follow the model's in every program's weights argument
         self.draft_graphdef, self._draft_leaves, self._draft_def = None, (), None
         if draft is not None:
             self.draft_graphdef, draft_state = self._split(draft)
             leaves, self._draft_def = jax.tree_util.tree_flatten(draft_state)
             self._draft_leaves = tuple(leaves)
+        self.graphdef, self.state = self._split(model)
         self.max_blocks_per_seq = M = cache.max_blocks_per_seq
         # the layer groups sliding windows free pages in (core/kv_groups.py); one group without them
         self.kv_groups = groups = kv_groups(cfg)
@@ -307,10 +307,6 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         return graphdef, pack_linear_weights(state) if self.packed_matmuls else state
 
-    @property
-    def weights(self) -> tuple:
-        """Every program's first argument: the model's weights' leaves, then the draft's."""
-        return self._state_leaves + self._draft_leaves
 
     @property
     def state(self):
@@ -324,6 +320,9 @@ class ModelRunner:
         # (docs/PERFORMANCE.md, "Decisions in the code")
         leaves, self._state_def = jax.tree_util.tree_flatten(state)
         self._state_leaves = tuple(leaves)
+        # every program's first argument: the model's weights' leaves, then the draft's (built once,
+        # not at every dispatch)
+        self.weights = self._state_leaves + self._draft_leaves
 
     def _new_pool(self, dt):
         def zeros():
